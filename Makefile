@@ -1,0 +1,31 @@
+# loraplane: `make demo` runs the main job end to end, `make test` runs the suite.
+# Both create .venv when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo bench up clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+demo: $(STAMP)
+	$(BIN)/python -m benchmarks.demo
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_events
+
+clean:
+	rm -rf $(VENV) var bench-results .pytest_cache

@@ -1,0 +1,84 @@
+"""A control-socket client: one request, one reply, retried on silence.
+
+Writes carry a client-chosen event_id, so resending after a timeout is safe:
+the state service records the command once and answers a retry with the
+original result (the ZeroMQ Guide's Lazy Pirate pattern).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Mapping
+
+import zmq
+
+from shared.config import MAX_WIRE_BYTES
+from shared.protocol import ProtocolError, encode_request, unpack
+
+
+class RemoteError(Exception):
+    """The service answered with an error."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+class Unavailable(Exception):
+    """No answer within the timeout, after the retries."""
+
+
+class ControlClient:
+    def __init__(self, address: str, *, timeout_s: float = 10.0, retries: int = 2,
+                 context: zmq.Context[Any] | None = None) -> None:
+        self.address = address
+        self.timeout_ms = int(timeout_s * 1000)
+        self.retries = retries
+        self.ctx = context or zmq.Context.instance()
+        self.sock: zmq.Socket[Any] | None = None
+
+    def _socket(self) -> zmq.Socket[Any]:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+            self.sock.connect(self.address)
+        return self.sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def call(self, cmd: str, args: Mapping[str, Any] | None = None) -> Any:
+        """Send one command and return its result; raises RemoteError or Unavailable."""
+        req_id = uuid.uuid4().hex
+        frame = encode_request(req_id, cmd, args or {})
+        for _ in range(self.retries + 1):
+            sock = self._socket()
+            sock.send(frame)
+            while sock.poll(self.timeout_ms):
+                try:
+                    reply = unpack(sock.recv())
+                except ProtocolError:
+                    continue
+                if not isinstance(reply, dict) or reply.get("id") != req_id:
+                    continue  # a late reply to an earlier attempt
+                if reply.get("ok"):
+                    return reply.get("result")
+                err = reply.get("error") or {}
+                raise RemoteError(str(err.get("code")), str(err.get("message")), err.get("field"))
+            self.close()  # a fresh socket, so a reply to the old one cannot arrive late
+        raise Unavailable(f"no answer from {self.address} within {self.timeout_ms / 1000:g} s "
+                          f"({self.retries + 1} tries); is the state service running "
+                          "(`statesvc serve`)?")
+
+
+def new_event_id() -> str:
+    return str(uuid.uuid4())

@@ -1,0 +1,39 @@
+"""Defaults both services and the CLI agree on: addresses, limits, names."""
+from __future__ import annotations
+
+import re
+
+DEFAULT_CONTROL = "tcp://127.0.0.1:7100"
+DEFAULT_PUBLISH = "tcp://127.0.0.1:7101"
+DEFAULT_REPLICA_LISTEN = "tcp://127.0.0.1:7200"
+DEFAULT_DATA_DIR = "./var"
+STATE_ENV = "LORAPLANE_STATE"
+
+PROTOCOL_VERSION = 1
+# Largest frame the control socket answers; larger ones get a `too_large` error.
+MAX_FRAME_BYTES = 1 << 20
+# Hard ceiling set on the sockets (ZMQ_MAXMSGSIZE): libzmq drops the peer beyond it.
+MAX_WIRE_BYTES = 16 << 20
+MAX_BLOB_CHUNK = 1 << 20
+MAX_EVENTS_PER_PAGE = 1000
+HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_SNAPSHOT_EVERY = 100
+# Largest adapter_model.safetensors accepted by `load` (bytes).
+MAX_ADAPTER_BYTES = 4 << 30
+MAX_CONFIG_BYTES = 1 << 20
+
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+# LoRA target modules of the Llama architecture, in canonical order, with the
+# submodule that holds each one.
+MODULE_PARENT: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+MODULES: tuple[str, ...] = tuple(MODULE_PARENT)
+POOL_DTYPES = ("float32", "bfloat16")

@@ -1,0 +1,123 @@
+"""Event types of the adapter log, as frozen dataclasses.
+
+A stored event is an `Event` (its envelope: seq, event_id, type, recorded_at,
+actor) around one of the typed bodies below; `payload` is the body as JSON.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Union
+
+from shared.config import MODULES
+
+
+class EventError(ValueError):
+    """A stored or received event does not have the shape of its type."""
+
+
+def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+@dataclass(frozen=True)
+class PoolConfigured:
+    """Genesis: the immutable pool settings and the base model they are for."""
+
+    TYPE: ClassVar[str] = "pool.configured"
+    fingerprint: str
+    model_config: dict[str, Any]
+    num_layers: int
+    module_dims: dict[str, tuple[int, int]]  # every Llama module -> (in, out)
+    max_loras: int
+    max_rank: int
+    targets: tuple[str, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Replaced:
+    version: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class AdapterLoaded:
+    TYPE: ClassVar[str] = "adapter.loaded"
+    name: str
+    version: int  # the seq of this event
+    slot: int
+    sha256: str
+    size: int
+    rank: int
+    alpha: float
+    scaling: float
+    use_rslora: bool
+    targets: tuple[str, ...]
+    pinned: bool
+    replaces: Replaced | None = None
+
+
+@dataclass(frozen=True)
+class AdapterUnloaded:
+    TYPE: ClassVar[str] = "adapter.unloaded"
+    name: str
+    version: int
+    slot: int
+
+
+Body = Union[PoolConfigured, AdapterLoaded, AdapterUnloaded]
+BODY_TYPES: dict[str, type[PoolConfigured] | type[AdapterLoaded] | type[AdapterUnloaded]] = {
+    cls.TYPE: cls for cls in (PoolConfigured, AdapterLoaded, AdapterUnloaded)}
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    event_id: str
+    type: str
+    payload: dict[str, Any]
+    recorded_at: str  # ISO 8601, UTC
+    actor: str
+
+    @property
+    def body(self) -> Body:
+        return decode_body(self.type, self.payload)
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def encode_body(body: Body) -> dict[str, Any]:
+    """The JSON payload of a body (tuples become lists)."""
+    return asdict(body)
+
+
+def _ordered_targets(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not set(value) <= set(MODULES):
+        raise EventError(f"targets must be a list of {', '.join(MODULES)}; got {value!r}")
+    return tuple(m for m in MODULES if m in value)
+
+
+def decode_body(type_: str, payload: dict[str, Any]) -> Body:
+    """The typed body of a payload; raises EventError when it does not fit the type."""
+    cls = BODY_TYPES.get(type_)
+    if cls is None:
+        raise EventError(f"unknown event type {type_!r}")
+    names = {f.name for f in fields(cls)}
+    if not isinstance(payload, dict) or not set(payload) <= names:
+        raise EventError(f"{type_} payload has unexpected fields: {sorted(set(payload) - names)}")
+    try:
+        data = dict(payload)
+        if "targets" in data:
+            data["targets"] = _ordered_targets(data["targets"])
+        if cls is PoolConfigured:
+            data["module_dims"] = {m: (int(d[0]), int(d[1])) for m, d in data["module_dims"].items()}
+        if cls is AdapterLoaded:
+            data["alpha"], data["scaling"] = float(data["alpha"]), float(data["scaling"])
+            if data.get("replaces") is not None:
+                data["replaces"] = Replaced(**data["replaces"])
+        return cls(**data)
+    except (TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise EventError(f"{type_} payload is malformed: {exc}") from None

@@ -1,0 +1,87 @@
+"""The base model's fingerprint: its config.json and its tensors' names, shapes and dtypes.
+
+The pool is configured for one base model; every replica checks that the
+model it was given has the same fingerprint before it serves.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.canonical import digest
+from shared.config import MODULE_PARENT
+from shared.tensorfile import TensorFileError, read_header
+
+
+class ModelError(ValueError):
+    """The directory is not a usable Hugging Face Llama checkpoint."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    fingerprint: str                                # sha256 hex
+    config: dict[str, Any]                          # config.json as read
+    num_layers: int
+    module_dims: dict[str, tuple[int, int]]         # module -> (in_features, out_features)
+    tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
+
+
+def _shards(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelError(f"{index}: not a valid safetensors index ({exc})") from None
+        names = sorted(set(weight_map.values()))
+        for n in names:
+            if "/" in n or n.startswith("."):
+                raise ModelError(f"{index}: shard name {n!r} must be a file in the same directory")
+        return [model_dir / n for n in names]
+    if any(model_dir.glob("*.bin")):
+        raise ModelError(f"{model_dir}: only pickle .bin weights found; save the model with "
+                         "safe_serialization=True to get model.safetensors")
+    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_model(model_dir: Path) -> ModelInfo:
+    """Read config.json and the safetensors headers (not the weights) of a checkpoint."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError(f"{model_dir}: not a directory")
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{model_dir}: no config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("model_type") != "llama":
+        raise ModelError(f"{model_dir}/config.json: model_type must be 'llama'")
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in _shards(model_dir):
+        try:
+            header = read_header(shard)
+        except (OSError, TensorFileError) as exc:
+            raise ModelError(f"{shard}: {exc}") from None
+        for name, info in header.tensors.items():
+            tensors[name] = (info.shape, info.dtype)
+    num_layers = config.get("num_hidden_layers")
+    if type(num_layers) is not int or num_layers < 1:
+        raise ModelError(f"{model_dir}/config.json: num_hidden_layers must be a positive integer")
+    module_dims: dict[str, tuple[int, int]] = {}
+    for module, parent in MODULE_PARENT.items():
+        shapes = {tensors.get(f"model.layers.{i}.{parent}.{module}.weight", ((), ""))[0]
+                  for i in range(num_layers)}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ModelError(f"{model_dir}: {parent}.{module}.weight is missing or has a different "
+                             "shape in some layer")
+        out_f, in_f = next(iter(shapes))
+        module_dims[module] = (in_f, out_f)
+    fingerprint = digest({"config": config,
+                          "tensors": sorted([n, list(s), d] for n, (s, d) in tensors.items())})
+    return ModelInfo(fingerprint, config, num_layers, module_dims, tensors)

@@ -1,0 +1,153 @@
+"""The reducer: the state of the pool as a pure function of the log.
+
+`apply(state, seq, body)` is the only way state changes. The state service runs
+it before appending (so a command that would break a rule is refused and
+nothing is stored), and every replica runs it on the same events, so all of
+them derive the same slots and the same logical digest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shared.canonical import canonical_bytes, digest
+from shared.config import ADAPTER_NAME_RE
+from shared.events import (AdapterLoaded, AdapterUnloaded, Body, EventError, PoolConfigured,
+                           decode_body, encode_body, lora_scaling)
+
+
+class ReducerError(ValueError):
+    """An event that the state at its seq does not admit."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class State:
+    seq: int = 0
+    pool: PoolConfigured | None = None
+    adapters: dict[str, AdapterLoaded] = field(default_factory=dict)
+
+    def by_slot(self) -> dict[int, AdapterLoaded]:
+        return {a.slot: a for a in self.adapters.values()}
+
+
+def require_pool(state: State) -> PoolConfigured:
+    if state.pool is None:
+        raise ReducerError("not_configured", "the pool is not configured yet; run "
+                           "`loractl pool init --model DIR ...` first")
+    return state.pool
+
+
+def choose_slot(state: State, replacing: AdapterLoaded | None = None) -> int | None:
+    """The slot a new version goes to: the lowest free one.
+
+    A replacement prefers a free slot, so requests still running on the old
+    version keep theirs; with no free slot it reuses the old version's slot.
+    """
+    pool = require_pool(state)
+    used = {a.slot for a in state.adapters.values()}
+    free = [s for s in range(pool.max_loras) if s not in used]
+    if free:
+        return free[0]
+    return replacing.slot if replacing is not None else None
+
+
+def _check_loaded(state: State, seq: int, ev: AdapterLoaded) -> None:
+    pool = require_pool(state)
+    if not ADAPTER_NAME_RE.fullmatch(ev.name):
+        raise ReducerError("invalid", f"adapter name {ev.name!r} must match "
+                           "[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+    if ev.version != seq:
+        raise ReducerError("invalid", f"version {ev.version} of {ev.name!r} must equal its seq {seq}")
+    if not 1 <= ev.rank <= pool.max_rank:
+        raise ReducerError("invalid", f"adapter {ev.name!r} has rank {ev.rank}, above the pool's "
+                           f"--max-rank {pool.max_rank}; configure a new pool with a larger "
+                           "--max-rank or retrain the adapter with a smaller r")
+    if not ev.targets or not set(ev.targets) <= set(pool.targets):
+        raise ReducerError("invalid", f"adapter {ev.name!r} targets {list(ev.targets)}; the pool "
+                           f"holds {list(pool.targets)}")
+    if ev.scaling != lora_scaling(ev.alpha, ev.rank, ev.use_rslora):
+        raise ReducerError("invalid", f"adapter {ev.name!r}: scaling {ev.scaling} does not follow "
+                           "from alpha and rank")
+    old = state.adapters.get(ev.name)
+    if old is None and ev.replaces is not None:
+        raise ReducerError("not_found", f"{ev.name!r} replaces a version that is not loaded")
+    if old is not None and (ev.replaces is None or (ev.replaces.version, ev.replaces.slot)
+                            != (old.version, old.slot)):
+        raise ReducerError("exists", f"adapter {ev.name!r} is loaded as version {old.version}; "
+                           "a new version must replace it (loractl load --replace)")
+    slot = choose_slot(state, old)
+    if slot is None:
+        raise ReducerError("pool_full", f"all {pool.max_loras} slots are in use; unload an "
+                           "adapter first, or configure a new pool with a larger --max-loras")
+    if ev.slot != slot:
+        raise ReducerError("invalid", f"adapter {ev.name!r} goes to slot {slot}, not {ev.slot}")
+
+
+def apply(state: State, seq: int, body: Body) -> State:
+    """The state after the event `body` recorded at `seq`."""
+    if seq != state.seq + 1:
+        raise ReducerError("invalid", f"event seq {seq} does not follow {state.seq}")
+    if isinstance(body, PoolConfigured):
+        if state.pool is not None:
+            raise ReducerError("already_configured", "the pool is already configured; its "
+                               "settings are immutable")
+        return State(seq, body, {})
+    if isinstance(body, AdapterLoaded):
+        _check_loaded(state, seq, body)
+        adapters = dict(state.adapters)
+        adapters[body.name] = replace(body, replaces=None)
+        return State(seq, state.pool, adapters)
+    if isinstance(body, AdapterUnloaded):
+        require_pool(state)
+        cur = state.adapters.get(body.name)
+        if cur is None:
+            raise ReducerError("not_found", f"adapter {body.name!r} is not loaded")
+        if (cur.version, cur.slot) != (body.version, body.slot):
+            raise ReducerError("invalid", f"unload of {body.name!r} names version {body.version} "
+                               f"slot {body.slot}; loaded is version {cur.version} slot {cur.slot}")
+        adapters = dict(state.adapters)
+        del adapters[body.name]
+        return State(seq, state.pool, adapters)
+    raise ReducerError("invalid", f"unknown event body {body!r}")
+
+
+def canonical(state: State) -> dict[str, Any]:
+    """The state as plain data, without its seq: what digests and snapshots hold."""
+    return {
+        "pool": None if state.pool is None else encode_body(state.pool),
+        "adapters": [encode_body(state.adapters[n]) for n in sorted(state.adapters)],
+    }
+
+
+def logical_digest(state: State) -> str:
+    """sha256 of the canonical msgpack of the state (the seq is not part of it)."""
+    return digest(canonical(state))
+
+
+def snapshot_bytes(state: State) -> bytes:
+    return canonical_bytes(canonical(state))
+
+
+def from_canonical(seq: int, data: dict[str, Any]) -> State:
+    """Inverse of `canonical`."""
+    try:
+        pool = None if data["pool"] is None else decode_body(PoolConfigured.TYPE, data["pool"])
+        adapters = [decode_body(AdapterLoaded.TYPE, a) for a in data["adapters"]]
+    except (KeyError, TypeError) as exc:
+        raise EventError(f"snapshot is malformed: {exc}") from None
+    assert pool is None or isinstance(pool, PoolConfigured)
+    return State(seq, pool, {a.name: a for a in adapters if isinstance(a, AdapterLoaded)})
+
+
+def diff_of(seq: int, body: Body) -> dict[str, Any]:
+    """What one event changes, as published on the diff stream."""
+    if isinstance(body, PoolConfigured):
+        return {"seq": seq, "op": "configure", "pool": encode_body(body)}
+    if isinstance(body, AdapterLoaded):
+        d = {k: v for k, v in encode_body(body).items()}
+        return {"seq": seq, "op": "load", **d}
+    return {"seq": seq, "op": "unload", **encode_body(body)}

@@ -1,0 +1,148 @@
+"""A strict reader for safetensors files.
+
+Every header is checked before any tensor is touched: the header length, the
+JSON, each tensor's dtype, shape and offsets (inside the data, no overlap, byte
+count equal to the shape's), so a file that lies is refused before anything is
+allocated for it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# dtype name -> bytes per element
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+MAX_HEADER_BYTES = 100 << 20
+
+
+class TensorFileError(ValueError):
+    """The bytes are not a well-formed safetensors file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # offset from the start of the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int  # absolute offset of the data section in the file
+
+
+def _check_entry(name: str, entry: Any, data_len: int) -> TensorInfo:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise TensorFileError(f"tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_SIZES:
+        raise TensorFileError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
+        raise TensorFileError(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)):
+        raise TensorFileError(f"tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
+    start, end = offsets
+    if not 0 <= start <= end <= data_len:
+        raise TensorFileError(
+            f"tensor {name!r}: data_offsets {offsets} fall outside the {data_len}-byte data section")
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - start != expected:
+        raise TensorFileError(
+            f"tensor {name!r}: {end - start} bytes for shape {shape} of {dtype}, expected {expected}")
+    return TensorInfo(name, dtype, tuple(shape), start, end)
+
+
+def parse_header(prefix: bytes, total_size: int, *, max_header: int = MAX_HEADER_BYTES) -> Header:
+    """Parse and check a header from the first bytes of a file of `total_size` bytes.
+
+    `prefix` must hold at least the 8-byte length and the header itself.
+    """
+    if total_size < 8 or len(prefix) < 8:
+        raise TensorFileError(f"file is {total_size} bytes: too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > max_header:
+        raise TensorFileError(f"header claims {n} bytes, above the {max_header}-byte limit")
+    if 8 + n > total_size:
+        raise TensorFileError(f"header claims {n} bytes but the file has only {total_size - 8} after the length")
+    if len(prefix) < 8 + n:
+        raise TensorFileError("truncated header")
+    try:
+        raw = json.loads(bytes(prefix[8:8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TensorFileError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise TensorFileError("header must be a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TensorFileError("__metadata__ must map strings to strings")
+    data_len = total_size - 8 - n
+    tensors = {name: _check_entry(name, entry, data_len) for name, entry in raw.items()}
+    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
+    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise TensorFileError(f"tensors {prev!r} and {name!r} overlap")
+    return Header(tensors, metadata, 8 + n)
+
+
+def parse_bytes(buf: bytes) -> Header:
+    return parse_header(buf, len(buf))
+
+
+def read_header(path: Path) -> Header:
+    """Parse the header of a file on disk without reading its tensors."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n <= MAX_HEADER_BYTES:
+                head += f.read(n)
+    return parse_header(head, size)
+
+
+def _raw(buf: bytes | memoryview, header: Header, info: TensorInfo) -> memoryview:
+    return memoryview(buf)[header.data_start + info.start:header.data_start + info.end]
+
+
+def is_finite(buf: bytes | memoryview, header: Header, info: TensorInfo) -> bool:
+    """True when a float tensor holds no NaN or Inf (checked on the raw bits)."""
+    raw = _raw(buf, header, info)
+    if info.dtype == "F32":
+        return bool(np.isfinite(np.frombuffer(raw, "<f4")).all())
+    if info.dtype == "F16":
+        return not bool(((np.frombuffer(raw, "<u2") & 0x7C00) == 0x7C00).any())
+    if info.dtype == "BF16":
+        return not bool(((np.frombuffer(raw, "<u2") & 0x7F80) == 0x7F80).any())
+    raise TensorFileError(f"tensor {info.name!r}: {info.dtype} is not a float dtype")
+
+
+def to_float32(buf: bytes | memoryview, header: Header, info: TensorInfo) -> np.ndarray:
+    """A float tensor as a float32 array (BF16 and F16 widened exactly)."""
+    raw = _raw(buf, header, info)
+    if info.dtype == "F32":
+        arr = np.frombuffer(raw, "<f4").astype(np.float32)
+    elif info.dtype == "F16":
+        arr = np.frombuffer(raw, "<f2").astype(np.float32)
+    elif info.dtype == "BF16":
+        arr = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        raise TensorFileError(f"tensor {info.name!r}: {info.dtype} is not a float dtype")
+    return arr.reshape(info.shape)

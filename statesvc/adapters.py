@@ -1,0 +1,181 @@
+"""Validation of a PEFT LoRA directory against the pool, before anything is stored."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES
+from shared.events import PoolConfigured, lora_scaling
+from shared.peft import LoraKey, parse_lora_name
+from shared.tensorfile import FLOAT_DTYPES, TensorFileError, is_finite, parse_bytes
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """An adapter directory the pool cannot take; the message says what to change."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A validated adapter: its weights' bytes and the settings the event records."""
+
+    weights: bytes
+    sha256: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.alpha, self.rank, self.use_rslora)
+
+
+def _invalid(path: Path, what: str) -> AdapterError:
+    return AdapterError("invalid_adapter", f"{path}: {what}")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise _invalid(path, f"no {CONFIG_FILE}; point at the directory PEFT's "
+                       "save_pretrained() wrote")
+    if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise _invalid(path, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _invalid(path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise _invalid(path, f"{CONFIG_FILE} must hold a JSON object")
+    return cfg
+
+
+def _refuse_unsupported(path: Path, cfg: dict[str, Any]) -> None:
+    def unsupported(option: str, why: str) -> AdapterError:
+        return AdapterError("unsupported", f"{path}: {option} is not supported yet ({why}); "
+                            "train or export the adapter without it")
+
+    if cfg.get("peft_type") != "LORA":
+        raise _invalid(path, f"peft_type is {cfg.get('peft_type')!r}; only LORA adapters are "
+                       "supported")
+    if cfg.get("use_dora"):
+        raise unsupported("use_dora (DoRA)", "it needs a magnitude vector per module")
+    if cfg.get("modules_to_save"):
+        raise unsupported("modules_to_save", f"it saves whole modules {cfg['modules_to_save']}")
+    for pattern in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(pattern):
+            raise unsupported(f"a non-empty {pattern}", "every module must share r and lora_alpha")
+    if cfg.get("trainable_token_indices") or (path / "added_tokens.json").exists():
+        raise unsupported("added tokens", "the base model's vocabulary is fixed")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise unsupported(f"bias={cfg.get('bias')!r}", "LoRA modules carry no bias here")
+    if cfg.get("fan_in_fan_out"):
+        raise unsupported("fan_in_fan_out", "Llama's linear layers are not Conv1D")
+    if cfg.get("layer_replication"):
+        raise unsupported("layer_replication", "the base model's layers are fixed")
+
+
+def _rank_alpha(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> tuple[int, float]:
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if type(r) is not int or r < 1:
+        raise _invalid(path, f"r must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
+            or alpha <= 0:
+        raise _invalid(path, f"lora_alpha must be a positive number, got {alpha!r}")
+    if r > pool.max_rank:
+        raise AdapterError("invalid_adapter", f"{path}: rank {r} is above the pool's --max-rank "
+                           f"{pool.max_rank}; configure a new pool with a larger --max-rank, or "
+                           "retrain the adapter with a smaller r")
+    return r, float(alpha)
+
+
+def _read_weights(path: Path, max_bytes: int) -> bytes:
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        if (path / "adapter_model.bin").exists():
+            raise AdapterError("unsupported", f"{path}: adapter_model.bin is a pickle file and "
+                               "pickle files are refused; save the adapter with "
+                               "save_pretrained(..., safe_serialization=True) to get "
+                               f"{WEIGHTS_FILE}")
+        raise _invalid(path, f"no {WEIGHTS_FILE}")
+    size = weights.stat().st_size
+    if size > max_bytes:
+        raise _invalid(path, f"{WEIGHTS_FILE} is {size} bytes, above the {max_bytes}-byte limit")
+    return weights.read_bytes()
+
+
+def _check_tensors(path: Path, data: bytes, pool: PoolConfigured, rank: int) -> tuple[str, ...]:
+    try:
+        header = parse_bytes(data)
+    except TensorFileError as exc:
+        raise _invalid(path, f"{WEIGHTS_FILE}: {exc}") from None
+    if not header.tensors:
+        raise _invalid(path, f"{WEIGHTS_FILE} holds no tensors")
+    keys: dict[LoraKey, str] = {}
+    for name, info in sorted(header.tensors.items()):
+        key = parse_lora_name(name)
+        if key is None:
+            if "embed_tokens" in name or "lm_head" in name:
+                raise AdapterError("unsupported", f"{path}: tensor {name!r} trains token "
+                                   "embeddings (added tokens); this is not supported yet")
+            raise _invalid(path, f"tensor {name!r} is not a LoRA weight of a Llama layer; "
+                           "expected names like base_model.model.model.layers.0.self_attn."
+                           "q_proj.lora_A.weight")
+        if key.layer >= pool.num_layers:
+            raise _invalid(path, f"tensor {name!r} is for layer {key.layer}, but the base model "
+                           f"has {pool.num_layers} layers")
+        if key.module not in pool.targets:
+            raise _invalid(path, f"tensor {name!r} targets {key.module}, which the pool does not "
+                           f"hold (pool targets: {', '.join(pool.targets)}); configure a pool "
+                           "with --targets including it")
+        if info.dtype not in FLOAT_DTYPES:
+            raise _invalid(path, f"tensor {name!r} has dtype {info.dtype}; use F32, F16 or BF16")
+        in_f, out_f = pool.module_dims[key.module]
+        want = (rank, in_f) if key.matrix == "A" else (out_f, rank)
+        if info.shape != want:
+            raise _invalid(path, f"tensor {name!r} has shape {list(info.shape)}, expected "
+                           f"{list(want)} (r={rank}, {key.module} is {in_f} -> {out_f})")
+        if not is_finite(data, header, info):
+            raise _invalid(path, f"tensor {name!r} contains NaN or Inf values")
+        keys[key] = name
+    for key, name in keys.items():
+        other = LoraKey(key.layer, key.module, "B" if key.matrix == "A" else "A")
+        if other not in keys:
+            raise _invalid(path, f"tensor {name!r} has no matching lora_{other.matrix}")
+    return tuple(m for m in MODULES if any(k.module == m for k in keys))
+
+
+def inspect_adapter(path: Path, pool: PoolConfigured, *,
+                    max_bytes: int = MAX_ADAPTER_BYTES) -> Candidate:
+    """Validate a PEFT LoRA directory for `pool`; raises AdapterError saying what to fix."""
+    path = Path(path)
+    if not path.is_dir():
+        raise _invalid(path, "no such directory")
+    cfg = _read_config(path)
+    _refuse_unsupported(path, cfg)
+    rank, alpha = _rank_alpha(path, cfg, pool)
+    declared = cfg.get("target_modules")
+    if isinstance(declared, list):
+        outside = [m for m in declared if m not in pool.targets]
+        if outside:
+            raise _invalid(path, f"target_modules {outside} are not among the pool's targets "
+                           f"({', '.join(pool.targets)}); configure a pool with --targets "
+                           "including them")
+    data = _read_weights(path, max_bytes)
+    targets = _check_tensors(path, data, pool, rank)
+    if isinstance(declared, list) and not set(targets) <= set(declared):
+        raise _invalid(path, f"weights target {list(targets)}, but target_modules lists only "
+                       f"{declared}")
+    return Candidate(data, hashlib.sha256(data).hexdigest(), rank, alpha,
+                     bool(cfg.get("use_rslora", False)), targets)

@@ -1,0 +1,81 @@
+"""The content-addressed blob store: adapter weights by sha256 under <data-dir>/blobs."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from shared.config import MAX_BLOB_CHUNK
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlobStore:
+    """Files named by the sha256 of their bytes; written durably before any event names them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.tmp = self.root / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        return self.root / sha256[:2] / sha256
+
+    def has(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def put(self, data: bytes, sha256: str | None = None) -> tuple[str, bool]:
+        """Store `data` durably; returns (sha256, created). An existing blob is not rewritten."""
+        sha256 = sha256 or hashlib.sha256(data).hexdigest()
+        final = self.path(sha256)
+        if final.is_file():
+            return sha256, False
+        final.parent.mkdir(exist_ok=True)
+        tmp = self.tmp / f"{sha256}.{os.getpid()}"
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        return sha256, True
+
+    def size(self, sha256: str) -> int:
+        return self.path(sha256).stat().st_size
+
+    def read_chunk(self, sha256: str, offset: int, length: int = MAX_BLOB_CHUNK) -> bytes:
+        with self.path(sha256).open("rb") as f:
+            f.seek(offset)
+            return f.read(min(length, MAX_BLOB_CHUNK))
+
+    def verify(self, sha256: str) -> bool:
+        """True when the blob exists and its bytes hash to its name."""
+        try:
+            h = hashlib.sha256()
+            with self.path(sha256).open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        except FileNotFoundError:
+            return False
+        return h.hexdigest() == sha256
+
+    def remove(self, sha256: str) -> None:
+        self.path(sha256).unlink(missing_ok=True)
+
+    def all(self) -> set[str]:
+        return {p.name for p in self.root.glob("??/*") if p.is_file()}
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """Delete blobs no event refers to (left by a crash between blob and event) and temp files."""
+        for leftover in self.tmp.iterdir():
+            leftover.unlink(missing_ok=True)
+        orphans = sorted(self.all() - keep)
+        for sha256 in orphans:
+            self.remove(sha256)
+        return orphans

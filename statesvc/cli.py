@@ -1,0 +1,96 @@
+"""`statesvc serve` and `statesvc migrate`."""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import IO
+
+import click
+
+from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
+                           DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES)
+from statesvc.blobs import BlobStore
+from statesvc.store import SqliteEventStore, make_engine, sqlite_url, upgrade_to_head
+
+DATA_DIR = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
+                        default=DEFAULT_DATA_DIR, show_default=True,
+                        help="Where the SQLite file and the blob store live.")
+DB_URL = click.option("--db", "db_url", default=None,
+                      help="SQLAlchemy URL of the event store [default: sqlite:///DATA_DIR/state.db].")
+
+
+def _lock_data_dir(data_dir: Path) -> IO[str]:
+    """Hold an exclusive lock on the data dir: the log has a single writer."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = (data_dir / "statesvc.lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise click.ClickException(f"another statesvc is already serving {data_dir} (it holds "
+                                   f"{data_dir / 'statesvc.lock'}); stop it first") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+@click.group()
+def main() -> None:
+    """loraplane state service: the durable adapter event log."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="statesvc %(levelname)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+@main.command()
+@DATA_DIR
+@DB_URL
+def migrate(data_dir: Path, db_url: str | None) -> None:
+    """Upgrade the event store's schema to head, then exit."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(db_url or sqlite_url(data_dir))
+    upgrade_to_head(engine)
+    engine.dispose()
+    click.echo("schema is at head")
+
+
+@main.command()
+@DATA_DIR
+@DB_URL
+@click.option("--control", default=DEFAULT_CONTROL, show_default=True,
+              help="ZeroMQ address of the control (ROUTER) socket.")
+@click.option("--publish", default=DEFAULT_PUBLISH, show_default=True,
+              help="ZeroMQ address of the diff (PUB) socket.")
+@click.option("--snapshot-every", type=click.IntRange(0), default=DEFAULT_SNAPSHOT_EVERY,
+              show_default=True, help="Write a snapshot every N events (0: never).")
+@click.option("--heartbeat-interval", type=click.FloatRange(0.05), default=HEARTBEAT_INTERVAL_S,
+              show_default=True, help="Seconds between heartbeats on the diff socket.")
+@click.option("--max-adapter-bytes", type=click.IntRange(1), default=MAX_ADAPTER_BYTES,
+              show_default=True, help="Largest adapter_model.safetensors accepted by load.")
+def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapshot_every: int,
+          heartbeat_interval: float, max_adapter_bytes: int) -> None:
+    """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
+    from statesvc.server import Server
+    from statesvc.service import StateService
+
+    lock = _lock_data_dir(data_dir)
+    store = SqliteEventStore(db_url or sqlite_url(data_dir))
+    service = StateService(store, BlobStore(data_dir / "blobs"), snapshot_every=snapshot_every,
+                           max_adapter_bytes=max_adapter_bytes)
+    server = Server(service, control=control, publish=publish,
+                    heartbeat_interval=heartbeat_interval)
+    log = logging.getLogger("statesvc")
+    log.info("data dir %s, head seq %d", data_dir.resolve(), service.state.seq)
+    log.info("control %s, diffs %s (no authentication: bind loopback only)",
+             server.control, server.publish)
+    print(f"READY control={server.control} publish={server.publish}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        store.close()
+        lock.close()
+    log.info("stopped")

@@ -1,0 +1,308 @@
+"""loractl: the operators' CLI for the state service.
+
+Every command takes --json for scripts; without it, readable tables. Errors go
+to stderr: exit 1 when the service refused the command, 3 when it did not
+answer (2 is a usage error, as click reports it).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import click
+import zmq
+from rich.console import Console
+from rich.table import Table
+
+from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
+from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, MODULES, POOL_DTYPES, STATE_ENV
+
+F = TypeVar("F", bound=Callable[..., Any])
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0), default=None,
+                           help="Refuse (conflict) unless the log's head is at this seq.")
+
+
+def _emit(value: Any) -> None:
+    click.echo(json.dumps(value, indent=None, sort_keys=False))
+
+
+def _client(ctx: click.Context) -> ControlClient:
+    return ControlClient(ctx.obj["state"], timeout_s=ctx.obj["timeout"])
+
+
+def handles_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RemoteError as exc:
+            err.print(f"[bold red]error[/] ({exc.code}): {exc}", markup=True)
+            sys.exit(1)
+        except Unavailable as exc:
+            err.print(f"[bold red]error[/] (unavailable): {exc}", markup=True)
+            sys.exit(3)
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group()
+@click.option("--state", envvar=STATE_ENV, default=DEFAULT_CONTROL, show_default=True,
+              help=f"Control address of the state service (env {STATE_ENV}).")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds to wait for each answer before retrying.")
+@click.pass_context
+def main(ctx: click.Context, state: str, timeout: float) -> None:
+    """Manage the LoRA adapters served by a loraplane fleet."""
+    ctx.obj = {"state": state, "timeout": timeout}
+
+
+@main.group()
+def pool() -> None:
+    """The memory pool's immutable settings."""
+
+
+def _parse_targets(value: str) -> str | list[str]:
+    if value == "all":
+        return "all"
+    targets = [t.strip() for t in value.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in MODULES]
+    if unknown or not targets:
+        raise click.BadParameter(f"unknown module(s) {unknown}; use 'all' or a comma-separated "
+                                 f"list of {', '.join(MODULES)}")
+    return targets
+
+
+@pool.command("init")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False,
+                                                        path_type=Path),
+              help="Hugging Face checkpoint directory of the base model.")
+@click.option("--max-loras", required=True, type=click.IntRange(1, 4096),
+              help="Slots: how many adapters the pool holds at once.")
+@click.option("--max-rank", required=True, type=click.IntRange(1, 1024),
+              help="Largest LoRA rank the pool takes.")
+@click.option("--targets", required=True, help="'all' or a comma list, e.g. q_proj,v_proj.")
+@click.option("--dtype", type=click.Choice(POOL_DTYPES), default="float32", show_default=True)
+@EXPECT_HEAD
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def pool_init(ctx: click.Context, model: Path, max_loras: int, max_rank: int, targets: str,
+              dtype: str, expect_head: int | None, as_json: bool) -> None:
+    """Configure the pool (the log's genesis event). Its settings never change."""
+    with _client(ctx) as c:
+        res = c.call("pool.init", {"event_id": new_event_id(), "model": str(model.resolve()),
+                                   "max_loras": max_loras, "max_rank": max_rank,
+                                   "targets": _parse_targets(targets), "dtype": dtype,
+                                   "expect_head": expect_head})
+    if as_json:
+        _emit(res)
+    else:
+        verb = "configured" if res["created"] else "already configured with these settings"
+        out.print(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots, max rank "
+                  f"{res['max_rank']}, targets {','.join(res['targets'])}, {res['dtype']}, "
+                  f"model {res['fingerprint'][:12]}")
+
+
+@main.command()
+@click.argument("name")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--pin", is_flag=True, help="Mark the adapter pinned: unload then needs --force.")
+@click.option("--replace", is_flag=True, help="Record a new version if NAME holds other content.")
+@EXPECT_HEAD
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
+         expect_head: int | None, as_json: bool) -> None:
+    """Load the PEFT adapter in PATH as NAME."""
+    with _client(ctx) as c:
+        res = c.call("load", {"event_id": new_event_id(), "name": name,
+                              "path": str(path.resolve()), "pin": pin, "replace": replace,
+                              "expect_head": expect_head})
+    if as_json:
+        _emit({k: res[k] for k in ("seq", "name", "version", "slot")})
+    elif res["created"]:
+        out.print(f"loaded {res['name']} version {res['version']} into slot {res['slot']} "
+                  f"(seq {res['seq']})")
+    else:
+        out.print(f"{res['name']} is already loaded with this content: version {res['version']} "
+                  f"in slot {res['slot']}; nothing recorded")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Unload even if the adapter is pinned.")
+@EXPECT_HEAD
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
+           as_json: bool) -> None:
+    """Unload the adapter NAME."""
+    with _client(ctx) as c:
+        res = c.call("unload", {"event_id": new_event_id(), "name": name, "force": force,
+                                "expect_head": expect_head})
+    if as_json:
+        _emit(res)
+    else:
+        out.print(f"unloaded {res['name']} version {res['version']} from slot {res['slot']} "
+                  f"(seq {res['seq']})")
+
+
+@main.command("list")
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """The loaded adapters."""
+    with _client(ctx) as c:
+        res = c.call("list")
+    if as_json:
+        _emit(res["adapters"])
+        return
+    pool_ = res["pool"]
+    if pool_ is None:
+        out.print("the pool is not configured yet (loractl pool init ...)")
+        return
+    table = Table(title=f"{len(res['adapters'])} of {pool_['max_loras']} slots used, head seq "
+                  f"{res['head_seq']}")
+    for col in ("name", "version", "slot", "rank", "alpha", "scaling", "targets", "sha256",
+                "pinned"):
+        table.add_column(col, justify="right" if col in ("version", "slot", "rank") else "left")
+    for a in res["adapters"]:
+        table.add_row(a["name"], str(a["version"]), str(a["slot"]), str(a["rank"]),
+                      f"{a['alpha']:g}", f"{a['scaling']:.4g}", ",".join(a["targets"]),
+                      a["sha256"][:12], "yes" if a["pinned"] else "")
+    out.print(table)
+
+
+EVENT_KEYS = ("seq", "event_id", "type", "payload", "recorded_at")
+
+
+def _event_summary(ev: dict[str, Any]) -> str:
+    p = ev["payload"]
+    if ev["type"] == "pool.configured":
+        return (f"{p['max_loras']} slots, max rank {p['max_rank']}, "
+                f"{','.join(p['targets'])}, {p['dtype']}")
+    if ev["type"] == "adapter.loaded":
+        rep = f", replaces v{p['replaces']['version']}" if p.get("replaces") else ""
+        return f"{p['name']} v{p['version']} -> slot {p['slot']} (r={p['rank']}{rep})"
+    return f"{p['name']} v{p['version']} from slot {p['slot']}"
+
+
+def _fetch_events(c: ControlClient, since: int) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    while True:
+        page = c.call("events", {"since": since})["events"]
+        if not page:
+            return events
+        events += page
+        since = page[-1]["seq"]
+
+
+@main.command()
+@click.option("--since", type=click.IntRange(0), default=0, help="Only events after this seq.")
+@click.option("--follow", is_flag=True, help="Keep printing new events as they are recorded.")
+@click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
+              help="Diff address to follow (env LORAPLANE_DIFFS).")
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bool) -> None:
+    """The event log. With --json: an array, or one JSON object per line with --follow."""
+    with _client(ctx) as c:
+        evs = _fetch_events(c, since)
+        if not follow:
+            if as_json:
+                _emit([{k: e[k] for k in EVENT_KEYS} for e in evs])
+            else:
+                _print_events(evs)
+            return
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(diffs)
+        try:
+            while True:
+                for e in evs:
+                    if as_json:
+                        _emit({k: e[k] for k in EVENT_KEYS})
+                    else:
+                        _print_events([e])
+                    since = e["seq"]
+                sys.stdout.flush()
+                if sub.poll(1000):
+                    while sub.poll(0):
+                        sub.recv_multipart()
+                evs = _fetch_events(c, since)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sub.close(0)
+
+
+def _print_events(evs: list[dict[str, Any]]) -> None:
+    table = Table()
+    for col in ("seq", "recorded_at", "type", "what", "event_id"):
+        table.add_column(col)
+    for e in evs:
+        table.add_row(str(e["seq"]), e["recorded_at"][:23], e["type"], _event_summary(e),
+                      e["event_id"][:8])
+    out.print(table)
+
+
+@main.command()
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def status(ctx: click.Context, as_json: bool) -> None:
+    """The log's head and digest, and every replica's state."""
+    with _client(ctx) as c:
+        res = c.call("status")
+    if as_json:
+        _emit(res)
+        return
+    out.print(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}")
+    if not res["replicas"]:
+        out.print("no replicas have reported")
+        return
+    table = Table()
+    for col in ("replica", "address", "state", "applied", "logical", "pool", "agrees"):
+        table.add_column(col)
+    for r in res["replicas"]:
+        table.add_row(r["id"], r["address"], r["state"], str(r["applied_seq"]),
+                      r["logical_digest"][:12], r["pool_digest"][:12],
+                      "[green]yes[/]" if r["agrees"] else "[bold red]NO[/]")
+    out.print(table)
+
+
+@main.command("make-example")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True)
+@JSON_OPT
+def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
+    """Write a small random Llama checkpoint and PEFT adapters (nothing is downloaded)."""
+    from statesvc.example import make_example
+
+    t0 = time.perf_counter()
+    assets = make_example(directory, seed=seed)
+    res = {"model": str(assets.model_dir.resolve()),
+           "adapters": {n: str(p.resolve()) for n, p in sorted(assets.adapter_dirs.items())}}
+    if as_json:
+        _emit(res)
+    else:
+        out.print(f"model    {res['model']}")
+        for n, p in res["adapters"].items():
+            out.print(f"adapter  {n:<16} {p}")
+        out.print(f"written in {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The state service's sockets: a ROUTER for commands and a PUB for diffs and heartbeats.
+
+One thread. Each wake-up drains every request already queued (up to
+MAX_BATCH) and hands them to `StateService.handle` together, so concurrent
+commands share one durable commit. Diffs are published after the commit and
+before the replies; a heartbeat with the head seq goes out every second.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES
+from shared.protocol import (ProtocolError, Request, decode_request, error_reply, ok_reply, pack,
+                             request_id_of, unpack)
+from shared.reducer import diff_of
+from statesvc.service import StateService
+
+log = logging.getLogger("statesvc")
+
+MAX_BATCH = 512
+LOCAL_ACTOR = "local"
+# Test-only fault switch: seqs whose diffs are left unpublished, e.g. "3,5-7".
+DROP_DIFFS_ENV = "LORAPLANE_FAULT_DROP_DIFFS"
+
+
+def parse_seq_set(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+class Server:
+    def __init__(self, service: StateService, *, control: str, publish: str,
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.service = service
+        self.heartbeat_interval = heartbeat_interval
+        self.drop_diffs = parse_seq_set(os.environ.get(DROP_DIFFS_ENV, ""))
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(control)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(publish)
+        self.control = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.publish = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._stop = False
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while not self._stop:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._heartbeat()
+                    next_beat = now + self.heartbeat_interval
+                timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000)) + 1
+                if poller.poll(min(timeout_ms, 250)):
+                    self._serve_batch()
+        finally:
+            self.router.close(0)
+            self.pub.close(0)
+            self.ctx.term()
+
+    def _heartbeat(self) -> None:
+        head = self.service.state.seq
+        self.pub.send_multipart([b"hb", pack({"head_seq": head,
+                                              "digest": self.service.digest_at(head),
+                                              "ts": time.time()})])
+
+    def _serve_batch(self) -> None:
+        batch: list[tuple[list[bytes], Request]] = []
+        while len(batch) < MAX_BATCH:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) < 2:
+                continue  # no identity or no body: nothing to answer
+            envelope, body = frames[:-1], frames[-1]
+            try:
+                batch.append((envelope, decode_request(body)))
+            except ProtocolError as exc:
+                self.router.send_multipart(envelope + [
+                    error_reply(_safe_id(body), exc.code, str(exc), exc.field)])
+        if not batch:
+            return
+        answers, committed = self.service.handle([(req, LOCAL_ACTOR) for _, req in batch])
+        for ev in committed:
+            if ev.seq in self.drop_diffs:
+                log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
+                continue
+            self.pub.send_multipart([b"diff", pack(diff_of(ev.seq, ev.body))])
+        for (envelope, req), ans in zip(batch, answers):
+            if ans.error is not None:
+                frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)
+            else:
+                frame = ok_reply(req.id, ans.result)
+            self.router.send_multipart(envelope + [frame])
+
+
+def _safe_id(body: bytes) -> str | None:
+    try:
+        return request_id_of(unpack(body))
+    except ProtocolError:
+        return None

@@ -1,0 +1,347 @@
+"""The state service's core: commands in, events out, no sockets.
+
+`StateService.handle` takes a batch of decoded requests (all that arrived
+together), validates each write against the state that the writes before it
+leave, appends all resulting events in one durable transaction (group commit),
+and answers each request. Reads that follow a write in the same batch see it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+
+from shared.config import ADAPTER_NAME_RE, MAX_ADAPTER_BYTES, MODULES
+from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
+                           Replaced, encode_body)
+from shared.fingerprint import ModelError, read_model
+from shared.protocol import Request
+from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, from_canonical,
+                            logical_digest, require_pool, snapshot_bytes)
+from statesvc.adapters import AdapterError, inspect_adapter
+from statesvc.blobs import BlobStore
+from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
+
+log = logging.getLogger("statesvc")
+
+STALE_AFTER_S = 10.0
+_EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
+                 "unload": AdapterUnloaded.TYPE}
+
+
+class CommandError(Exception):
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+@dataclass
+class Answer:
+    result: Any = None
+    error: CommandError | None = None
+
+
+@dataclass
+class _Batch:
+    """Writes decided but not yet committed."""
+
+    state: State
+    events: list[NewEvent] = field(default_factory=list)
+    blobs: list[NewBlob] = field(default_factory=list)
+    new_blob_files: list[str] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    by_event_id: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+
+
+def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
+    if isinstance(body, PoolConfigured):
+        return {"seq": seq, "created": True, **_pool_view(body)}
+    assert isinstance(body, (AdapterLoaded, AdapterUnloaded))
+    out: dict[str, Any] = {"seq": seq, "name": body.name, "version": body.version,
+                           "slot": body.slot}
+    if isinstance(body, AdapterLoaded):
+        out["created"] = True
+    return out
+
+
+def _pool_view(pool: PoolConfigured) -> dict[str, Any]:
+    return {"fingerprint": pool.fingerprint, "max_loras": pool.max_loras,
+            "max_rank": pool.max_rank, "targets": list(pool.targets), "dtype": pool.dtype,
+            "num_layers": pool.num_layers}
+
+
+def adapter_view(a: AdapterLoaded) -> dict[str, Any]:
+    return {"name": a.name, "version": a.version, "slot": a.slot, "rank": a.rank,
+            "alpha": a.alpha, "scaling": a.scaling, "targets": list(a.targets),
+            "sha256": a.sha256, "pinned": a.pinned}
+
+
+class StateService:
+    def __init__(self, store: EventStore, blobs: BlobStore, *, snapshot_every: int = 100,
+                 max_adapter_bytes: int = MAX_ADAPTER_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.snapshot_every = snapshot_every
+        self.max_adapter_bytes = max_adapter_bytes
+        self.clock = clock
+        self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._digests: OrderedDict[int, str] = OrderedDict()
+        self.state = self.rebuild()
+        orphans = blobs.sweep(store.blob_hashes())
+        if orphans:
+            log.warning("removed %d blob(s) no event refers to: %s", len(orphans),
+                        ", ".join(o[:12] for o in orphans))
+        missing = [a.name for a in self.state.adapters.values() if not blobs.has(a.sha256)]
+        if missing:
+            log.error("blobs missing for loaded adapters %s; replicas cannot fetch them", missing)
+
+    # ---- state ---------------------------------------------------------------
+
+    def rebuild(self, *, until: int | None = None, use_snapshot: bool = True) -> State:
+        """The state at `until` (default: head) from the latest snapshot before it and the tail."""
+        snap = self.store.latest_snapshot(until) if use_snapshot else None
+        state = State() if snap is None else from_canonical(snap.seq, msgpack.unpackb(snap.state))
+        if snap is not None and logical_digest(state) != snap.digest:
+            raise RuntimeError(f"snapshot at seq {snap.seq} does not match its digest")
+        while True:
+            page = self.store.read(state.seq, 1000, until=until)
+            if not page:
+                return state
+            for ev in page:
+                state = apply(state, ev.seq, ev.body)
+
+    def digest_at(self, seq: int) -> str:
+        if seq not in self._digests:
+            state = self.state if seq == self.state.seq else self.rebuild(until=seq)
+            self._digests[seq] = logical_digest(state)
+            while len(self._digests) > 4096:
+                self._digests.popitem(last=False)
+        return self._digests[seq]
+
+    # ---- the batch -----------------------------------------------------------
+
+    def handle(self, requests: list[tuple[Request, str]]) -> tuple[list[Answer], list[Event]]:
+        """Answer a batch of (request, actor); returns the answers and the committed events."""
+        answers = [Answer() for _ in requests]
+        committed: list[Event] = []
+        batch = _Batch(self.state)
+        for i, (req, actor) in enumerate(requests):
+            try:
+                if req.cmd in _EVENT_OF_CMD:
+                    self._write(batch, i, req, actor, answers)
+                else:
+                    if batch.events:
+                        committed += self._commit(batch, answers)
+                        batch = _Batch(self.state)
+                    answers[i].result = self._read(req)
+            except CommandError as exc:
+                answers[i].error = exc
+            except (ReducerError, AdapterError) as exc:
+                answers[i].error = CommandError(exc.code, str(exc))
+        if batch.events:
+            committed += self._commit(batch, answers)
+        return answers, committed
+
+    def _commit(self, batch: _Batch, answers: list[Answer]) -> list[Event]:
+        try:
+            events = self.store.append(batch.events, blobs=batch.blobs,
+                                       snapshots=batch.snapshots)
+        except Exception as exc:  # the disk or the database failed: nothing was recorded
+            log.exception("append failed")
+            for sha in batch.new_blob_files:
+                if sha not in self.store.blob_hashes():
+                    self.blobs.remove(sha)
+            for i, _ in batch.answers:
+                answers[i].error = CommandError("storage_error", f"the event could not be "
+                                                f"stored ({exc}); nothing was recorded, retry")
+            return []
+        self.state = batch.state
+        for i, result in batch.answers:
+            answers[i].result = result
+        return events
+
+    def _write(self, batch: _Batch, i: int, req: Request, actor: str,
+               answers: list[Answer]) -> None:
+        args = req.args
+        event_id = args["event_id"]
+        prior = batch.by_event_id.get(event_id)
+        if prior is None:
+            stored = self.store.by_event_ids([event_id]).get(event_id)
+            if stored is not None:
+                prior = (stored.type, _result_of(stored.type, stored.seq, stored.body))
+        if prior is not None:  # a retry: answer with the original result, record nothing
+            if prior[0] != _EVENT_OF_CMD[req.cmd] or prior[1].get("name") != args.get("name"):
+                raise CommandError("conflict", f"event_id {event_id} was already used by a "
+                                   f"different command ({prior[0]} at seq {prior[1]['seq']}); "
+                                   "use a new event_id", "args.event_id")
+            answers[i].result = prior[1]
+            return
+        state = batch.state
+        if args["expect_head"] is not None and args["expect_head"] != state.seq:
+            raise CommandError("conflict", f"the head is at seq {state.seq}, not "
+                               f"{args['expect_head']}; re-read the state and retry",
+                               "args.expect_head")
+        seq = state.seq + 1
+        decided = {"pool.init": self._pool_init, "load": self._load,
+                   "unload": self._unload}[req.cmd](state, seq, args)
+        if isinstance(decided, dict):  # nothing changes: the state already is what was asked
+            answers[i].result = decided
+            return
+        body, blob = decided
+        new_state = apply(state, seq, body)
+        if blob is not None:
+            sha, created = self.blobs.put(blob)
+            if created:
+                batch.new_blob_files.append(sha)
+            batch.blobs.append(NewBlob(sha, len(blob), seq))
+        batch.state = new_state
+        batch.events.append(NewEvent(seq, event_id, body.TYPE, encode_body(body), actor))
+        result = _result_of(body.TYPE, seq, body)
+        batch.by_event_id[event_id] = (body.TYPE, result)
+        batch.answers.append((i, result))
+        if self.snapshot_every and seq % self.snapshot_every == 0:
+            batch.snapshots.append(Snapshot(seq, snapshot_bytes(new_state),
+                                            logical_digest(new_state)))
+
+    # ---- commands ------------------------------------------------------------
+
+    def _pool_init(self, state: State, seq: int,
+                   args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
+        path = _absolute(args["model"], "args.model")
+        try:
+            model = read_model(path)
+        except ModelError as exc:
+            raise CommandError("invalid_model", str(exc), "args.model") from None
+        targets = MODULES if args["targets"] == "all" else tuple(
+            m for m in MODULES if m in args["targets"])
+        body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
+                              model.module_dims, args["max_loras"], args["max_rank"], targets,
+                              args["dtype"])
+        if state.pool is not None:
+            if _pool_view(state.pool) == _pool_view(body):
+                return {"seq": 1, "created": False, **_pool_view(state.pool)}
+            raise CommandError("already_configured", "the pool is already configured "
+                               f"({_describe_pool(state.pool)}) and its settings are immutable; "
+                               "to change them start a new state service with a new --data-dir")
+        return body, None
+
+    def _load(self, state: State, seq: int,
+              args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes]:
+        pool = require_pool(state)
+        name = args["name"]
+        if not ADAPTER_NAME_RE.fullmatch(name):
+            raise CommandError("invalid_name", f"adapter name {name!r} must match "
+                               "[A-Za-z0-9][A-Za-z0-9._-]{0,63}: a letter or digit, then up to "
+                               "63 letters, digits, '.', '_' or '-'", "args.name")
+        cand = inspect_adapter(_absolute(args["path"], "args.path"), pool,
+                               max_bytes=self.max_adapter_bytes)
+        old = state.adapters.get(name)
+        if old is not None and (old.sha256, old.rank, old.alpha, old.use_rslora, old.targets) == \
+                (cand.sha256, cand.rank, cand.alpha, cand.use_rslora, cand.targets):
+            return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
+                    "created": False}
+        if old is not None and not args["replace"]:
+            raise CommandError("exists", f"adapter {name!r} is already loaded as version "
+                               f"{old.version} with different content (sha256 "
+                               f"{old.sha256[:12]}..., new {cand.sha256[:12]}...); pass "
+                               "--replace to record a new version")
+        slot = choose_slot(state, old)
+        if slot is None:
+            raise CommandError("pool_full", f"all {pool.max_loras} slots are in use; unload an "
+                               "adapter first (loractl unload NAME), or configure a new pool "
+                               "with a larger --max-loras")
+        body = AdapterLoaded(name, seq, slot, cand.sha256, len(cand.weights), cand.rank,
+                             cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
+                             args["pin"], None if old is None else Replaced(old.version, old.slot))
+        return body, cand.weights
+
+    def _unload(self, state: State, seq: int,
+                args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
+        require_pool(state)
+        cur = state.adapters.get(args["name"])
+        if cur is None:
+            raise CommandError("not_found", f"adapter {args['name']!r} is not loaded; "
+                               "`loractl list` shows the loaded adapters", "args.name")
+        if cur.pinned and not args["force"]:
+            raise CommandError("pinned", f"adapter {cur.name!r} is pinned; pass --force to "
+                               "unload it anyway")
+        return AdapterUnloaded(cur.name, cur.version, cur.slot), None
+
+    # ---- reads ---------------------------------------------------------------
+
+    def _read(self, req: Request) -> Any:
+        args, state = req.args, self.state
+        if req.cmd == "list":
+            return {"head_seq": state.seq,
+                    "pool": None if state.pool is None else _pool_view(state.pool),
+                    "adapters": [adapter_view(state.adapters[n]) for n in sorted(state.adapters)]}
+        if req.cmd == "events":
+            events = self.store.read(args["since"], args["limit"])
+            return {"head_seq": state.seq, "events": [e.to_wire() for e in events]}
+        if req.cmd == "snapshot":
+            snap = self.store.latest_snapshot()
+            if snap is None:
+                return {"seq": 0, "head_seq": state.seq, "digest": logical_digest(State()),
+                        "state": canonical(State())}
+            return {"seq": snap.seq, "head_seq": state.seq, "digest": snap.digest,
+                    "state": msgpack.unpackb(snap.state)}
+        if req.cmd == "digest":
+            if args["seq"] > state.seq:
+                raise CommandError("not_found", f"seq {args['seq']} is beyond the head "
+                                   f"{state.seq}", "args.seq")
+            return {"seq": args["seq"], "digest": self.digest_at(args["seq"])}
+        if req.cmd == "blob":
+            return self._blob(args)
+        if req.cmd == "heartbeat":
+            self.replicas[args["id"]] = (self.clock(), dict(args))
+            return {"head_seq": state.seq}
+        if req.cmd == "status":
+            return self.status()
+        raise CommandError("unknown_command", f"unknown command {req.cmd!r}")
+
+    def _blob(self, args: dict[str, Any]) -> dict[str, Any]:
+        sha = args["sha256"]
+        if not self.blobs.has(sha):
+            raise CommandError("not_found", f"no blob {sha}", "args.sha256")
+        size = self.blobs.size(sha)
+        if args["offset"] > size:
+            raise CommandError("bad_request", f"offset {args['offset']} is beyond the blob's "
+                               f"{size} bytes", "args.offset")
+        data = self.blobs.read_chunk(sha, args["offset"], args["length"])
+        return {"sha256": sha, "offset": args["offset"], "size": size, "data": data}
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        replicas = []
+        for rid in sorted(self.replicas):
+            seen, hb = self.replicas[rid]
+            applied = hb["applied_seq"]
+            agrees = applied <= self.state.seq and self.digest_at(applied) == hb["logical_digest"]
+            replicas.append({"id": rid, "address": hb["address"],
+                             "state": hb["state"] if now - seen < STALE_AFTER_S else "STALE",
+                             "applied_seq": applied, "logical_digest": hb["logical_digest"],
+                             "pool_digest": hb["pool_digest"], "agrees": agrees})
+        return {"head_seq": self.state.seq, "digest": self.digest_at(self.state.seq),
+                "replicas": replicas}
+
+
+def _absolute(path: str, field: str) -> Path:
+    p = Path(path)
+    if not p.is_absolute():
+        raise CommandError("bad_request", f"{field} must be an absolute path on the state "
+                           f"service's host, got {path!r} (loractl sends absolute paths)", field)
+    return p
+
+
+def _describe_pool(pool: PoolConfigured) -> str:
+    return (f"max_loras={pool.max_loras}, max_rank={pool.max_rank}, "
+            f"targets={','.join(pool.targets)}, dtype={pool.dtype}, "
+            f"model {pool.fingerprint[:12]}")

@@ -1,0 +1,164 @@
+"""The event store: the log, snapshots and blob rows behind a small interface.
+
+`EventStore` is the interface; `SqliteEventStore` the one backend (SQLAlchemy 2
+over SQLite in WAL mode with synchronous=FULL). `append` writes a whole batch of
+events in one `BEGIN IMMEDIATE` transaction and returns only once it is durable,
+so concurrent commands are committed together (group commit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Collection, Protocol, Sequence
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event, func, insert, select
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from shared.events import Event
+from statesvc.models import BlobRow, EventRow, SnapshotRow
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    seq: int
+    event_id: str
+    type: str
+    payload: dict[str, Any]
+    actor: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    seq: int
+    state: bytes  # canonical msgpack of the reduced state
+    digest: str
+
+
+@dataclass(frozen=True)
+class NewBlob:
+    sha256: str
+    size: int
+    first_seq: int
+
+
+class EventStore(Protocol):
+    def head(self) -> int: ...
+
+    def append(self, events: Sequence[NewEvent], *, blobs: Sequence[NewBlob] = (),
+               snapshots: Sequence[Snapshot] = ()) -> list[Event]: ...
+
+    def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]: ...
+
+    def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]: ...
+
+    def latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None: ...
+
+    def blob_hashes(self) -> set[str]: ...
+
+    def close(self) -> None: ...
+
+
+def sqlite_url(data_dir: Path) -> str:
+    return f"sqlite:///{Path(data_dir).resolve() / 'state.db'}"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine whose connections use WAL, synchronous=FULL and BEGIN IMMEDIATE."""
+    engine = create_engine(url, pool_size=1, max_overflow=0)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA busy_timeout=5000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def upgrade_to_head(engine: Engine) -> None:
+    """Run the Alembic migrations up to head on this engine's database."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+def _event(row: EventRow) -> Event:
+    return Event(row.seq, row.event_id, row.type, dict(row.payload), row.recorded_at, row.actor)
+
+
+class SqliteEventStore:
+    def __init__(self, url: str, *, migrate: bool = True) -> None:
+        self.engine = make_engine(url)
+        if migrate:
+            upgrade_to_head(self.engine)
+
+    def head(self) -> int:
+        with self.engine.begin() as conn:
+            return int(conn.execute(select(func.coalesce(func.max(EventRow.seq), 0))).scalar_one())
+
+    def append(self, events: Sequence[NewEvent], *, blobs: Sequence[NewBlob] = (),
+               snapshots: Sequence[Snapshot] = ()) -> list[Event]:
+        now = utc_now()
+        rows = [{"seq": e.seq, "event_id": e.event_id, "type": e.type, "payload": e.payload,
+                 "recorded_at": now, "actor": e.actor} for e in events]
+        with self.engine.begin() as conn:
+            if rows:
+                conn.execute(insert(EventRow), rows)
+            if blobs:
+                conn.execute(sqlite_insert(BlobRow).on_conflict_do_nothing(),
+                             [{"sha256": b.sha256, "size": b.size, "first_seq": b.first_seq,
+                               "created_at": now} for b in blobs])
+            if snapshots:
+                conn.execute(insert(SnapshotRow),
+                             [{"seq": s.seq, "state": s.state, "digest": s.digest,
+                               "created_at": now} for s in snapshots])
+        return [Event(r["seq"], r["event_id"], r["type"], r["payload"], now, r["actor"])
+                for r in rows]
+
+    def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
+        if not event_ids:
+            return {}
+        with self.engine.begin() as conn:
+            rows = conn.execute(select(EventRow).where(EventRow.event_id.in_(list(event_ids))))
+            return {r.event_id: _event(r) for r in rows}
+
+    def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]:
+        """Events with since < seq (<= until), oldest first, at most `limit`."""
+        q = select(EventRow).where(EventRow.seq > since)
+        if until is not None:
+            q = q.where(EventRow.seq <= until)
+        with self.engine.begin() as conn:
+            return [_event(r) for r in conn.execute(q.order_by(EventRow.seq).limit(limit))]
+
+    def latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None:
+        q = select(SnapshotRow)
+        if at_or_before is not None:
+            q = q.where(SnapshotRow.seq <= at_or_before)
+        with self.engine.begin() as conn:
+            row = conn.execute(q.order_by(SnapshotRow.seq.desc()).limit(1)).first()
+        return None if row is None else Snapshot(row.seq, row.state, row.digest)
+
+    def blob_hashes(self) -> set[str]:
+        with self.engine.begin() as conn:
+            return set(conn.execute(select(BlobRow.sha256)).scalars())
+
+    def close(self) -> None:
+        self.engine.dispose()
