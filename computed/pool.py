@@ -1,0 +1,347 @@
+"""The JAX LoRA memory pool: fixed-shape device arrays with one slot per adapter.
+
+Layout (`LoraPool`), fixed at start from `pool.configured`; one stacked layer
+axis per target module keeps the pytree small (2 arrays per module):
+
+    A[module]  [num_layers, slots, max_rank, in_features]   pool dtype
+    B[module]  [num_layers, slots, out_features, max_rank]  pool dtype
+    scaling    [slots]                                       float32
+    rank       [slots]                                       int32
+
+An adapter of rank r occupies A[..., :r, :] and B[..., :r] of its slot; the
+padding, and every module or layer the adapter lacks, is zero, so it adds
+nothing to the LoRA term.
+
+Writes. `write_slot` pads the adapter on the host to fixed shapes and writes it
+with one jitted function that donates the pool (`_write`); `clear_slot` zeroes
+a slot with another (`_clear`). The slot index is a traced int32, so after one
+compile of each, loading any adapter into any slot never recompiles, and
+donation makes the update in place: the big buffers are never reallocated.
+Keep no numpy view of a pool array (`np.asarray`, `jax.device_get` on CPU are
+zero-copy) across a write: while a view is alive, XLA cannot reuse the buffer
+and the write silently copies the whole array instead; `read_slot` and
+`digest` copy or drop their views for that reason.
+
+In-flight protection (leases with pending writes). An inference request takes
+`acquire(slot)` when it is admitted and releases the lease when it finishes.
+`write_slot`/`clear_slot` on a slot without readers apply at once and return
+True. On a slot with readers they never block: the operation is stored as the
+slot's pending write and they return False; a later operation on the same slot
+replaces it (each one rewrites the whole slot, so the last one decides the
+contents). While a write is pending the slot is draining: `acquire` raises
+`SlotDraining`, so no new request computes with contents about to be replaced,
+and the write is applied by the `release` of the slot's last reader. Writes to
+other slots are unaffected.
+
+Threads. One lock guards the arrays, the reader counts and the pending writes,
+so the sync loop and the inference loop may run on different threads. A write
+donates the pool, which deletes the previous `jax.Array`s, so a thread that
+reads `arrays` while another may write must dispatch its computation inside
+`with pool.reading() as arrays:`; writes wait for the block to end (a thread's
+own writes or releases inside its block are applied when the block ends).
+Dispatch is asynchronous: a write dispatched after a computation that reads the
+pool waits for that computation, so it sees the old contents.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shared.config import MODULES, POOL_DTYPES
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The pool's immutable shape, taken from `pool.configured`."""
+
+    num_layers: int
+    module_dims: Mapping[str, tuple[int, int]]  # target module -> (in_features, out_features)
+    slots: int  # max_loras
+    max_rank: int
+    dtype: str  # one of POOL_DTYPES
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "slots", "max_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"pool {name} must be at least 1, got {getattr(self, name)}")
+        if self.dtype not in POOL_DTYPES:
+            raise ValueError(f"pool dtype {self.dtype!r} is not one of {', '.join(POOL_DTYPES)}")
+        if not self.module_dims:
+            raise ValueError("the pool needs at least one target module")
+        for module, dims in self.module_dims.items():
+            if module not in MODULES:
+                raise ValueError(f"unknown target module {module!r}; known: {', '.join(MODULES)}")
+            if len(dims) != 2 or min(dims) < 1:
+                raise ValueError(f"{module}: dims must be (in_features, out_features) >= 1, got {dims}")
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The pool's target modules in canonical (MODULES) order."""
+        return tuple(m for m in MODULES if m in self.module_dims)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LoraPool:
+    """The pool's device arrays (layout in the module docstring)."""
+
+    A: dict[str, jax.Array]
+    B: dict[str, jax.Array]
+    scaling: jax.Array
+    rank: jax.Array
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """One adapter's host weights: (layer, module) -> (A [rank, in], B [out, rank]), any float dtype.
+
+    Layers and modules the adapter lacks are absent.
+    """
+
+    scaling: float
+    rank: int
+    pairs: Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class SlotContents:
+    """A host copy of one slot: A [layers, max_rank, in], B [layers, out, max_rank] per module."""
+
+    A: dict[str, np.ndarray]
+    B: dict[str, np.ndarray]
+    scaling: float
+    rank: int
+
+
+class SlotDraining(RuntimeError):
+    """`acquire` on a slot whose pending write waits for its current readers."""
+
+
+class Lease:
+    """A reader's hold on one slot; a context manager that releases it on exit."""
+
+    def __init__(self, pool: MemoryPool, slot: int) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.released = False
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.release(self)
+
+
+def _put(buf: jax.Array, value: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, axis)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _write(
+    pool: LoraPool,
+    slot: jax.Array,
+    A: dict[str, jax.Array],
+    B: dict[str, jax.Array],
+    scaling: jax.Array,
+    rank: jax.Array,
+) -> LoraPool:
+    """Write one padded adapter into `slot`, in place."""
+    return LoraPool(
+        A={m: _put(a, A[m], slot, 1) for m, a in pool.A.items()},
+        B={m: _put(b, B[m], slot, 1) for m, b in pool.B.items()},
+        scaling=_put(pool.scaling, scaling, slot, 0),
+        rank=_put(pool.rank, rank, slot, 0),
+    )
+
+
+@partial(jax.jit, donate_argnums=0)
+def _clear(pool: LoraPool, slot: jax.Array) -> LoraPool:
+    """Zero `slot`, in place."""
+
+    def zero(buf: jax.Array, axis: int) -> jax.Array:
+        shape = buf.shape[:axis] + buf.shape[axis + 1 :]
+        return _put(buf, jnp.zeros(shape, buf.dtype), slot, axis)
+
+    return LoraPool(
+        A={m: zero(a, 1) for m, a in pool.A.items()},
+        B={m: zero(b, 1) for m, b in pool.B.items()},
+        scaling=zero(pool.scaling, 0),
+        rank=zero(pool.rank, 0),
+    )
+
+
+_Op = tuple[Callable[..., LoraPool], tuple[Any, ...]]
+
+
+class MemoryPool:
+    """Owner of the device pool: the only mutable state, changed by its methods."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        dtype = jnp.dtype(spec.dtype)
+        lead = (spec.num_layers, spec.slots)
+        self._arrays = LoraPool(
+            A={m: jnp.zeros(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
+            B={m: jnp.zeros(lead + (o, spec.max_rank), dtype) for m, (_, o) in self._dims()},
+            scaling=jnp.zeros((spec.slots,), jnp.float32),
+            rank=jnp.zeros((spec.slots,), jnp.int32),
+        )
+        self._lock = threading.RLock()
+        self._readers = [0] * spec.slots
+        self._pending: dict[int, _Op] = {}
+        self._reading_depth = 0
+
+    def _dims(self) -> list[tuple[str, tuple[int, int]]]:
+        return [(m, self.spec.module_dims[m]) for m in self.spec.modules]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.spec.slots:
+            raise IndexError(f"slot {slot} is outside the pool's {self.spec.slots} slots (max_loras)")
+
+    @property
+    def arrays(self) -> LoraPool:
+        """The current arrays; valid until the next write (see `reading` when threads share the pool)."""
+        with self._lock:
+            return self._arrays
+
+    @property
+    def pending(self) -> frozenset[int]:
+        """Slots whose write waits for their readers to release."""
+        with self._lock:
+            return frozenset(self._pending)
+
+    @contextmanager
+    def reading(self) -> Iterator[LoraPool]:
+        """Yield the arrays and hold back every write until the block ends; dispatch inside it."""
+        with self._lock:
+            self._reading_depth += 1
+            try:
+                yield self._arrays
+            finally:
+                self._reading_depth -= 1
+                self._apply_ready()
+
+    def write_slot(self, slot: int, weights: SlotWeights) -> bool:
+        """Load `weights` into `slot`; True if applied now, False if deferred (see the module docstring)."""
+        self._check_slot(slot)
+        A, B = self._padded(weights)
+        args = (np.int32(slot), A, B, np.float32(weights.scaling), np.int32(weights.rank))
+        return self._submit(slot, (_write, args))
+
+    def clear_slot(self, slot: int) -> bool:
+        """Zero `slot`; True if applied now, False if deferred (see the module docstring)."""
+        self._check_slot(slot)
+        return self._submit(slot, (_clear, (np.int32(slot),)))
+
+    def acquire(self, slot: int) -> Lease:
+        """Count a reader of `slot` until the lease is released; refused while a write is pending."""
+        self._check_slot(slot)
+        with self._lock:
+            if slot in self._pending:
+                raise SlotDraining(
+                    f"slot {slot} has a pending write and takes no new readers until its "
+                    f"{self._readers[slot]} current reader(s) release; retry after they finish"
+                )
+            self._readers[slot] += 1
+            return Lease(self, slot)
+
+    def release(self, lease: Lease) -> None:
+        """End a lease; the last reader of a slot applies its pending write."""
+        with self._lock:
+            if lease.released:
+                raise RuntimeError(f"the lease on slot {lease.slot} was already released")
+            lease.released = True
+            self._readers[lease.slot] -= 1
+            self._apply_ready()
+
+    def _submit(self, slot: int, op: _Op) -> bool:
+        with self._lock:
+            self._pending[slot] = op
+            self._apply_ready()
+            return slot not in self._pending
+
+    def _apply_ready(self) -> None:
+        """Apply the pending writes of slots without readers (lock held)."""
+        if self._reading_depth:
+            return
+        for slot in [s for s in self._pending if self._readers[s] == 0]:
+            fn, args = self._pending.pop(slot)
+            self._arrays = fn(self._arrays, *args)
+
+    def _padded(self, weights: SlotWeights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Host arrays of the pool's fixed per-slot shapes holding `weights`, zero elsewhere."""
+        spec, r = self.spec, weights.rank
+        if r < 1:
+            raise ValueError(f"adapter has rank {r}; a LoRA rank is at least 1")
+        if r > spec.max_rank:
+            raise ValueError(
+                f"adapter has rank {r}, above the pool's max_rank {spec.max_rank}; "
+                "configure the pool with a larger max_rank"
+            )
+        dtype = jnp.dtype(spec.dtype)
+        A = {m: np.zeros((spec.num_layers, spec.max_rank, i), dtype) for m, (i, _) in self._dims()}
+        B = {m: np.zeros((spec.num_layers, o, spec.max_rank), dtype) for m, (_, o) in self._dims()}
+        for (layer, module), (a, b) in weights.pairs.items():
+            if module not in spec.module_dims:
+                raise ValueError(
+                    f"adapter targets {module}, which is not a target module of this pool "
+                    f"({', '.join(spec.modules)})"
+                )
+            if not 0 <= layer < spec.num_layers:
+                raise ValueError(
+                    f"adapter has {module} at layer {layer}; the model has {spec.num_layers} layers"
+                )
+            i, o = spec.module_dims[module]
+            if a.shape != (r, i) or b.shape != (o, r):
+                raise ValueError(
+                    f"layer {layer} {module}: A {a.shape} and B {b.shape} do not match "
+                    f"(rank, in_features) = {(r, i)} and (out_features, rank) = {(o, r)}"
+                )
+            A[module][layer, :r] = a
+            B[module][layer, :, :r] = b
+        return A, B
+
+    def read_slot(self, slot: int) -> SlotContents:
+        """A host copy of `slot` (a copy, not a view: a live view would defeat in-place writes)."""
+        self._check_slot(slot)
+        with self.reading() as pool:
+            return SlotContents(
+                A={m: np.array(a[:, slot]) for m, a in self._host(pool.A).items()},
+                B={m: np.array(b[:, slot]) for m, b in self._host(pool.B).items()},
+                scaling=float(np.asarray(pool.scaling)[slot]),
+                rank=int(np.asarray(pool.rank)[slot]),
+            )
+
+    @staticmethod
+    def _host(arrays: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+        return {m: np.asarray(a) for m, a in arrays.items()}
+
+    def digest(self) -> str:
+        """sha256 hex of the pool's bytes, slot by slot; equal contents give equal digests.
+
+        For slot 0, 1, ...: for each target module in MODULES order, the slot's A
+        over all layers ([num_layers, max_rank, in], C order) then its B
+        ([num_layers, out, max_rank], C order), in the pool dtype; then the
+        slot's scaling (float32) and rank (int32). Native byte order: little-endian
+        on every platform JAX runs on.
+        """
+        h = hashlib.sha256()
+        with self.reading() as pool:
+            A, B = self._host(pool.A), self._host(pool.B)
+            scaling, rank = np.asarray(pool.scaling), np.asarray(pool.rank)
+            for slot in range(self.spec.slots):
+                for m in self.spec.modules:
+                    h.update(A[m][:, slot].tobytes())
+                    h.update(B[m][:, slot].tobytes())
+                h.update(scaling[slot].tobytes())
+                h.update(rank[slot].tobytes())
+        return h.hexdigest()
