@@ -1,0 +1,40 @@
+"""The state service's core in-process, over a real SQLite file and blob store (no sockets)."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from shared.client import new_event_id
+from shared.protocol import COMMANDS, WRITE_COMMANDS, Request, validate
+from statesvc.blobs import BlobStore
+from statesvc.service import CommandError, StateService
+from statesvc.store import SqliteEventStore, sqlite_url
+
+
+def open_service(data_dir: Path, *, snapshot_every: int = 100) -> StateService:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return StateService(SqliteEventStore(sqlite_url(data_dir)), BlobStore(data_dir / "blobs"),
+                        snapshot_every=snapshot_every)
+
+
+def request(cmd: str, **args: Any) -> Request:
+    if cmd in WRITE_COMMANDS:
+        args.setdefault("event_id", new_event_id())
+    return Request(uuid.uuid4().hex, cmd, validate(COMMANDS[cmd], args, "args"))
+
+
+def call(service: StateService, cmd: str, **args: Any) -> Any:
+    """Run one command; returns its result or raises its CommandError."""
+    [answer], _ = service.handle([(request(cmd, **args), "test")])
+    if answer.error is not None:
+        raise answer.error
+    return answer.result
+
+
+def init_pool(service: StateService, model_dir: Path, **overrides: Any) -> Any:
+    args = {"model": str(model_dir), "max_loras": 4, "max_rank": 16, "targets": "all"}
+    return call(service, "pool.init", **{**args, **overrides})
+
+
+__all__ = ["CommandError", "call", "init_pool", "open_service", "request"]

@@ -1,0 +1,320 @@
+"""Every refusal of `load`: a message that says what is wrong, and nothing stored."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from statesvc.example import ExampleAssets, encode_safetensors
+from statesvc.service import StateService
+from tests.inproc import CommandError, call, init_pool, open_service
+
+QV = "attn-qv-r8"          # r=8, q_proj and v_proj
+ALL = "all-r2"             # r=2, all seven modules
+A_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+B_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+@pytest.fixture
+def svc(tmp_path: Path, example: ExampleAssets) -> Iterator[StateService]:
+    service = open_service(tmp_path / "data")
+    init_pool(service, example.model_dir, max_rank=16, targets=["q_proj", "k_proj", "v_proj",
+                                                                "o_proj", "gate_proj", "up_proj",
+                                                                "down_proj"])
+    yield service
+    service.store.close()
+
+
+def variant(example: ExampleAssets, tmp_path: Path, base: str = QV, *,
+            config: Callable[[dict[str, Any]], None] | None = None,
+            tensors: Callable[[dict[str, np.ndarray]], None] | None = None) -> Path:
+    """A copy of an example adapter with its config and/or tensors changed."""
+    dst = tmp_path / f"variant-{len(list(tmp_path.glob('variant-*')))}"
+    shutil.copytree(example.adapter_dirs[base], dst)
+    if config is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        config(cfg)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        t = load_file(str(dst / "adapter_model.safetensors"))
+        tensors(t)
+        save_file(t, str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def refused(svc: StateService, path: Path, *, name: str = "x", **kw: Any) -> CommandError:
+    """Load must fail, and neither the log nor the blob store may change."""
+    head, blobs = svc.store.head(), svc.blobs.all()
+    with pytest.raises(CommandError) as info:
+        call(svc, "load", name=name, path=str(path), **kw)
+    assert svc.store.head() == head
+    assert svc.blobs.all() == blobs
+    assert not any(svc.blobs.tmp.iterdir())
+    return info.value
+
+
+def set_key(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda cfg: cfg.__setitem__(key, value)
+
+
+def test_valid_adapter_is_recorded_with_its_blob(svc: StateService, example: ExampleAssets) -> None:
+    res = call(svc, "load", name="ok", path=str(example.adapter_dirs[QV]))
+    assert res == {"seq": 2, "name": "ok", "version": 2, "slot": 0, "created": True}
+    [sha] = svc.blobs.all()
+    assert svc.blobs.verify(sha)
+
+
+@pytest.mark.parametrize("name", ["", "-lead", ".hidden", "a/b", "sp ace", "x" * 65, "é"])
+def test_bad_names(svc: StateService, example: ExampleAssets, name: str) -> None:
+    if name == "" or len(name) > 64:  # refused by the frame schema before the command runs
+        with pytest.raises(Exception, match="args.name"):
+            call(svc, "load", name=name, path=str(example.adapter_dirs[QV]))
+        return
+    err = refused(svc, example.adapter_dirs[QV], name=name)
+    assert err.code == "invalid_name" and "[A-Za-z0-9]" in str(err)
+
+
+def test_not_a_directory(svc: StateService, tmp_path: Path) -> None:
+    err = refused(svc, tmp_path / "missing")
+    assert "no such directory" in str(err)
+
+
+def test_no_adapter_config(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    path = variant(example, tmp_path)
+    (path / "adapter_config.json").unlink()
+    assert "no adapter_config.json" in str(refused(svc, path))
+
+
+def test_config_not_json(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    path = variant(example, tmp_path)
+    (path / "adapter_config.json").write_text("{not json")
+    assert "not valid JSON" in str(refused(svc, path))
+
+
+def test_not_lora(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    err = refused(svc, variant(example, tmp_path, config=set_key("peft_type", "IA3")))
+    assert "peft_type is 'IA3'" in str(err) and "only LORA" in str(err)
+
+
+def test_pickle_bin_refused(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    path = variant(example, tmp_path)
+    (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+    err = refused(svc, path)
+    assert err.code == "unsupported"
+    assert "pickle" in str(err) and "safe_serialization=True" in str(err)
+
+
+def test_no_weights(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    path = variant(example, tmp_path)
+    (path / "adapter_model.safetensors").unlink()
+    assert "no adapter_model.safetensors" in str(refused(svc, path))
+
+
+def test_rank_above_pool(svc: StateService, example: ExampleAssets) -> None:
+    err = refused(svc, example.adapter_dirs["all-r32-rslora"])
+    assert "rank 32 is above the pool's --max-rank 16" in str(err)
+    assert "larger --max-rank" in str(err)
+
+
+def test_targets_outside_pool(tmp_path: Path, example: ExampleAssets) -> None:
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir, targets=["q_proj", "v_proj"])
+    err = refused(svc, example.adapter_dirs[ALL])
+    assert "not among the pool's targets (q_proj, v_proj)" in str(err)
+    assert "--targets" in str(err)
+
+
+def test_tensors_outside_pool_even_if_config_is_vague(tmp_path: Path,
+                                                      example: ExampleAssets) -> None:
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir, targets=["q_proj", "v_proj"])
+    path = variant(example, tmp_path, ALL, config=set_key("target_modules", "all-linear"))
+    err = refused(svc, path)
+    assert "which the pool does not hold (pool targets: q_proj, v_proj)" in str(err)
+
+
+@pytest.mark.parametrize("bad_name, why", [
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+     "is not a LoRA weight of a Llama layer"),
+    ("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight",
+     "is not a LoRA weight of a Llama layer"),
+    ("base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight",
+     "is for layer 9, but the base model has 2 layers"),
+])
+def test_tensor_names(svc: StateService, example: ExampleAssets, tmp_path: Path,
+                      bad_name: str, why: str) -> None:
+    def rename(t: dict[str, np.ndarray]) -> None:
+        t[bad_name] = t.pop(A_NAME)
+    err = refused(svc, variant(example, tmp_path, tensors=rename))
+    assert why in str(err) and bad_name in str(err)
+
+
+def test_unpaired_tensor(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    err = refused(svc, variant(example, tmp_path, tensors=lambda t: t.pop(B_NAME)))
+    assert "has no matching lora_B" in str(err)
+
+
+@pytest.mark.parametrize("which, shape", [(A_NAME, (8, 63)), (B_NAME, (64, 7))])
+def test_shapes(svc: StateService, example: ExampleAssets, tmp_path: Path, which: str,
+                shape: tuple[int, int]) -> None:
+    def reshape(t: dict[str, np.ndarray]) -> None:
+        t[which] = np.zeros(shape, np.float32)
+    err = refused(svc, variant(example, tmp_path, tensors=reshape))
+    assert f"has shape {list(shape)}, expected" in str(err)
+
+
+def test_dtype(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    def widen(t: dict[str, np.ndarray]) -> None:
+        t[A_NAME] = t[A_NAME].astype(np.float64)
+    err = refused(svc, variant(example, tmp_path, tensors=widen))
+    assert "dtype F64; use F32, F16 or BF16" in str(err)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_f32(svc: StateService, example: ExampleAssets, tmp_path: Path,
+                        bad: float) -> None:
+    def poison(t: dict[str, np.ndarray]) -> None:
+        t[B_NAME] = t[B_NAME].copy()
+        t[B_NAME][3, 1] = bad
+    err = refused(svc, variant(example, tmp_path, tensors=poison))
+    assert "contains NaN or Inf" in str(err) and B_NAME in str(err)
+
+
+@pytest.mark.parametrize("dtype, bits", [("F16", 0x7E00), ("BF16", 0x7FC0), ("BF16", 0xFF80)])
+def test_non_finite_half(svc: StateService, example: ExampleAssets, tmp_path: Path,
+                         dtype: str, bits: int) -> None:
+    path = variant(example, tmp_path)
+    t = load_file(str(path / "adapter_model.safetensors"))
+    entries = {}
+    for name, arr in t.items():
+        raw = np.zeros(arr.shape, "<u2")  # zeros are finite in both formats
+        if name == B_NAME:
+            raw.flat[5] = bits
+        entries[name] = (dtype, arr.shape, raw.tobytes())
+    (path / "adapter_model.safetensors").write_bytes(encode_safetensors(entries))
+    assert "contains NaN or Inf" in str(refused(svc, path))
+
+
+def test_half_precision_accepted(svc: StateService, example: ExampleAssets,
+                                 tmp_path: Path) -> None:
+    def halve(t: dict[str, np.ndarray]) -> None:
+        for k in t:
+            t[k] = t[k].astype(np.float16)
+    res = call(svc, "load", name="half", path=str(variant(example, tmp_path, tensors=halve)))
+    assert res["created"]
+
+
+def test_lying_header(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    path = variant(example, tmp_path)
+    data = bytearray((path / "adapter_model.safetensors").read_bytes())
+    (path / "adapter_model.safetensors").write_bytes(bytes(data[:-16]))  # truncated
+    assert "fall outside" in str(refused(svc, path))
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("use_dora", True, "use_dora (DoRA)"),
+    ("modules_to_save", ["lm_head"], "modules_to_save"),
+    ("rank_pattern", {"q_proj": 4}, "rank_pattern"),
+    ("alpha_pattern", {"q_proj": 4}, "alpha_pattern"),
+    ("trainable_token_indices", [5, 6], "added tokens"),
+    ("bias", "all", "bias='all'"),
+])
+def test_unsupported_options_refused_by_name(svc: StateService, example: ExampleAssets,
+                                             tmp_path: Path, key: str, value: Any,
+                                             named: str) -> None:
+    err = refused(svc, variant(example, tmp_path, config=set_key(key, value)))
+    assert err.code == "unsupported"
+    assert f"{named} is not supported yet" in str(err)
+
+
+def test_added_tokens_file(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    path = variant(example, tmp_path)
+    (path / "added_tokens.json").write_text('{"<new>": 256}')
+    assert "added tokens is not supported yet" in str(refused(svc, path))
+
+
+def test_embedding_tensor_is_added_tokens(svc: StateService, example: ExampleAssets,
+                                          tmp_path: Path) -> None:
+    def add(t: dict[str, np.ndarray]) -> None:
+        t["base_model.model.model.embed_tokens.weight"] = np.zeros((260, 64), np.float32)
+    err = refused(svc, variant(example, tmp_path, tensors=add))
+    assert err.code == "unsupported" and "added tokens" in str(err)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("r", 0, "r must be a positive integer"),
+    ("r", "8", "r must be a positive integer"),
+    ("lora_alpha", -1, "lora_alpha must be a positive number"),
+])
+def test_bad_numbers(svc: StateService, example: ExampleAssets, tmp_path: Path, key: str,
+                     value: Any, why: str) -> None:
+    assert why in str(refused(svc, variant(example, tmp_path, config=set_key(key, value))))
+
+
+def test_rank_disagrees_with_weights(svc: StateService, example: ExampleAssets,
+                                     tmp_path: Path) -> None:
+    err = refused(svc, variant(example, tmp_path, config=set_key("r", 4)))
+    assert "expected [4, 64]" in str(err)
+
+
+def test_pool_full(tmp_path: Path, example: ExampleAssets) -> None:
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir, max_loras=2)
+    call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    call(svc, "load", name="b", path=str(example.adapter_dirs[ALL]))
+    err = refused(svc, example.adapter_dirs["attn-all-r4"], name="c")
+    assert err.code == "pool_full"
+    assert "all 2 slots are in use" in str(err) and "--max-loras" in str(err)
+
+
+def test_same_name_other_content_needs_replace(svc: StateService,
+                                               example: ExampleAssets) -> None:
+    call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    err = refused(svc, example.adapter_dirs[ALL], name="a")
+    assert err.code == "exists" and "--replace" in str(err)
+
+
+def test_same_name_same_content_returns_existing(svc: StateService,
+                                                 example: ExampleAssets) -> None:
+    first = call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    head = svc.store.head()
+    again = call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    assert (again["version"], again["slot"], again["created"]) == (first["version"], 0, False)
+    assert svc.store.head() == head
+
+
+def test_replace_records_one_event_and_moves_slot(svc: StateService,
+                                                  example: ExampleAssets) -> None:
+    call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    head = svc.store.head()
+    res = call(svc, "load", name="a", path=str(example.adapter_dirs[ALL]), replace=True)
+    assert svc.store.head() == head + 1
+    assert res == {"seq": head + 1, "name": "a", "version": head + 1, "slot": 1, "created": True}
+    [ev] = svc.store.read(head, 10)
+    assert ev.payload["replaces"] == {"version": 2, "slot": 0}
+    assert svc.state.adapters["a"].slot == 1 and len(svc.state.adapters) == 1
+
+
+def test_load_before_pool_init(tmp_path: Path, example: ExampleAssets) -> None:
+    svc = open_service(tmp_path / "data")
+    err = refused(svc, example.adapter_dirs[QV])
+    assert err.code == "not_configured" and "loractl pool init" in str(err)
+
+
+def test_relative_path_refused(svc: StateService) -> None:
+    with pytest.raises(CommandError, match="must be an absolute path"):
+        call(svc, "load", name="a", path="relative/dir")
+    assert svc.store.head() == 1
+
+
+def test_oversized_weights(tmp_path: Path, example: ExampleAssets) -> None:
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir)
+    svc.max_adapter_bytes = 1000
+    err = refused(svc, example.adapter_dirs[QV])
+    assert "above the 1000-byte limit" in str(err)
