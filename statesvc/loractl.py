@@ -22,8 +22,8 @@ from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, MODULES, POOL_DTYPES, STATE_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0), default=None,

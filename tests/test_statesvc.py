@@ -1,0 +1,232 @@
+"""statesvc as a real subprocess, driven through loractl and a raw ZeroMQ client."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from shared.client import ControlClient, RemoteError, new_event_id
+from statesvc.example import ExampleAssets
+from tests.procs import BIN, StateSvc, free_port, loractl
+
+
+def raw_call(sock: zmq.Socket[Any], cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+    req_id = uuid.uuid4().hex
+    sock.send(msgpack.packb({"v": 1, "id": req_id, "cmd": cmd, "args": args}))
+    assert sock.poll(10_000), f"no reply to {cmd}"
+    reply = msgpack.unpackb(sock.recv())
+    assert reply["id"] == req_id
+    return reply
+
+
+@pytest.fixture
+def raw(statesvc: StateSvc) -> Any:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(statesvc.control)
+    yield sock
+    sock.close(0)
+
+
+def js(res: subprocess.CompletedProcess[str]) -> Any:
+    return json.loads(res.stdout)
+
+
+def test_lifecycle_through_loractl_and_restart(statesvc: StateSvc, example: ExampleAssets,
+                                               raw: zmq.Socket[Any]) -> None:
+    ad = example.adapter_dirs
+    init = js(loractl(statesvc, "pool", "init", "--model", str(example.model_dir),
+                      "--max-loras", "4", "--max-rank", "16", "--targets", "all", "--json"))
+    assert init["seq"] == 1 and init["max_loras"] == 4 and len(init["targets"]) == 7
+
+    a = js(loractl(statesvc, "load", "chat", str(ad["attn-qv-r8"]), "--json"))
+    assert a == {"seq": 2, "name": "chat", "version": 2, "slot": 0}
+    b = js(loractl(statesvc, "load", "sql", str(ad["mlp-only-r16"]), "--pin", "--json"))
+    assert b == {"seq": 3, "name": "sql", "version": 3, "slot": 1}
+
+    # an idempotent retry over the raw socket: recorded once, answered with the original result
+    event_id = new_event_id()
+    args = {"event_id": event_id, "name": "code", "path": str(ad["all-r2"])}
+    first = raw_call(raw, "load", args)
+    again = raw_call(raw, "load", args)
+    assert first["ok"] and again["ok"] and again["result"] == first["result"]
+    assert first["result"]["seq"] == 4 and first["result"]["slot"] == 2
+
+    # replace: one event, a new slot, the old version recorded as replaced
+    rep = js(loractl(statesvc, "load", "chat", str(ad["attn-all-r4"]), "--replace", "--json"))
+    assert rep == {"seq": 5, "name": "chat", "version": 5, "slot": 3}
+    refused = loractl(statesvc, "unload", "sql", check=False)
+    assert refused.returncode == 1 and "pinned" in refused.stderr and refused.stdout == ""
+    un = js(loractl(statesvc, "unload", "code", "--json"))
+    assert un == {"seq": 6, "name": "code", "version": 4, "slot": 2}
+
+    listed = js(loractl(statesvc, "list", "--json"))
+    assert [x["name"] for x in listed] == ["chat", "sql"]
+    chat = listed[0]
+    assert set(chat) == {"name", "version", "slot", "rank", "alpha", "scaling", "targets",
+                         "sha256", "pinned"}
+    assert (chat["version"], chat["slot"], chat["rank"], chat["alpha"], chat["scaling"]) == \
+        (5, 3, 4, 4.0, 1.0)
+    assert chat["sha256"] == hashlib.sha256(
+        (ad["attn-all-r4"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert listed[1]["pinned"] is True
+
+    events = js(loractl(statesvc, "events", "--json"))
+    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
+    assert all(set(e) == {"seq", "event_id", "type", "payload", "recorded_at"} for e in events)
+    assert [e["type"] for e in events] == ["pool.configured"] + ["adapter.loaded"] * 4 + \
+        ["adapter.unloaded"]
+    assert events[3]["event_id"] == event_id
+    assert events[4]["payload"]["replaces"] == {"version": 2, "slot": 0}
+    assert [e["seq"] for e in js(loractl(statesvc, "events", "--since", "4", "--json"))] == [5, 6]
+
+    status = js(loractl(statesvc, "status", "--json"))
+    assert status["head_seq"] == 6 and status["replicas"] == []
+    human = loractl(statesvc, "list").stdout
+    assert "chat" in human and "2 of 4 slots used" in human
+
+    statesvc.stop()
+    statesvc.start()
+    assert js(loractl(statesvc, "status", "--json"))["digest"] == status["digest"]
+    assert js(loractl(statesvc, "list", "--json")) == listed
+    assert js(loractl(statesvc, "events", "--json")) == events
+
+
+def test_diffs_and_heartbeats_are_published(statesvc: StateSvc, example: ExampleAssets) -> None:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(statesvc.publish)
+    try:
+        # a heartbeat proves the subscription is live before the commands go out
+        assert sub.poll(5000)
+        topic, frame = sub.recv_multipart()
+        assert topic == b"hb" and msgpack.unpackb(frame)["head_seq"] == 0
+        with ControlClient(statesvc.control) as c:
+            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                                 "max_loras": 2, "max_rank": 8, "targets": ["q_proj", "v_proj"]})
+            c.call("load", {"event_id": new_event_id(), "name": "x",
+                            "path": str(example.adapter_dirs["attn-qv-r8"])})
+            c.call("unload", {"event_id": new_event_id(), "name": "x"})
+        diffs: list[dict[str, Any]] = []
+        beats: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 10
+        while (len(diffs) < 3 or not beats or beats[-1]["head_seq"] < 3) \
+                and time.monotonic() < deadline:
+            if sub.poll(500):
+                topic, frame = sub.recv_multipart()
+                (diffs if topic == b"diff" else beats).append(msgpack.unpackb(frame))
+        assert [(d["seq"], d["op"]) for d in diffs] == [(1, "configure"), (2, "load"),
+                                                         (3, "unload")]
+        load = diffs[1]
+        assert (load["name"], load["version"], load["slot"], load["rank"], load["alpha"],
+                load["targets"]) == ("x", 2, 0, 8, 16.0, ["q_proj", "v_proj"])
+        assert load["sha256"] == hashlib.sha256((example.adapter_dirs["attn-qv-r8"] /
+                                                 "adapter_model.safetensors").read_bytes()
+                                                ).hexdigest()
+        assert beats[-1]["head_seq"] == 3 and len(beats[-1]["digest"]) == 64
+    finally:
+        sub.close(0)
+
+
+def test_blobs_served_in_chunks_after_source_is_deleted(statesvc: StateSvc,
+                                                       example: ExampleAssets,
+                                                       tmp_path: Path) -> None:
+    src = tmp_path / "adapter"
+    shutil.copytree(example.adapter_dirs["all-r2"], src)
+    original = (src / "adapter_model.safetensors").read_bytes()
+    with ControlClient(statesvc.control) as c:
+        c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                             "max_loras": 2, "max_rank": 8, "targets": "all"})
+        c.call("load", {"event_id": new_event_id(), "name": "x", "path": str(src)})
+    shutil.rmtree(src)
+    statesvc.stop()
+    statesvc.start()
+    sha = hashlib.sha256(original).hexdigest()
+    with ControlClient(statesvc.control) as c:
+        [entry] = c.call("list")["adapters"]
+        assert entry["sha256"] == sha
+        got, offset = b"", 0
+        while True:
+            chunk = c.call("blob", {"sha256": sha, "offset": offset, "length": 1000})
+            assert chunk["size"] == len(original)
+            got += chunk["data"]
+            offset += len(chunk["data"])
+            if offset >= chunk["size"]:
+                break
+        assert got == original
+        with pytest.raises(RemoteError) as missing:
+            c.call("blob", {"sha256": "0" * 64})
+        assert missing.value.code == "not_found"
+
+
+def test_expect_head_conflict_names_the_head(statesvc: StateSvc, example: ExampleAssets) -> None:
+    loractl(statesvc, "pool", "init", "--model", str(example.model_dir), "--max-loras", "2",
+            "--max-rank", "8", "--targets", "all")
+    res = loractl(statesvc, "load", "x", str(example.adapter_dirs["all-r2"]), "--expect-head",
+                  "0", check=False)
+    assert res.returncode == 1
+    assert "conflict" in res.stderr and "head is at seq 1" in res.stderr
+    ok = js(loractl(statesvc, "load", "x", str(example.adapter_dirs["all-r2"]), "--expect-head",
+                    "1", "--json"))
+    assert ok["seq"] == 2
+
+
+def test_pool_settings_are_immutable(statesvc: StateSvc, example: ExampleAssets) -> None:
+    args = ["pool", "init", "--model", str(example.model_dir), "--max-loras", "2",
+            "--max-rank", "8", "--targets", "q_proj,v_proj", "--json"]
+    first = js(loractl(statesvc, *args))
+    assert js(loractl(statesvc, *args)) == {**first, "created": False}
+    other = loractl(statesvc, *args[:-2], "all", check=False)
+    assert other.returncode == 1 and "already_configured" in other.stderr
+    assert "new --data-dir" in other.stderr
+    assert js(loractl(statesvc, "status", "--json"))["head_seq"] == 1
+
+
+def test_req_socket_clients_work(statesvc: StateSvc) -> None:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(statesvc.control)
+    try:
+        reply = raw_call(sock, "status", {})
+        assert reply["ok"] and reply["result"]["head_seq"] == 0
+    finally:
+        sock.close(0)
+
+
+def test_loractl_says_when_statesvc_is_down() -> None:
+    res = subprocess.run([str(BIN / "loractl"), "--state", f"tcp://127.0.0.1:{free_port()}",
+                          "--timeout", "0.2", "list"], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 3 and "is the state service running" in res.stderr
+
+
+def test_single_writer_per_data_dir(statesvc: StateSvc) -> None:
+    second = StateSvc(statesvc.data_dir)
+    with pytest.raises(RuntimeError, match="did not start"):
+        second.start()
+    log = (statesvc.data_dir.parent / f"statesvc-{statesvc.data_dir.name}.log").read_text()
+    assert "another statesvc is already serving" in log
+
+
+def test_migrate_only(tmp_path: Path) -> None:
+    res = subprocess.run([str(BIN / "statesvc"), "migrate", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "schema is at head" in res.stdout
+    import sqlite3
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        triggers = {r[0] for r in db.execute(
+            "SELECT name FROM sqlite_master WHERE type='trigger'")}
+    assert {"events", "snapshots", "blobs", "alembic_version"} <= tables
+    assert triggers == {"events_no_update", "events_no_delete"}
