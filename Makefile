@@ -22,7 +22,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 demo: $(STAMP)
-	$(BIN)/python -m benchmarks.demo
+	$(BIN)/python -m statesvc.demo
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_events

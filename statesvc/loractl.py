@@ -30,6 +30,11 @@ EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0), default=None
                            help="Refuse (conflict) unless the log's head is at this seq.")
 
 
+def _short(targets: list[str]) -> str:
+    """q_proj,v_proj -> q,v: what a table cell has room for."""
+    return ",".join(t.removesuffix("_proj") for t in targets)
+
+
 def _emit(value: Any) -> None:
     click.echo(json.dumps(value, indent=None, sort_keys=False))
 
@@ -178,7 +183,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
         table.add_column(col, justify="right" if col in ("version", "slot", "rank") else "left")
     for a in res["adapters"]:
         table.add_row(a["name"], str(a["version"]), str(a["slot"]), str(a["rank"]),
-                      f"{a['alpha']:g}", f"{a['scaling']:.4g}", ",".join(a["targets"]),
+                      f"{a['alpha']:g}", f"{a['scaling']:.4g}", _short(a["targets"]),
                       a["sha256"][:12], "yes" if a["pinned"] else "")
     out.print(table)
 
@@ -190,7 +195,7 @@ def _event_summary(ev: dict[str, Any]) -> str:
     p = ev["payload"]
     if ev["type"] == "pool.configured":
         return (f"{p['max_loras']} slots, max rank {p['max_rank']}, "
-                f"{','.join(p['targets'])}, {p['dtype']}")
+                f"{_short(p['targets'])}, {p['dtype']}")
     if ev["type"] == "adapter.loaded":
         rep = f", replaces v{p['replaces']['version']}" if p.get("replaces") else ""
         return f"{p['name']} v{p['version']} -> slot {p['slot']} (r={p['rank']}{rep})"

@@ -3,55 +3,36 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.processes import free_port, loopback, start_ready, stop_pid
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def stop_pid(proc: subprocess.Popen[Any], *, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL; always reaps."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout)
+__all__ = ["BIN", "StateSvc", "free_port", "loractl", "stop_pid"]
 
 
 @dataclass
 class StateSvc:
     data_dir: Path
-    control: str = field(default_factory=lambda: f"tcp://127.0.0.1:{free_port()}")
-    publish: str = field(default_factory=lambda: f"tcp://127.0.0.1:{free_port()}")
+    control: str = field(default_factory=loopback)
+    publish: str = field(default_factory=loopback)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[Any] | None = None
 
-    def start(self, *, timeout: float = 30.0) -> StateSvc:
-        log = (self.data_dir.parent / f"statesvc-{self.data_dir.name}.log").open("ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "statesvc"), "serve", "--data-dir", str(self.data_dir),
-             "--control", self.control, "--publish", self.publish, *self.extra_args],
-            stdout=subprocess.PIPE, stderr=log, env={**os.environ, **self.env})
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        if not line.startswith("READY") or time.monotonic() > deadline:
-            self.stop()
-            raise RuntimeError(f"statesvc did not start: {line!r}; see {log.name}")
+    @property
+    def log(self) -> Path:
+        return self.data_dir.parent / f"statesvc-{self.data_dir.name}.log"
+
+    def start(self) -> StateSvc:
+        self.proc, _ = start_ready(
+            [str(BIN / "statesvc"), "serve", "--data-dir", str(self.data_dir), "--control",
+             self.control, "--publish", self.publish, *self.extra_args],
+            log=self.log, env=self.env)
         return self
 
     def stop(self) -> None:

@@ -215,7 +215,7 @@ def test_single_writer_per_data_dir(statesvc: StateSvc) -> None:
     second = StateSvc(statesvc.data_dir)
     with pytest.raises(RuntimeError, match="did not start"):
         second.start()
-    log = (statesvc.data_dir.parent / f"statesvc-{statesvc.data_dir.name}.log").read_text()
+    log = statesvc.log.read_text()
     assert "another statesvc is already serving" in log
 
 
