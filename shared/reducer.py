@@ -151,3 +151,19 @@ def diff_of(seq: int, body: Body) -> dict[str, Any]:
         d = {k: v for k, v in encode_body(body).items()}
         return {"seq": seq, "op": "load", **d}
     return {"seq": seq, "op": "unload", **encode_body(body)}
+
+
+_OP_TYPES = {"configure": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
+             "unload": AdapterUnloaded.TYPE}
+
+
+def body_of_diff(diff: dict[str, Any]) -> tuple[int, Body]:
+    """Inverse of `diff_of`: (seq, body); raises EventError on a malformed diff."""
+    try:
+        seq, op = int(diff["seq"]), diff["op"]
+        if op == "configure":
+            return seq, decode_body(PoolConfigured.TYPE, diff["pool"])
+        fields_ = {k: v for k, v in diff.items() if k not in ("seq", "op")}
+        return seq, decode_body(_OP_TYPES[op], fields_)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EventError(f"malformed diff: {exc}") from None

@@ -1,0 +1,250 @@
+"""The replica daemon's sockets: SUB for diffs and heartbeats, ROUTER for its clients,
+and a DEALER that heartbeats to statesvc without ever blocking the loop.
+
+One thread. Each turn: drain the diff stream into a queue, apply what follows
+the applied seq, catch up on a gap, on a heartbeat beyond the applied seq or
+after 3 s of silence; answer the listen socket; heartbeat once a second. A
+failed advance (statesvc down, a bad blob) keeps the pool as it is and is
+retried; the replica keeps answering meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import zmq
+
+from computed.replica import GapError, ModelMismatch, Phase, Replica
+from computed.weights import BlobError
+from shared.client import RemoteError, Unavailable
+from shared.config import MAX_WIRE_BYTES
+from shared.events import EventError
+from shared.protocol import (ProtocolError, Field, encode_request, error_reply, int_range,
+                             ok_reply, pack, request_id_of, unpack, validate)
+from shared.reducer import ReducerError, body_of_diff
+
+log = logging.getLogger("computed")
+
+SILENCE_S = 3.0
+HEARTBEAT_S = 1.0
+RETRY_S = 1.0
+
+REPLICA_REQUEST = {
+    "v": Field(int, check=int_range(1, 1)),
+    "id": Field(str),
+    "cmd": Field(str),
+    "args": Field(dict, required=False, default=None),
+}
+REPLICA_COMMANDS: dict[str, dict[str, Field]] = {
+    "status": {},
+    "slot": {"slot": Field(int, check=int_range(0, 1 << 20))},
+}
+
+
+class Daemon:
+    def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
+                 diffs: str) -> None:
+        self.replica = replica
+        self.replica_id = replica_id
+        self.ctx = zmq.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 1_000_000)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(diffs)  # subscribe first (Clone pattern), then fetch the state
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(listen)
+        self.listen = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.beat = self.ctx.socket(zmq.DEALER)
+        self.beat.setsockopt(zmq.LINGER, 0)
+        self.beat.setsockopt(zmq.SNDHWM, 4)
+        self.beat.connect(state)
+        self.queue: dict[int, dict[str, Any]] = {}
+        self.heard_at = time.monotonic()
+        self.remote_head = 0
+        self.next_sync = 0.0
+        self._stop = False
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        poller = zmq.Poller()
+        for sock in (self.sub, self.router, self.beat):
+            poller.register(sock, zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while not self._stop:
+                ready = dict(poller.poll(100))
+                if self.sub in ready:
+                    self._drain_sub()
+                if self.beat in ready:
+                    self._drain_beat_replies()
+                self._sync()
+                if self.router in ready:
+                    self._serve_clients()
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + HEARTBEAT_S
+        finally:
+            for sock in (self.sub, self.router, self.beat):
+                sock.close(0)
+
+    def _drain_sub(self) -> None:
+        while True:
+            try:
+                topic, frame = self.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # not two frames
+            self.heard_at = time.monotonic()
+            try:
+                msg = unpack(frame)
+                if topic == b"hb":
+                    self.remote_head = max(self.remote_head, int(msg["head_seq"]))
+                elif topic == b"diff":
+                    seq = int(msg["seq"])
+                    self.remote_head = max(self.remote_head, seq)
+                    if seq > self.replica.applied_seq:
+                        self.queue[seq] = msg
+            except (ProtocolError, KeyError, TypeError, ValueError):
+                log.warning("dropped a malformed message on the diff stream")
+
+    def _drain_beat_replies(self) -> None:
+        while True:
+            try:
+                self.beat.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _sync(self) -> None:
+        r = self.replica
+        now = time.monotonic()
+        try:
+            if r.phase is not Phase.ACTIVE:
+                if now >= self.next_sync:
+                    self.next_sync = now + RETRY_S
+                    r.bootstrap()
+                    log.info("ACTIVE at seq %d", r.applied_seq)
+                return
+            self._apply_queue()
+            behind = self.remote_head > r.applied_seq
+            silent = now - self.heard_at > SILENCE_S
+            if (behind or silent) and now >= self.next_sync:
+                self.next_sync = now + RETRY_S
+                if r.catch_up():
+                    log.info("caught up to seq %d", r.applied_seq)
+                if silent:
+                    self.heard_at = now  # statesvc answered: wait another period
+                self._apply_queue()
+        except ModelMismatch:
+            raise
+        except GapError as exc:
+            log.info("gap in the diff stream (%s): fetching the missing range", exc)
+            self.next_sync = 0.0
+            self._catch_up_now()
+        except (Unavailable, RemoteError, BlobError, ReducerError, EventError) as exc:
+            if str(exc) != r.last_error:
+                log.warning("sync: %s", exc)
+            r.last_error = str(exc)
+
+    def _catch_up_now(self) -> None:
+        try:
+            self.replica.catch_up()
+            self._apply_queue()
+        except (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError) as exc:
+            self.replica.last_error = str(exc)
+
+    def _apply_queue(self) -> None:
+        r = self.replica
+        for seq in [s for s in self.queue if s <= r.applied_seq]:
+            del self.queue[seq]  # duplicates and what a catch-up already applied
+        run = []
+        seq = r.applied_seq + 1
+        while seq in self.queue:
+            run.append(body_of_diff(self.queue[seq]))
+            seq += 1
+        if run:
+            r.apply_events(run)
+            for s, _ in run:
+                self.queue.pop(s, None)
+        if self.queue:  # something newer than what follows: a gap
+            raise GapError(r.applied_seq + 1, min(self.queue))
+
+    def _heartbeat(self) -> None:
+        args = {"id": self.replica_id, "address": self.listen, **self._digests()}
+        try:
+            self.beat.send(encode_request(uuid.uuid4().hex, "heartbeat", args), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # statesvc is away; the next one will do
+
+    def _digests(self) -> dict[str, Any]:
+        r = self.replica
+        return {"state": r.phase.value, "applied_seq": r.applied_seq,
+                "logical_digest": r.logical_digest(), "pool_digest": r.pool_digest()}
+
+    def status(self) -> dict[str, Any]:
+        r = self.replica
+        return {"id": self.replica_id, "address": self.listen, **self._digests(),
+                "head_seq_seen": self.remote_head, "last_error": r.last_error,
+                "blob_fetches": r.blobs.fetches,
+                "slots": {str(s): {"name": h.name, "version": h.version}
+                          for s, h in sorted(r.holders.items())}}
+
+    # ---- the listen socket ---------------------------------------------------------
+
+    def _serve_clients(self) -> None:
+        for _ in range(256):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            envelope, body = frames[:-1], frames[-1]
+            req_id = None
+            try:
+                msg = unpack(body)
+                req_id = request_id_of(msg)
+                env = validate(REPLICA_REQUEST, msg, "request")
+                if env["cmd"] not in REPLICA_COMMANDS:
+                    raise ProtocolError("unknown_command", f"unknown command {env['cmd']!r}; "
+                                        f"known: {', '.join(REPLICA_COMMANDS)}", "request.cmd")
+                args = validate(REPLICA_COMMANDS[env["cmd"]], env["args"] or {}, "args")
+                reply = ok_reply(req_id, self._command(env["cmd"], args))
+            except ProtocolError as exc:
+                reply = error_reply(req_id, exc.code, str(exc), exc.field)
+            self.router.send_multipart(envelope + [reply])
+
+    def _command(self, cmd: str, args: dict[str, Any]) -> Any:
+        if cmd == "status":
+            return self.status()
+        pool = self.replica.pool
+        if pool is None:
+            raise ProtocolError("not_ready", "the pool is not configured yet")
+        if not 0 <= args["slot"] < pool.spec.slots:
+            raise ProtocolError("bad_request", f"slot must be below {pool.spec.slots}",
+                                "args.slot")
+        c = pool.read_slot(args["slot"])
+        return {"scaling": c.scaling, "rank": c.rank,
+                "A": {m: _array(a) for m, a in c.A.items()},
+                "B": {m: _array(b) for m, b in c.B.items()}}
+
+
+def _array(a: np.ndarray) -> dict[str, Any]:
+    a = np.asarray(a, dtype=np.float32)
+    return {"shape": list(a.shape), "dtype": "float32", "data": a.tobytes()}
+
+
+__all__ = ["Daemon", "pack"]

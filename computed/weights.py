@@ -1,0 +1,89 @@
+"""Adapter weights on the replica: blobs fetched by sha256, verified, cached, parsed."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from computed.pool import SlotWeights
+from shared.client import ControlClient
+from shared.config import MAX_BLOB_CHUNK
+from shared.events import AdapterLoaded
+from shared.peft import parse_lora_name
+from shared.tensorfile import TensorFileError, parse_bytes, to_float32
+
+
+class BlobError(Exception):
+    """A blob that could not be fetched, verified or parsed; the pool is left as it was."""
+
+
+class BlobCache:
+    """Blobs under `root`, by sha256; a cached file whose hash no longer matches is fetched again."""
+
+    def __init__(self, root: Path, client: ControlClient) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.client = client
+        self.fetches = 0  # blobs fetched from statesvc (not served from the cache)
+
+    def path(self, sha256: str) -> Path:
+        return self.root / sha256
+
+    def get(self, sha256: str) -> bytes:
+        cached = self.path(sha256)
+        if cached.is_file():
+            data = cached.read_bytes()
+            if hashlib.sha256(data).hexdigest() == sha256:
+                return data
+            cached.unlink()  # damaged or tampered with: fetch it again
+        data = self._fetch(sha256)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, cached)
+        return data
+
+    def _fetch(self, sha256: str) -> bytes:
+        self.fetches += 1
+        parts: list[bytes] = []
+        offset, size = 0, None
+        while size is None or offset < size:
+            chunk = self.client.call("blob", {"sha256": sha256, "offset": offset,
+                                              "length": MAX_BLOB_CHUNK})
+            size = int(chunk["size"])
+            data = chunk["data"]
+            if not data and offset < size:
+                raise BlobError(f"blob {sha256[:12]} ended at {offset} of {size} bytes")
+            parts.append(data)
+            offset += len(data)
+        blob = b"".join(parts)
+        got = hashlib.sha256(blob).hexdigest()
+        if got != sha256:
+            raise BlobError(f"blob {sha256[:12]} from statesvc hashes to {got[:12]}; not applied, "
+                            "will fetch it again")
+        return blob
+
+
+def slot_weights(data: bytes, adapter: AdapterLoaded) -> SlotWeights:
+    """Parse an adapter's safetensors bytes into the pool's (layer, module) -> (A, B) pairs."""
+    try:
+        header = parse_bytes(data)
+    except TensorFileError as exc:
+        raise BlobError(f"adapter {adapter.name} v{adapter.version}: {exc}") from None
+    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, info in header.tensors.items():
+        key = parse_lora_name(name)
+        if key is None:
+            raise BlobError(f"adapter {adapter.name} v{adapter.version}: unexpected tensor {name!r}")
+        try:
+            halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(data, header, info)
+        except TensorFileError as exc:
+            raise BlobError(f"adapter {adapter.name} v{adapter.version}: {exc}") from None
+    pairs = {}
+    for where, ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            raise BlobError(f"adapter {adapter.name} v{adapter.version}: layer {where[0]} "
+                            f"{where[1]} lacks lora_A or lora_B")
+        pairs[where] = (ab["A"], ab["B"])
+    return SlotWeights(scaling=adapter.scaling, rank=adapter.rank, pairs=pairs)
