@@ -21,7 +21,7 @@ import zmq
 from computed.replica import GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
-from shared.config import MAX_WIRE_BYTES
+from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
 from shared.events import EventError
 from shared.protocol import (ProtocolError, Field, encode_request, error_reply, int_range,
                              ok_reply, pack, request_id_of, unpack, validate)
@@ -29,8 +29,6 @@ from shared.reducer import ReducerError, body_of_diff
 
 log = logging.getLogger("computed")
 
-SILENCE_S = 3.0
-HEARTBEAT_S = 1.0
 RETRY_S = 1.0
 
 REPLICA_REQUEST = {
@@ -95,7 +93,7 @@ class Daemon:
                     self._serve_clients()
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
-                    next_beat = time.monotonic() + HEARTBEAT_S
+                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         finally:
             for sock in (self.sub, self.router, self.beat):
                 sock.close(0)
@@ -140,7 +138,7 @@ class Daemon:
                 return
             self._apply_queue()
             behind = self.remote_head > r.applied_seq
-            silent = now - self.heard_at > SILENCE_S
+            silent = now - self.heard_at > REPLICA_SILENCE_S
             if (behind or silent) and now >= self.next_sync:
                 self.next_sync = now + RETRY_S
                 if r.catch_up():

@@ -31,6 +31,7 @@ from shared.reducer import State, apply, canonical, from_canonical, logical_dige
 
 log = logging.getLogger("computed")
 NO_POOL = "none"
+PENDING = "pending"
 
 
 class Phase(enum.Enum):
@@ -80,6 +81,9 @@ class Replica:
         return self._cached("logical", lambda: logical_digest(self.state))
 
     def pool_digest(self) -> str:
+        """The pool's digest, or 'pending' while a write waits for a slot's readers."""
+        if self.pool is not None and self.pool.pending:
+            return PENDING
         return self._cached("pool", lambda: self.pool.digest() if self.pool else NO_POOL)
 
     def _cached(self, what: str, compute: Any) -> str:

@@ -65,11 +65,16 @@ class ControlClient:
             sock.send(frame)
             while sock.poll(self.timeout_ms):
                 try:
-                    reply = unpack(sock.recv())
+                    reply = unpack(sock.recv(), max_bytes=MAX_WIRE_BYTES)
                 except ProtocolError:
                     continue
-                if not isinstance(reply, dict) or reply.get("id") != req_id:
-                    continue  # a late reply to an earlier attempt
+                if not isinstance(reply, dict):
+                    continue
+                # one request is outstanding per socket: an error without an id (the frame
+                # could not be read) answers it; another id is a late reply to an earlier try
+                if reply.get("id") != req_id and not (reply.get("id") is None
+                                                      and reply.get("ok") is False):
+                    continue
                 if reply.get("ok"):
                     return reply.get("result")
                 err = reply.get("error") or {}

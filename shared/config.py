@@ -16,7 +16,9 @@ MAX_FRAME_BYTES = 1 << 20
 MAX_WIRE_BYTES = 16 << 20
 MAX_BLOB_CHUNK = 1 << 20
 MAX_EVENTS_PER_PAGE = 1000
-HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's
+REPLICA_SILENCE_S = 3.0             # a replica that hears nothing this long catches up
+REPLICA_STALE_AFTER_S = 10.0        # status shows a replica STALE after this long without heartbeat
 DEFAULT_SNAPSHOT_EVERY = 100
 # Largest adapter_model.safetensors accepted by `load` (bytes).
 MAX_ADAPTER_BYTES = 4 << 30

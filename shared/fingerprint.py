@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.canonical import digest
-from shared.config import MODULE_PARENT
+from shared.config import MAX_CONFIG_BYTES, MODULE_PARENT
 from shared.tensorfile import TensorFileError, read_header
 
 
@@ -36,11 +36,11 @@ def _shards(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ModelError(f"{index}: not a valid safetensors index ({exc})") from None
-        names = sorted(set(weight_map.values()))
         for n in names:
-            if "/" in n or n.startswith("."):
+            if not isinstance(n, str) or "/" in n or n.startswith("."):
                 raise ModelError(f"{index}: shard name {n!r} must be a file in the same directory")
         return [model_dir / n for n in names]
     if any(model_dir.glob("*.bin")):
@@ -51,11 +51,22 @@ def _shards(model_dir: Path) -> list[Path]:
 
 def read_model(model_dir: Path) -> ModelInfo:
     """Read config.json and the safetensors headers (not the weights) of a checkpoint."""
-    model_dir = Path(model_dir)
+    try:
+        return _read_model(Path(model_dir))
+    except ModelError:
+        raise
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+        raise ModelError(f"{model_dir}: not a readable Hugging Face checkpoint ({exc})") from None
+
+
+def _read_model(model_dir: Path) -> ModelInfo:
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory")
+    config_path = model_dir / "config.json"
     try:
-        config = json.loads((model_dir / "config.json").read_text())
+        if config_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ModelError(f"{config_path} is larger than {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise ModelError(f"{model_dir}: no config.json") from None
     except json.JSONDecodeError as exc:

@@ -1,6 +1,6 @@
 """The wire protocol: msgpack frames, their limits and their schemas.
 
-Every inbound frame goes through `decode_request` (or `decode_reply`): size
+Every inbound frame goes through `unpack` and then `decode_request`: size
 limit, msgpack without ext types, plain types only, then a strict schema for
 the envelope and for the command's arguments. Errors name the field. See
 docs/protocol.md for the frames and what each side does with them.
@@ -18,6 +18,7 @@ from shared.config import (MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES,
 
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
@@ -42,7 +43,9 @@ def _check_plain(value: Any, depth: int = 0) -> None:
     if depth > 32:
         raise ProtocolError("bad_frame", "frame nests deeper than 32 levels")
     if isinstance(value, dict):
-        for v in value.values():
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ProtocolError("bad_frame", f"map keys must be strings, got {type(k).__name__}")
             _check_plain(v, depth + 1)
     elif isinstance(value, list):
         for v in value:
@@ -192,8 +195,9 @@ COMMANDS: dict[str, Schema] = {
     "heartbeat": {
         "id": NAME, "address": Field(str, check=str_len(256)),
         "state": Field(str, check=one_of("INITIAL", "SYNCING", "ACTIVE")),
-        "applied_seq": SEQ, "logical_digest": Field(str, check=str_len(64)),
-        "pool_digest": Field(str, check=str_len(64)),
+        "applied_seq": SEQ, "logical_digest": DIGEST,
+        "pool_digest": Field(str, check=matches(_POOL_DIGEST_RE, "64 lowercase hex digits, "
+                                                "'none' or 'pending'")),
     },
 }
 WRITE_COMMANDS = frozenset({"pool.init", "load", "unload"})

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import msgpack
 
-from shared.config import ADAPTER_NAME_RE, MAX_ADAPTER_BYTES, MODULES
+from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MODULES,
+                           REPLICA_STALE_AFTER_S)
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
                            Replaced, encode_body)
 from shared.fingerprint import ModelError, read_model
@@ -29,7 +30,6 @@ from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
 
 log = logging.getLogger("statesvc")
 
-STALE_AFTER_S = 10.0
 _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
@@ -58,6 +58,8 @@ class _Batch:
     snapshots: list[Snapshot] = field(default_factory=list)
     by_event_id: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    # every write answered in this batch: if the commit fails, none of them may claim success
+    writers: list[int] = field(default_factory=list)
 
 
 def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
@@ -84,7 +86,8 @@ def adapter_view(a: AdapterLoaded) -> dict[str, Any]:
 
 
 class StateService:
-    def __init__(self, store: EventStore, blobs: BlobStore, *, snapshot_every: int = 100,
+    def __init__(self, store: EventStore, blobs: BlobStore, *,
+                 snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
                  max_adapter_bytes: int = MAX_ADAPTER_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
@@ -159,7 +162,8 @@ class StateService:
             for sha in batch.new_blob_files:
                 if sha not in self.store.blob_hashes():
                     self.blobs.remove(sha)
-            for i, _ in batch.answers:
+            for i in (i for i in batch.writers if answers[i].error is None):
+                answers[i].result = None
                 answers[i].error = CommandError("storage_error", f"the event could not be "
                                                 f"stored ({exc}); nothing was recorded, retry")
             return []
@@ -171,6 +175,7 @@ class StateService:
     def _write(self, batch: _Batch, i: int, req: Request, actor: str,
                answers: list[Answer]) -> None:
         args = req.args
+        batch.writers.append(i)
         event_id = args["event_id"]
         prior = batch.by_event_id.get(event_id)
         if prior is None:
@@ -244,15 +249,19 @@ class StateService:
         cand = inspect_adapter(_absolute(args["path"], "args.path"), pool,
                                max_bytes=self.max_adapter_bytes)
         old = state.adapters.get(name)
-        if old is not None and (old.sha256, old.rank, old.alpha, old.use_rslora, old.targets) == \
-                (cand.sha256, cand.rank, cand.alpha, cand.use_rslora, cand.targets):
+        if old is not None and (old.sha256, old.rank, old.alpha, old.use_rslora, old.targets,
+                                old.pinned) == (cand.sha256, cand.rank, cand.alpha,
+                                                cand.use_rslora, cand.targets, args["pin"]):
             return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
                     "created": False}
         if old is not None and not args["replace"]:
+            what = (f"sha256 {old.sha256[:12]}..., new {cand.sha256[:12]}..."
+                    if old.sha256 != cand.sha256 else
+                    f"pinned={old.pinned}, asked pinned={args['pin']}"
+                    if old.pinned != args["pin"] else "other rank, alpha or targets")
             raise CommandError("exists", f"adapter {name!r} is already loaded as version "
-                               f"{old.version} with different content (sha256 "
-                               f"{old.sha256[:12]}..., new {cand.sha256[:12]}...); pass "
-                               "--replace to record a new version")
+                               f"{old.version} with different content or settings ({what}); "
+                               "pass --replace to record a new version")
         slot = choose_slot(state, old)
         if slot is None:
             raise CommandError("pool_full", f"all {pool.max_loras} slots are in use; unload an "
@@ -326,7 +335,7 @@ class StateService:
             applied = hb["applied_seq"]
             agrees = applied <= self.state.seq and self.digest_at(applied) == hb["logical_digest"]
             replicas.append({"id": rid, "address": hb["address"],
-                             "state": hb["state"] if now - seen < STALE_AFTER_S else "STALE",
+                             "state": hb["state"] if now - seen < REPLICA_STALE_AFTER_S else "STALE",
                              "applied_seq": applied, "logical_digest": hb["logical_digest"],
                              "pool_digest": hb["pool_digest"], "agrees": agrees})
         return {"head_seq": self.state.seq, "digest": self.digest_at(self.state.seq),

@@ -12,7 +12,7 @@ from typing import Any
 from shared.processes import free_port, loopback, start_ready, stop_pid
 
 BIN = Path(sys.executable).parent
-__all__ = ["BIN", "StateSvc", "free_port", "loractl", "stop_pid"]
+__all__ = ["BIN", "Computed", "StateSvc", "free_port", "loractl", "stop_pid", "wait_for"]
 
 
 @dataclass
@@ -53,3 +53,57 @@ def loractl(state: StateSvc, *args: str, check: bool = True,
     if check and res.returncode != 0:
         raise AssertionError(f"loractl {' '.join(args)} failed ({res.returncode}): {res.stderr}")
     return res
+
+
+@dataclass
+class Computed:
+    """A `computed serve` subprocess following `state`."""
+
+    model_dir: Path
+    state: StateSvc
+    cache_dir: Path
+    listen: str = field(default_factory=loopback)
+    replica_id: str | None = None
+    proc: subprocess.Popen[Any] | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.cache_dir.parent / f"computed-{self.cache_dir.name}.log"
+
+    def start(self) -> Computed:
+        self.cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.proc, _ = start_ready(
+            [str(BIN / "computed"), "serve", "--model", str(self.model_dir), "--state",
+             self.state.control, "--diffs", self.state.publish, "--listen", self.listen,
+             "--cache-dir", str(self.cache_dir),
+             *(["--replica-id", self.replica_id] if self.replica_id else [])],
+            log=self.log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def call(self, cmd: str, **args: Any) -> Any:
+        from shared.client import ControlClient
+        with ControlClient(self.listen, timeout_s=10, retries=0) as c:
+            return c.call(cmd, args)
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.call("status"))
+
+
+def wait_for(predicate: Any, *, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll until `predicate()` is true; a generous bound that only guards against hangs."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
