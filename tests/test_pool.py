@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+
 from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights, _clear, _write
+from tests.jaxcount import BACKEND_COMPILE, buffer_pointers, counting_compiles
 
 # Dict order differs from MODULES order on purpose: the pool must not depend on it.
 DIMS = {"v_proj": (32, 16), "q_proj": (32, 32), "down_proj": (48, 32)}
 SPEC = PoolSpec(num_layers=2, module_dims=DIMS, slots=4, max_rank=8, dtype="float32")
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def adapter(
@@ -55,26 +55,6 @@ def assert_slot(pool: MemoryPool, slot: int, w: SlotWeights | None) -> None:
         np.testing.assert_array_equal(got.B[m], B)
     assert got.scaling == (np.float32(w.scaling) if w else 0.0)
     assert got.rank == (w.rank if w else 0)
-
-
-@contextmanager
-def counting_compiles() -> Iterator[list[str]]:
-    """Collect one entry per XLA backend compile while the block runs."""
-    seen: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: object) -> None:
-        if event == BACKEND_COMPILE:
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def buffer_pointers(pool: MemoryPool) -> list[int]:
-    return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(pool.arrays)]
 
 
 def test_write_read_clear() -> None:

@@ -1,0 +1,31 @@
+"""Counting XLA compilations and pool buffer addresses in tests."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import jax
+
+from computed.pool import MemoryPool
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextmanager
+def counting_compiles() -> Iterator[list[str]]:
+    """Collect one entry per XLA backend compile while the block runs."""
+    seen: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == BACKEND_COMPILE:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def buffer_pointers(pool: MemoryPool) -> list[int]:
+    return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(pool.arrays)]
