@@ -196,6 +196,7 @@ class Daemon:
         r = self.replica
         return {"id": self.replica_id, "address": self.listen, **self._digests(),
                 "head_seq_seen": self.remote_head, "last_error": r.last_error,
+                "applied_at": r.applied_at,
                 "blob_fetches": r.blobs.fetches,
                 "slots": {str(s): {"name": h.name, "version": h.version}
                           for s, h in sorted(r.holders.items())}}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class Replica:
         self.pool: MemoryPool | None = None
         self.holders: dict[int, SlotHolder] = {}  # what each pool slot holds now
         self.last_error: str | None = None
+        self.applied_at = 0.0  # wall-clock time of the last advance
         self._digests: dict[str, tuple[int, str]] = {}
 
     # ---- status ----------------------------------------------------------------
@@ -151,6 +153,7 @@ class Replica:
         for slot, weights in sorted(writes.items()):
             pool.write_slot(slot, weights)  # type: ignore[union-attr]
         self.pool, self.holders, self.state = pool, wanted, new
+        self.applied_at = time.time()
         self.last_error = None
         self._save_local_state()
 
