@@ -230,3 +230,18 @@ def test_migrate_only(tmp_path: Path) -> None:
             "SELECT name FROM sqlite_master WHERE type='trigger'")}
     assert {"events", "snapshots", "blobs", "alembic_version"} <= tables
     assert triggers == {"events_no_update", "events_no_delete"}
+
+
+def test_status_marks_a_replica_that_disagrees(statesvc: StateSvc, example: ExampleAssets,
+                                               raw: zmq.Socket[Any]) -> None:
+    loractl(statesvc, "pool", "init", "--model", str(example.model_dir), "--max-loras", "2",
+            "--max-rank", "8", "--targets", "all")
+    digest = js(loractl(statesvc, "status", "--json"))["digest"]
+    beat = {"address": "tcp://127.0.0.1:1", "state": "ACTIVE", "applied_seq": 1,
+            "pool_digest": "none"}
+    assert raw_call(raw, "heartbeat", {**beat, "id": "good", "logical_digest": digest})["ok"]
+    assert raw_call(raw, "heartbeat", {**beat, "id": "bad", "logical_digest": "f" * 64})["ok"]
+    reps = {r["id"]: r for r in js(loractl(statesvc, "status", "--json"))["replicas"]}
+    assert reps["good"]["agrees"] is True and reps["bad"]["agrees"] is False
+    table = loractl(statesvc, "status").stdout
+    assert "NO" in table.split("bad")[1].splitlines()[0]
