@@ -47,6 +47,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         raise click.ClickException(str(exc)) from None
     replica_id = replica_id or f"{socket.gethostname()}-{listen.rsplit(':', 1)[-1]}"
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
+    # the client's socket is made on first use, in the sync thread that alone uses it
     client = ControlClient(state, timeout_s=3.0, retries=1)
     daemon = Daemon(Replica(info, client, cache_dir), replica_id=replica_id, listen=listen,
                     state=state, diffs=diffs)

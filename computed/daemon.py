@@ -1,16 +1,21 @@
-"""The replica daemon's sockets: SUB for diffs and heartbeats, ROUTER for its clients,
-and a DEALER that heartbeats to statesvc without ever blocking the loop.
+"""The replica daemon: a sync thread that follows statesvc, and the serving loop.
 
-One thread. Each turn: drain the diff stream into a queue, apply what follows
-the applied seq, catch up on a gap, on a heartbeat beyond the applied seq or
-after 3 s of silence; answer the listen socket; heartbeat once a second. A
-failed advance (statesvc down, a bad blob) keeps the pool as it is and is
-retried; the replica keeps answering meanwhile.
+The sync thread owns the SUB socket (diffs and heartbeats), the control
+client and a DEALER that heartbeats to statesvc without ever blocking. Each
+turn it drains the diff stream into a queue, applies what follows the applied
+seq, and catches up on a gap, on a heartbeat beyond the applied seq or after
+3 s of silence. A failed advance (statesvc down, a bad blob) keeps the pool as
+it is and is retried.
+
+The main thread owns the ROUTER at --listen: status, slot reads and
+`generate`, which the engine batches continuously; while requests run it steps
+the engine between polls.
 """
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import uuid
 from typing import Any
@@ -18,85 +23,80 @@ from typing import Any
 import numpy as np
 import zmq
 
+from computed.engine import Done, Engine
 from computed.replica import GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
 from shared.events import EventError
-from shared.protocol import (ProtocolError, Field, encode_request, error_reply, int_range,
-                             ok_reply, pack, request_id_of, unpack, validate)
+from shared.protocol import (Field, ProtocolError, encode_request, error_reply, int_range,
+                             ok_reply, request_id_of, str_len, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
 
 log = logging.getLogger("computed")
 
 RETRY_S = 1.0
+SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError)
 
 REPLICA_REQUEST = {
     "v": Field(int, check=int_range(1, 1)),
-    "id": Field(str),
-    "cmd": Field(str),
+    "id": Field(str, check=str_len(64)),
+    "cmd": Field(str, check=str_len(64)),
     "args": Field(dict, required=False, default=None),
 }
-REPLICA_COMMANDS: dict[str, dict[str, Field]] = {
-    "status": {},
-    "slot": {"slot": Field(int, check=int_range(0, 1 << 20))},
-}
+REPLICA_COMMANDS = ("status", "slot", "generate")
+SLOT_ARGS = {"slot": Field(int, check=int_range(0, 1 << 20))}
 
 
-class Daemon:
+class SyncLoop(threading.Thread):
+    """Keeps the replica in step with statesvc (see the module docstring)."""
+
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
                  diffs: str) -> None:
+        super().__init__(name="sync", daemon=True)
         self.replica = replica
         self.replica_id = replica_id
-        self.ctx = zmq.Context.instance()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.RCVHWM, 1_000_000)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(diffs)  # subscribe first (Clone pattern), then fetch the state
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(listen)
-        self.listen = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.beat = self.ctx.socket(zmq.DEALER)
-        self.beat.setsockopt(zmq.LINGER, 0)
-        self.beat.setsockopt(zmq.SNDHWM, 4)
-        self.beat.connect(state)
+        self.listen = listen
+        self.state_addr, self.diffs_addr = state, diffs
         self.queue: dict[int, dict[str, Any]] = {}
         self.heard_at = time.monotonic()
         self.remote_head = 0
         self.next_sync = 0.0
-        self._stop = False
+        self.fatal: BaseException | None = None
+        self.stopping = threading.Event()
 
-    def stop(self, *_: Any) -> None:
-        self._stop = True
-
-    # ---- the loop --------------------------------------------------------------------
-
-    def serve_forever(self) -> None:
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
+    def run(self) -> None:
+        ctx = zmq.Context.instance()
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 1_000_000)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(self.diffs_addr)  # subscribe first (Clone pattern), then fetch state
+        self.beat = ctx.socket(zmq.DEALER)
+        self.beat.setsockopt(zmq.LINGER, 0)
+        self.beat.setsockopt(zmq.SNDHWM, 4)
+        self.beat.connect(self.state_addr)
         poller = zmq.Poller()
-        for sock in (self.sub, self.router, self.beat):
-            poller.register(sock, zmq.POLLIN)
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.beat, zmq.POLLIN)
         next_beat = 0.0
         try:
-            while not self._stop:
+            while not self.stopping.is_set():
                 ready = dict(poller.poll(100))
                 if self.sub in ready:
                     self._drain_sub()
                 if self.beat in ready:
-                    self._drain_beat_replies()
+                    while self.beat.poll(0):
+                        self.beat.recv()
                 self._sync()
-                if self.router in ready:
-                    self._serve_clients()
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+        except BaseException as exc:  # a model mismatch, or a bug: the daemon must stop
+            self.fatal = exc
         finally:
-            for sock in (self.sub, self.router, self.beat):
-                sock.close(0)
+            self.sub.close(0)
+            self.beat.close(0)
 
     def _drain_sub(self) -> None:
         while True:
@@ -108,7 +108,7 @@ class Daemon:
                 continue  # not two frames
             self.heard_at = time.monotonic()
             try:
-                msg = unpack(frame)
+                msg = unpack(frame, max_bytes=MAX_WIRE_BYTES)
                 if topic == b"hb":
                     self.remote_head = max(self.remote_head, int(msg["head_seq"]))
                 elif topic == b"diff":
@@ -118,13 +118,6 @@ class Daemon:
                         self.queue[seq] = msg
             except (ProtocolError, KeyError, TypeError, ValueError):
                 log.warning("dropped a malformed message on the diff stream")
-
-    def _drain_beat_replies(self) -> None:
-        while True:
-            try:
-                self.beat.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     def _sync(self) -> None:
         r = self.replica
@@ -136,8 +129,12 @@ class Daemon:
                     r.bootstrap()
                     log.info("ACTIVE at seq %d", r.applied_seq)
                 return
-            self._apply_queue()
-            behind = self.remote_head > r.applied_seq
+            try:
+                self._apply_queue()
+            except GapError as exc:
+                log.info("gap in the diff stream (%s): fetching the missing range", exc)
+                self.next_sync = 0.0
+            behind = self.remote_head > r.applied_seq or bool(self.queue)
             silent = now - self.heard_at > REPLICA_SILENCE_S
             if (behind or silent) and now >= self.next_sync:
                 self.next_sync = now + RETRY_S
@@ -146,28 +143,15 @@ class Daemon:
                 if silent:
                     self.heard_at = now  # statesvc answered: wait another period
                 self._apply_queue()
-        except ModelMismatch:
-            raise
-        except GapError as exc:
-            log.info("gap in the diff stream (%s): fetching the missing range", exc)
-            self.next_sync = 0.0
-            self._catch_up_now()
-        except (Unavailable, RemoteError, BlobError, ReducerError, EventError) as exc:
+        except SYNC_ERRORS as exc:
             if str(exc) != r.last_error:
                 log.warning("sync: %s", exc)
             r.last_error = str(exc)
 
-    def _catch_up_now(self) -> None:
-        try:
-            self.replica.catch_up()
-            self._apply_queue()
-        except (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError) as exc:
-            self.replica.last_error = str(exc)
-
     def _apply_queue(self) -> None:
         r = self.replica
         for seq in [s for s in self.queue if s <= r.applied_seq]:
-            del self.queue[seq]  # duplicates and what a catch-up already applied
+            del self.queue[seq]  # duplicates, and what a catch-up already applied
         run = []
         seq = r.applied_seq + 1
         while seq in self.queue:
@@ -181,27 +165,69 @@ class Daemon:
             raise GapError(r.applied_seq + 1, min(self.queue))
 
     def _heartbeat(self) -> None:
-        args = {"id": self.replica_id, "address": self.listen, **self._digests()}
+        args = {"id": self.replica_id, "address": self.listen, **digests(self.replica)}
         try:
             self.beat.send(encode_request(uuid.uuid4().hex, "heartbeat", args), zmq.NOBLOCK)
         except zmq.Again:
             pass  # statesvc is away; the next one will do
 
-    def _digests(self) -> dict[str, Any]:
-        r = self.replica
-        return {"state": r.phase.value, "applied_seq": r.applied_seq,
-                "logical_digest": r.logical_digest(), "pool_digest": r.pool_digest()}
+
+def digests(r: Replica) -> dict[str, Any]:
+    return {"state": r.phase.value, "applied_seq": r.applied_seq,
+            "logical_digest": r.logical_digest(), "pool_digest": r.pool_digest()}
+
+
+class Daemon:
+    def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
+                 diffs: str, engine: Engine | None = None) -> None:
+        self.replica = replica
+        self.replica_id = replica_id
+        self.engine = engine
+        self.router = zmq.Context.instance().socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(listen)
+        self.listen = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
+                             diffs=diffs)
+        self._stop = False
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.sync.start()
+        try:
+            while not self._stop and self.sync.is_alive():
+                busy = self.engine is not None and self.engine.busy
+                if self.router.poll(0 if busy else 50):
+                    self._serve_clients()
+                if self.engine is not None and self.engine.busy:
+                    self._send(self.engine.step())
+        finally:
+            self.sync.stopping.set()
+            self.sync.join(10)
+            self.router.close(0)
+        if self.sync.fatal is not None:
+            raise self.sync.fatal
 
     def status(self) -> dict[str, Any]:
         r = self.replica
-        return {"id": self.replica_id, "address": self.listen, **self._digests(),
-                "head_seq_seen": self.remote_head, "last_error": r.last_error,
-                "applied_at": r.applied_at,
-                "blob_fetches": r.blobs.fetches,
+        return {"id": self.replica_id, "address": self.listen, **digests(r),
+                "head_seq_seen": self.sync.remote_head, "last_error": r.last_error,
+                "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
                 "slots": {str(s): {"name": h.name, "version": h.version}
                           for s, h in sorted(r.holders.items())}}
 
-    # ---- the listen socket ---------------------------------------------------------
+    def _send(self, done: list[Done]) -> None:
+        for d in done:
+            if d.error is not None:
+                frame = error_reply(d.req_id, d.error.code, str(d.error), d.error.field)
+            else:
+                frame = ok_reply(d.req_id, d.result)
+            self.router.send_multipart(d.reply_to + [frame])
 
     def _serve_clients(self) -> None:
         for _ in range(256):
@@ -220,20 +246,28 @@ class Daemon:
                 if env["cmd"] not in REPLICA_COMMANDS:
                     raise ProtocolError("unknown_command", f"unknown command {env['cmd']!r}; "
                                         f"known: {', '.join(REPLICA_COMMANDS)}", "request.cmd")
-                args = validate(REPLICA_COMMANDS[env["cmd"]], env["args"] or {}, "args")
-                reply = ok_reply(req_id, self._command(env["cmd"], args))
+                if env["cmd"] == "generate":
+                    if self.engine is None:
+                        raise ProtocolError("not_ready", "inference is disabled on this replica")
+                    immediate = self.engine.submit(req_id or "", env["args"] or {}, envelope)
+                    if immediate is not None:
+                        self._send([immediate])
+                    continue
+                reply = ok_reply(req_id, self._command(env["cmd"], env["args"] or {}))
             except ProtocolError as exc:
                 reply = error_reply(req_id, exc.code, str(exc), exc.field)
             self.router.send_multipart(envelope + [reply])
 
-    def _command(self, cmd: str, args: dict[str, Any]) -> Any:
+    def _command(self, cmd: str, raw_args: dict[str, Any]) -> Any:
         if cmd == "status":
+            validate({}, raw_args, "args")
             return self.status()
+        args = validate(SLOT_ARGS, raw_args, "args")
         pool = self.replica.pool
         if pool is None:
             raise ProtocolError("not_ready", "the pool is not configured yet")
         if not 0 <= args["slot"] < pool.spec.slots:
-            raise ProtocolError("bad_request", f"slot must be below {pool.spec.slots}",
+            raise ProtocolError("bad_request", f"args.slot must be below {pool.spec.slots}",
                                 "args.slot")
         c = pool.read_slot(args["slot"])
         return {"scaling": c.scaling, "rank": c.rank,
@@ -244,6 +278,3 @@ class Daemon:
 def _array(a: np.ndarray) -> dict[str, Any]:
     a = np.asarray(a, dtype=np.float32)
     return {"shape": list(a.shape), "dtype": "float32", "data": a.tobytes()}
-
-
-__all__ = ["Daemon", "pack"]

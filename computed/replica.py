@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,9 @@ class Replica:
         self.holders: dict[int, SlotHolder] = {}  # what each pool slot holds now
         self.last_error: str | None = None
         self.applied_at = 0.0  # wall-clock time of the last advance
+        # held while the state and the pool's slots change together, and by readers
+        # that resolve an adapter to its slot and lease it
+        self.lock = threading.Lock()
         self._digests: dict[str, tuple[int, str]] = {}
 
     # ---- status ----------------------------------------------------------------
@@ -148,11 +152,12 @@ class Replica:
         clears = [s for s in self.holders if s not in wanted]
         # nothing has changed up to here; from here on nothing can fail
         assert pool is not None or not (writes or clears)
-        for slot in clears:
-            pool.clear_slot(slot)  # type: ignore[union-attr]
-        for slot, weights in sorted(writes.items()):
-            pool.write_slot(slot, weights)  # type: ignore[union-attr]
-        self.pool, self.holders, self.state = pool, wanted, new
+        with self.lock:
+            for slot in clears:
+                pool.clear_slot(slot)  # type: ignore[union-attr]
+            for slot, weights in sorted(writes.items()):
+                pool.write_slot(slot, weights)  # type: ignore[union-attr]
+            self.pool, self.holders, self.state = pool, wanted, new
         self.applied_at = time.time()
         self.last_error = None
         self._save_local_state()

@@ -1,0 +1,278 @@
+"""Continuous batching: requests for any mix of adapters share one decode step.
+
+A request is admitted when a batch row is free: it resolves its adapter to the
+(slot, version) the replica holds at that moment, takes a lease on the slot
+(so the slot is not overwritten until the request finishes, see pool.py), is
+prefilled into its own KV-cache row, and from the next step on decodes
+together with every other running request. It leaves the batch when it hits
+max_new_tokens, a stop token or the cache's end. Sampling happens on the host
+from each step's logits: greedy at temperature 0, else temperature and top-p
+with the request's own seeded generator, so a request's output does not depend
+on what else is in the batch.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from computed.pool import Lease, LoraPool, SlotDraining
+from computed.replica import Phase, Replica
+from shared.protocol import Field, ProtocolError, int_range, str_len, validate
+
+MAX_STOP_TOKENS = 64
+
+
+class Model(Protocol):
+    vocab_size: int
+    max_len: int
+    max_batch: int
+
+    def bucket(self, length: int) -> int: ...
+
+    def new_cache(self) -> Any: ...
+
+    def prefill(self, pool: LoraPool, cache: Any, tokens: np.ndarray, length: int, row: int,
+                slot: int) -> tuple[np.ndarray, Any]: ...
+
+    def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
+               slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
+
+
+def _token_list(limit: int) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if not isinstance(v, list) or not all(type(t) is int for t in v):
+            return "must be a list of integers"
+        if len(v) > limit:
+            return f"has {len(v)} entries, above the limit of {limit}"
+        return None
+    return check
+
+
+def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
+    in_vocab = f"must be token ids in [0, {vocab_size})"
+
+    def tokens(v: Any) -> str | None:
+        problem = _token_list(max_len)(v)
+        if problem:
+            return problem
+        if not v:
+            return "must not be empty"
+        return None if all(0 <= t < vocab_size for t in v) else in_vocab
+
+    def stops(v: Any) -> str | None:
+        problem = _token_list(MAX_STOP_TOKENS)(v)
+        return problem or (None if all(0 <= t < vocab_size for t in v) else in_vocab)
+
+    return {
+        "adapter": Field(str, required=False, check=str_len(64)),
+        "input_ids": Field(list, check=tokens),
+        "max_new_tokens": Field(int, required=False, default=16, check=int_range(1, max_len)),
+        "temperature": Field(float, required=False, default=0.0,
+                             check=lambda v: None if 0.0 <= v <= 100.0 else
+                             "must be between 0 and 100"),
+        "top_p": Field(float, required=False, default=1.0,
+                       check=lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]"),
+        "seed": Field(int, required=False, default=0, check=int_range(0, 2**63 - 1)),
+        "stop_token_ids": Field(list, required=False, default=[], check=stops),
+        "min_seq": Field(int, required=False, default=0, check=int_range(0, 2**62)),
+    }
+
+
+class GenerateError(Exception):
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+@dataclass
+class Request:
+    req_id: str
+    args: dict[str, Any]
+    reply_to: Any  # opaque to the engine: where the daemon sends the answer
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Running:
+    req: Request
+    row: int
+    slot: int  # -1: the base model
+    adapter: dict[str, Any] | None
+    lease: Lease | None
+    seq: int
+    rng: np.random.Generator
+    position: int  # where the next token's KV goes
+    next_token: int
+    output: list[int] = field(default_factory=list)
+    admitted: float = 0.0
+    prefill_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Done:
+    reply_to: Any
+    req_id: str
+    result: dict[str, Any] | None = None
+    error: GenerateError | None = None
+
+
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else temperature, then nucleus (top-p) sampling."""
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.cumsum(p[order]) - p[order] < top_p  # the smallest prefix reaching top_p
+    kept = order[keep]
+    q = p[kept] / p[kept].sum()
+    return int(kept[rng.choice(len(kept), p=q)])
+
+
+class Engine:
+    def __init__(self, model: Model, replica: Replica, *, queue_limit: int = 256,
+                 min_seq_wait_s: float = 10.0) -> None:
+        self.model = model
+        self.replica = replica
+        self.queue_limit = queue_limit
+        self.min_seq_wait_s = min_seq_wait_s
+        self.schema = generate_schema(model.vocab_size, model.max_len)
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Running | None] = [None] * model.max_batch
+        self.cache = model.new_cache()
+
+    # ---- intake ----------------------------------------------------------------
+
+    def submit(self, req_id: str, raw_args: Any, reply_to: Any) -> Done | None:
+        """Validate and queue a request; an immediate error comes back as a Done."""
+        try:
+            args = validate(self.schema, raw_args, "args")
+        except ProtocolError as exc:
+            return Done(reply_to, req_id, error=GenerateError(exc.code, str(exc), exc.field))
+        prompt = len(args["input_ids"])
+        if prompt + args["max_new_tokens"] > self.model.max_len:
+            return Done(reply_to, req_id, error=GenerateError(
+                "prompt_too_long", f"{prompt} prompt tokens + max_new_tokens "
+                f"{args['max_new_tokens']} exceed this replica's context of {self.model.max_len} "
+                "tokens; shorten the prompt or ask for fewer tokens", "args.input_ids"))
+        if len(self.waiting) >= self.queue_limit:
+            return Done(reply_to, req_id, error=GenerateError(
+                "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "
+                f"{self.queue_limit}); retry later or send to another replica"))
+        self.waiting.append(Request(req_id, args, reply_to))
+        return None
+
+    @property
+    def busy(self) -> bool:
+        return any(r is not None for r in self.rows) or bool(self.waiting)
+
+    # ---- one step ----------------------------------------------------------------
+
+    def step(self) -> list[Done]:
+        """Admit what can be admitted, then run one decode step for every running request."""
+        done: list[Done] = []
+        self._admit(done)
+        active = [r for r in self.rows if r is not None]
+        if not active:
+            return done
+        pool = self.replica.pool
+        assert pool is not None
+        m = self.model
+        tokens = np.zeros(m.max_batch, np.int32)
+        positions = np.zeros(m.max_batch, np.int32)
+        slots = np.full(m.max_batch, -1, np.int32)
+        mask = np.zeros(m.max_batch, bool)
+        for r in active:
+            tokens[r.row], positions[r.row], slots[r.row], mask[r.row] = \
+                r.next_token, r.position, r.slot, True
+        with pool.reading() as arrays:
+            logits, self.cache = m.decode(arrays, self.cache, tokens, positions, slots, mask)
+        logits = np.asarray(logits)
+        for r in active:
+            r.position += 1
+            self._emit(r, logits[r.row], done)
+        return done
+
+    def _emit(self, r: Running, logits: np.ndarray, done: list[Done]) -> None:
+        """Record the token sampled from `logits`; finish the request when it is done."""
+        a = r.req.args
+        token = sample(logits, a["temperature"], a["top_p"], r.rng)
+        r.output.append(token)
+        r.next_token = token
+        if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
+                or r.position >= self.model.max_len):
+            self._finish(r, done)
+
+    def _finish(self, r: Running, done: list[Done]) -> None:
+        self.rows[r.row] = None
+        if r.lease is not None:
+            r.lease.pool.release(r.lease)
+        now = time.perf_counter()
+        timings = {"queue_ms": (r.admitted - r.req.arrived) * 1e3,
+                   "prefill_ms": r.prefill_s * 1e3,
+                   "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
+                   "total_ms": (now - r.req.arrived) * 1e3}
+        done.append(Done(r.req.reply_to, r.req.req_id, result={
+            "id": r.req.req_id, "output_ids": r.output, "adapter": r.adapter, "seq": r.seq,
+            "timings": timings}))
+
+    def _admit(self, done: list[Done]) -> None:
+        kept: deque[Request] = deque()
+        while self.waiting:
+            req = self.waiting.popleft()
+            try:
+                if not self._try_admit(req, done):
+                    kept.append(req)
+            except GenerateError as exc:
+                done.append(Done(req.reply_to, req.req_id, error=exc))
+        self.waiting = kept
+
+    def _try_admit(self, req: Request, done: list[Done]) -> bool:
+        """Admit `req` into a free row; False to keep it waiting."""
+        a = req.args
+        replica = self.replica
+        ready = replica.phase is Phase.ACTIVE and replica.pool is not None
+        if not ready or replica.applied_seq < a["min_seq"]:
+            if time.perf_counter() - req.arrived < self.min_seq_wait_s:
+                return False
+            raise GenerateError("not_ready", f"the replica is {replica.phase.value} at seq "
+                                f"{replica.applied_seq} and did not reach min_seq "
+                                f"{a['min_seq']} within {self.min_seq_wait_s:g} s",
+                                "args.min_seq" if ready else None)
+        row = next((i for i, r in enumerate(self.rows) if r is None), None)
+        if row is None:
+            return False
+        slot, adapter, lease = -1, None, None
+        with replica.lock:  # the state and the slots it names change together
+            state, pool = replica.state, replica.pool
+            assert pool is not None
+            if a["adapter"] is not None:
+                loaded = state.adapters.get(a["adapter"])
+                if loaded is None:
+                    raise GenerateError("unknown_adapter", f"adapter {a['adapter']!r} is not "
+                                        f"loaded on this replica (at seq {state.seq}); "
+                                        "`loractl list` shows what is", "args.adapter")
+                try:
+                    lease = pool.acquire(loaded.slot)
+                except SlotDraining:
+                    return False  # its slot is being rewritten: admit once that is done
+                slot, adapter = loaded.slot, {"name": loaded.name, "version": loaded.version}
+        run = Running(req, row, slot, adapter, lease, state.seq,
+                      np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
+        run.admitted = time.perf_counter()
+        prompt = np.zeros(self.model.bucket(len(a["input_ids"])), np.int32)
+        prompt[:len(a["input_ids"])] = a["input_ids"]
+        with pool.reading() as arrays:
+            logits, self.cache = self.model.prefill(arrays, self.cache, prompt,
+                                                    len(a["input_ids"]), row, slot)
+        logits = np.asarray(logits)
+        run.prefill_s = time.perf_counter() - run.admitted
+        self.rows[row] = run
+        self._emit(run, logits, done)
+        return True
