@@ -66,7 +66,8 @@ def unpack(frame: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> Any:
         raise
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
             UnicodeDecodeError, TypeError) as exc:
-        raise ProtocolError("bad_frame", f"not a valid msgpack frame: {exc}") from None
+        raise ProtocolError("bad_frame", "not a valid msgpack frame: "
+                            f"{exc or type(exc).__name__}") from None
     _check_plain(value)
     return value
 
@@ -131,8 +132,9 @@ def validate(schema: Schema, data: Any, where: str) -> dict[str, Any]:
         raise ProtocolError("bad_request", f"{where} must be a map", where)
     unknown = sorted(set(data) - set(schema))
     if unknown:
+        allowed = ", ".join(sorted(schema)) or "none"
         raise ProtocolError("bad_request", f"{where}: unknown field {unknown[0]!r}; allowed: "
-                            f"{', '.join(sorted(schema))}", f"{where}.{unknown[0]}")
+                            f"{allowed}", f"{where}.{unknown[0]}")
     out: dict[str, Any] = {}
     for name, spec in schema.items():
         path = f"{where}.{name}"

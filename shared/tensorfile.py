@@ -51,7 +51,7 @@ def _check_entry(name: str, entry: Any, data_len: int) -> TensorInfo:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise TensorFileError(f"tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise TensorFileError(f"tensor {name!r}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
         raise TensorFileError(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")

@@ -288,6 +288,54 @@ def status(ctx: click.Context, as_json: bool) -> None:
     out.print(table)
 
 
+def _parse_ids(value: str) -> list[int]:
+    try:
+        ids = [int(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated token ids, e.g. 1,2,3")
+    if not ids:
+        raise click.BadParameter("at least one token id is needed")
+    return ids
+
+
+@main.command()
+@click.option("--replica", required=True, envvar="LORAPLANE_REPLICA",
+              help="A replica's listen address, e.g. tcp://127.0.0.1:7200 (env LORAPLANE_REPLICA).")
+@click.option("--adapter", default=None, help="Adapter name; without it, the base model.")
+@click.option("--input-ids", required=True, help="Prompt token ids, comma-separated.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+              show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--stop-token-ids", default="", help="Comma-separated ids that end the output.")
+@click.option("--min-seq", type=click.IntRange(0), default=0, show_default=True,
+              help="Wait until the replica has applied this seq (read your own load).")
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: str,
+             max_new_tokens: int, temperature: float, top_p: float, seed: int,
+             stop_token_ids: str, min_seq: int, as_json: bool) -> None:
+    """Ask a replica for a completion, on an adapter or on the base model."""
+    args = {"adapter": adapter, "input_ids": _parse_ids(input_ids),
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "seed": seed, "stop_token_ids": _parse_ids(stop_token_ids) if stop_token_ids else [],
+            "min_seq": min_seq}
+    with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0) as c:
+        res = c.call("generate", args)
+    if as_json:
+        _emit(res)
+        return
+    who = (f"{res['adapter']['name']} v{res['adapter']['version']}" if res["adapter"]
+           else "base model")
+    out.print(f"{who} (replica at seq {res['seq']}): {','.join(map(str, res['output_ids']))}")
+    t = res["timings"]
+    out.print(f"[dim]queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
+              f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms[/]")
+
+
 @main.command("make-example")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -100,6 +100,11 @@ class Server:
             except ProtocolError as exc:
                 self.router.send_multipart(envelope + [
                     error_reply(_safe_id(body), exc.code, str(exc), exc.field)])
+            except Exception as exc:  # a decoder bug must cost one answer, never the service
+                log.exception("internal error decoding a frame")
+                self.router.send_multipart(envelope + [error_reply(
+                    None, "internal_error", f"internal error ({type(exc).__name__}); please "
+                    "report it")])
         if not batch:
             return
         answers, committed = self.service.handle([(req, LOCAL_ACTOR) for _, req in batch])

@@ -149,6 +149,11 @@ class StateService:
                 answers[i].error = exc
             except (ReducerError, AdapterError) as exc:
                 answers[i].error = CommandError(exc.code, str(exc))
+            except Exception as exc:  # a bug must cost one answer, never the service
+                log.exception("internal error on %s", req.cmd)
+                answers[i].error = CommandError("internal_error", f"internal error "
+                                                f"({type(exc).__name__}: {exc}); nothing was "
+                                                "recorded for this command; please report it")
         if batch.events:
             committed += self._commit(batch, answers)
         return answers, committed
