@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,9 +174,30 @@ def inspect_adapter(path: Path, pool: PoolConfigured, *,
                            f"({', '.join(pool.targets)}); configure a pool with --targets "
                            "including them")
     data = _read_weights(path, max_bytes)
-    targets = _check_tensors(path, data, pool, rank)
+    sha256 = hashlib.sha256(data).hexdigest()
+    targets = _checked_targets(path, data, sha256, pool, rank)
     if isinstance(declared, list) and not set(targets) <= set(declared):
         raise _invalid(path, f"weights target {list(targets)}, but target_modules lists only "
                        f"{declared}")
-    return Candidate(data, hashlib.sha256(data).hexdigest(), rank, alpha,
-                     bool(cfg.get("use_rslora", False)), targets)
+    return Candidate(data, sha256, rank, alpha, bool(cfg.get("use_rslora", False)), targets)
+
+
+# Verdicts of _check_tensors for weights already checked, by content: the same bytes
+# checked for the same pool and rank always pass the same way, so a reload of a known
+# adapter costs one read and one hash, not a scan of every tensor.
+_CHECKED: OrderedDict[tuple[str, str, tuple[str, ...], int, int], tuple[str, ...]] = OrderedDict()
+_CHECKED_MAX = 4096
+
+
+def _checked_targets(path: Path, data: bytes, sha256: str, pool: PoolConfigured,
+                     rank: int) -> tuple[str, ...]:
+    key = (sha256, pool.fingerprint, pool.targets, pool.num_layers, rank)
+    targets = _CHECKED.get(key)
+    if targets is None:
+        targets = _check_tensors(path, data, pool, rank)
+        _CHECKED[key] = targets
+        if len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
+    else:
+        _CHECKED.move_to_end(key)
+    return targets

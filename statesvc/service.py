@@ -56,7 +56,9 @@ class _Batch:
     blobs: list[NewBlob] = field(default_factory=list)
     new_blob_files: list[str] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
+    # event_id -> (event type, result): recorded before, or decided in this batch
     by_event_id: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    decided_ids: list[str] = field(default_factory=list)
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     # every write answered in this batch: if the commit fails, none of them may claim success
     writers: list[int] = field(default_factory=list)
@@ -135,7 +137,11 @@ class StateService:
         """Answer a batch of (request, actor); returns the answers and the committed events."""
         answers = [Answer() for _ in requests]
         committed: list[Event] = []
-        batch = _Batch(self.state)
+        # event_ids already recorded: one lookup for the whole batch
+        ids = [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
+        known = {eid: (ev.type, _result_of(ev.type, ev.seq, ev.body))
+                 for eid, ev in self.store.by_event_ids(ids).items()} if ids else {}
+        batch = _Batch(self.state, by_event_id=known)
         for i, (req, actor) in enumerate(requests):
             try:
                 if req.cmd in _EVENT_OF_CMD:
@@ -143,7 +149,7 @@ class StateService:
                 else:
                     if batch.events:
                         committed += self._commit(batch, answers)
-                        batch = _Batch(self.state)
+                        batch = _Batch(self.state, by_event_id=known)
                     answers[i].result = self._read(req)
             except CommandError as exc:
                 answers[i].error = exc
@@ -167,6 +173,8 @@ class StateService:
             for sha in batch.new_blob_files:
                 if sha not in self.store.blob_hashes():
                     self.blobs.remove(sha)
+            for event_id in batch.decided_ids:
+                del batch.by_event_id[event_id]
             for i in (i for i in batch.writers if answers[i].error is None):
                 answers[i].result = None
                 answers[i].error = CommandError("storage_error", f"the event could not be "
@@ -183,10 +191,6 @@ class StateService:
         batch.writers.append(i)
         event_id = args["event_id"]
         prior = batch.by_event_id.get(event_id)
-        if prior is None:
-            stored = self.store.by_event_ids([event_id]).get(event_id)
-            if stored is not None:
-                prior = (stored.type, _result_of(stored.type, stored.seq, stored.body))
         if prior is not None:  # a retry: answer with the original result, record nothing
             if prior[0] != _EVENT_OF_CMD[req.cmd] or prior[1].get("name") != args.get("name"):
                 raise CommandError("conflict", f"event_id {event_id} was already used by a "
@@ -208,7 +212,8 @@ class StateService:
         body, blob = decided
         new_state = apply(state, seq, body)
         if blob is not None:
-            sha, created = self.blobs.put(blob)
+            assert isinstance(body, AdapterLoaded)
+            sha, created = self.blobs.put(blob, body.sha256)
             if created:
                 batch.new_blob_files.append(sha)
             batch.blobs.append(NewBlob(sha, len(blob), seq))
@@ -216,6 +221,7 @@ class StateService:
         batch.events.append(NewEvent(seq, event_id, body.TYPE, encode_body(body), actor))
         result = _result_of(body.TYPE, seq, body)
         batch.by_event_id[event_id] = (body.TYPE, result)
+        batch.decided_ids.append(event_id)
         batch.answers.append((i, result))
         if self.snapshot_every and seq % self.snapshot_every == 0:
             batch.snapshots.append(Snapshot(seq, snapshot_bytes(new_state),

@@ -72,7 +72,7 @@ def sqlite_url(data_dir: Path) -> str:
 
 
 def make_engine(url: str) -> Engine:
-    """An engine whose connections use WAL, synchronous=FULL and BEGIN IMMEDIATE."""
+    """An engine whose connections use WAL and synchronous=FULL; `write_tx` begins IMMEDIATE."""
     engine = create_engine(url, pool_size=1, max_overflow=0)
 
     @event.listens_for(engine, "connect")
@@ -86,16 +86,23 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # writers take the write lock up front; readers need no lock in WAL mode
+        immediate = conn.get_execution_options().get("immediate", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def write_tx(engine: Engine) -> Any:
+    """A transaction that holds SQLite's write lock from its BEGIN (BEGIN IMMEDIATE)."""
+    return engine.execution_options(immediate=True).begin()
 
 
 def upgrade_to_head(engine: Engine) -> None:
     """Run the Alembic migrations up to head on this engine's database."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with engine.begin() as conn:
+    with write_tx(engine) as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
 
@@ -119,7 +126,7 @@ class SqliteEventStore:
         now = utc_now()
         rows = [{"seq": e.seq, "event_id": e.event_id, "type": e.type, "payload": e.payload,
                  "recorded_at": now, "actor": e.actor} for e in events]
-        with self.engine.begin() as conn:
+        with write_tx(self.engine) as conn:
             if rows:
                 conn.execute(insert(EventRow), rows)
             if blobs:

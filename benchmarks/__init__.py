@@ -1,0 +1,1 @@
+"""Benchmarks: speed measurements with their targets (`make bench`); never part of `make test`."""
