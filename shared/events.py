@@ -68,6 +68,7 @@ class AdapterUnloaded:
 
 
 Body = Union[PoolConfigured, AdapterLoaded, AdapterUnloaded]
+_FIELDS = {cls: fields(cls) for cls in (PoolConfigured, AdapterLoaded, AdapterUnloaded)}
 BODY_TYPES: dict[str, type[PoolConfigured] | type[AdapterLoaded] | type[AdapterUnloaded]] = {
     cls.TYPE: cls for cls in (PoolConfigured, AdapterLoaded, AdapterUnloaded)}
 
@@ -90,8 +91,16 @@ class Event:
 
 
 def encode_body(body: Body) -> dict[str, Any]:
-    """The JSON payload of a body (tuples become lists)."""
-    return asdict(body)
+    """The JSON payload of a body: plain dicts and lists (on the hot path: no deep copy)."""
+    out = {f.name: getattr(body, f.name) for f in _FIELDS[type(body)]}
+    if "targets" in out:
+        out["targets"] = list(out["targets"])
+    if isinstance(body, AdapterLoaded) and body.replaces is not None:
+        out["replaces"] = {"version": body.replaces.version, "slot": body.replaces.slot}
+    if isinstance(body, PoolConfigured):
+        out["model_config"] = dict(body.model_config)
+        out["module_dims"] = {m: list(d) for m, d in body.module_dims.items()}
+    return out
 
 
 def _ordered_targets(value: Any) -> tuple[str, ...]:

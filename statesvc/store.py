@@ -7,6 +7,7 @@ so concurrent commands are committed together (group commit).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -143,9 +144,13 @@ class SqliteEventStore:
     def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
         if not event_ids:
             return {}
-        with self.engine.begin() as conn:
-            rows = conn.execute(select(EventRow).where(EventRow.event_id.in_(list(event_ids))))
-            return {r.event_id: _event(r) for r in rows}
+        ids = list(event_ids)
+        # once per batch on the write path: plain SQL, a quarter of the cost of the ORM query
+        sql = ("SELECT seq, event_id, type, payload, recorded_at, actor FROM events "
+               f"WHERE event_id IN ({','.join('?' * len(ids))})")
+        with self.engine.connect() as conn:
+            rows = conn.exec_driver_sql(sql, tuple(ids)).all()
+        return {r[1]: Event(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows}
 
     def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]:
         """Events with since < seq (<= until), oldest first, at most `limit`."""
