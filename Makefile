@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_events
+	$(BIN)/python -m benchmarks.bench_replica
 
 clean:
 	rm -rf $(VENV) var bench-results .pytest_cache

@@ -163,6 +163,16 @@ def _write(
     )
 
 
+@jax.jit
+def _slot_of(pool: LoraPool, slot: jax.Array) -> tuple[dict[str, jax.Array],
+                                                       dict[str, jax.Array], jax.Array, jax.Array]:
+    """One slot's arrays (A, B per module over all layers, scaling, rank), slot traced."""
+    def take(buf: jax.Array, axis: int) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(buf, slot, axis, keepdims=False)
+    return ({m: take(a, 1) for m, a in pool.A.items()}, {m: take(b, 1) for m, b in pool.B.items()},
+            take(pool.scaling, 0), take(pool.rank, 0))
+
+
 @partial(jax.jit, donate_argnums=0)
 def _clear(pool: LoraPool, slot: jax.Array) -> LoraPool:
     """Zero `slot`, in place."""
@@ -199,6 +209,7 @@ class MemoryPool:
         self._readers = [0] * spec.slots
         self._pending: dict[int, _Op] = {}
         self._reading_depth = 0
+        self._slot_digests: list[str | None] = [None] * spec.slots
 
     def _dims(self) -> list[tuple[str, tuple[int, int]]]:
         return [(m, self.spec.module_dims[m]) for m in self.spec.modules]
@@ -276,6 +287,7 @@ class MemoryPool:
         for slot in [s for s in self._pending if self._readers[s] == 0]:
             fn, args = self._pending.pop(slot)
             self._arrays = fn(self._arrays, *args)
+            self._slot_digests[slot] = None
 
     def _padded(self, weights: SlotWeights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Host arrays of the pool's fixed per-slot shapes holding `weights`, zero elsewhere."""
@@ -311,37 +323,36 @@ class MemoryPool:
         return A, B
 
     def read_slot(self, slot: int) -> SlotContents:
-        """A host copy of `slot` (a copy, not a view: a live view would defeat in-place writes)."""
+        """A host copy of `slot`, extracted on the device (one compile for every slot)."""
         self._check_slot(slot)
         with self.reading() as pool:
-            return SlotContents(
-                A={m: np.array(a[:, slot]) for m, a in self._host(pool.A).items()},
-                B={m: np.array(b[:, slot]) for m, b in self._host(pool.B).items()},
-                scaling=float(np.asarray(pool.scaling)[slot]),
-                rank=int(np.asarray(pool.rank)[slot]),
-            )
+            A, B, scaling, rank = jax.device_get(_slot_of(pool, np.int32(slot)))
+        return SlotContents(A={m: np.asarray(a) for m, a in A.items()},
+                            B={m: np.asarray(b) for m, b in B.items()},
+                            scaling=float(scaling), rank=int(rank))
 
-    @staticmethod
-    def _host(arrays: dict[str, jax.Array]) -> dict[str, np.ndarray]:
-        return {m: np.asarray(a) for m, a in arrays.items()}
+    def slot_digest(self, slot: int) -> str:
+        """sha256 hex of one slot's bytes: for each target module in MODULES order, A over
+        all layers ([num_layers, max_rank, in], C order) then B ([num_layers, out,
+        max_rank]), in the pool dtype; then scaling (float32) and rank (int32);
+        little-endian. Cached until the slot is next written or cleared."""
+        with self._lock:
+            cached = self._slot_digests[slot]
+            if cached is None:
+                c = self.read_slot(slot)
+                h = hashlib.sha256()
+                for m in self.spec.modules:
+                    h.update(np.ascontiguousarray(c.A[m]).tobytes())
+                    h.update(np.ascontiguousarray(c.B[m]).tobytes())
+                h.update(np.float32(c.scaling).tobytes())
+                h.update(np.int32(c.rank).tobytes())
+                cached = self._slot_digests[slot] = h.hexdigest()
+            return cached
 
     def digest(self) -> str:
-        """sha256 hex of the pool's bytes, slot by slot; equal contents give equal digests.
-
-        For slot 0, 1, ...: for each target module in MODULES order, the slot's A
-        over all layers ([num_layers, max_rank, in], C order) then its B
-        ([num_layers, out, max_rank], C order), in the pool dtype; then the
-        slot's scaling (float32) and rank (int32). Native byte order: little-endian
-        on every platform JAX runs on.
-        """
-        h = hashlib.sha256()
-        with self.reading() as pool:
-            A, B = self._host(pool.A), self._host(pool.B)
-            scaling, rank = np.asarray(pool.scaling), np.asarray(pool.rank)
-            for slot in range(self.spec.slots):
-                for m in self.spec.modules:
-                    h.update(A[m][:, slot].tobytes())
-                    h.update(B[m][:, slot].tobytes())
-                h.update(scaling[slot].tobytes())
-                h.update(rank[slot].tobytes())
-        return h.hexdigest()
+        """The pool digest: sha256 over the slot digests (`slot_digest`) of slot 0, 1, ...,
+        each as 32 raw bytes. Equal contents give equal digests whatever the history;
+        after a diff only the slots it wrote are hashed again."""
+        with self._lock:
+            return hashlib.sha256(b"".join(bytes.fromhex(self.slot_digest(s))
+                                           for s in range(self.spec.slots))).hexdigest()

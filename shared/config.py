@@ -14,7 +14,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
 # Hard ceiling set on the sockets (ZMQ_MAXMSGSIZE): libzmq drops the peer beyond it.
 MAX_WIRE_BYTES = 16 << 20
-MAX_BLOB_CHUNK = 1 << 20
+MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
 MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's
 REPLICA_SILENCE_S = 3.0             # a replica that hears nothing this long catches up

@@ -24,10 +24,12 @@ def test_200_diffs_compile_nothing_and_keep_the_buffers(tmp_path: Path,
             replica = Replica(read_model(example.model_dir), c, tmp_path / "replica")
             replica.bootstrap()
             adapters = sorted(example.adapter_dirs)
-            # warm-up, one diff at a time: the one write and the one clear compile here
-            # (applied together, a load and its unload would cancel out and touch nothing)
+            # warm-up, one diff at a time: the write, the clear and the slot read that the
+            # digest uses compile here (a load and its unload applied together would cancel
+            # out and touch nothing)
             cmd("load", name="warm", path=str(example.adapter_dirs[adapters[0]]))
             replica.catch_up()
+            replica.pool_digest()
             cmd("unload", name="warm")
             replica.catch_up()
             assert replica.pool is not None

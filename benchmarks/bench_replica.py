@@ -1,0 +1,670 @@
+"""Replica speed: a diff against a pool rebuild, propagation to 1/2/4 replicas, RSS over time.
+
+Three measurements on a model shaped so that the pool is not trivially small
+(hidden 512, intermediate 1024, 4 layers; 64 slots, max_rank 16, every target
+module, float32: about 143 MB of pool):
+
+* diff vs rebuild (in-process, `computed.pool` directly): one rank-16 adapter
+  written into one slot of a warm `MemoryPool` (host padding, transfer and the
+  donated in-place update; `block_until_ready` on the pool) against allocating a
+  new `MemoryPool` and writing all 64 slots. Medians after warm-up. Then the same
+  load diff through `Replica.apply_events` against a real `statesvc serve`
+  subprocess, with the blob fetched (a new adapter) and cached (seen before),
+  and where its time goes (fetch, cache read + sha256, parse, pool write).
+* propagation: `--loads` loads of distinct adapters through a real statesvc
+  followed by 1, 2 and 4 `computed serve` subprocesses; per load, the replica's
+  own `applied_at` (wall clock, same host) minus the time the `load` was sent
+  and minus the time its reply arrived. The client waits for every replica to
+  report the load before it sends the next, so replicas are idle when a diff
+  arrives (polling every `POLL_S`). Next to it, the time to read and sha256 the
+  same adapter_model.safetensors (median).
+* RSS: VmRSS of one `computed serve` after warm-up and after `--cycles`
+  load/unload cycles (2 events each) over several adapters and slots.
+
+Targets (PASS/MISS): one diff <= 1/20 of a rebuild; RSS after/before <= 1.05.
+Propagation is reported without a target. Exit code is 0 either way.
+
+    .venv/bin/python -m benchmarks.bench_replica [--loads 60] [--cycles 2000] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.report import machine_info, median, update_readme, write_results
+from computed.pool import MemoryPool, PoolSpec, SlotWeights
+from computed.replica import Replica
+from computed.weights import slot_weights
+from shared.client import ControlClient, new_event_id
+from shared.events import AdapterLoaded, decode_body
+from shared.fingerprint import read_model
+from shared.peft import parse_lora_name
+from shared.tensorfile import parse_bytes, to_float32
+from statesvc.example import ALL_MODULES, AdapterSpec, ModelShape, make_example
+from tests.procs import Computed, StateSvc
+
+TARGET_DIFF_OVER_REBUILD = 1 / 20
+TARGET_RSS_RATIO = 1.05
+SHAPE = ModelShape(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=8, head_dim=64)
+MAX_LORAS = 64
+MAX_RANK = 16
+RANK = 16
+POLL_S = 0.005          # between status polls of a replica that has not applied a load yet
+APPLY_TIMEOUT_S = 60.0  # a replica slower than this is broken, not slow
+RSS_WINDOW = 6          # adapters loaded at once during the RSS cycles (so slots vary)
+RSS_ADAPTERS = 12       # distinct adapters the RSS cycles go over
+RSS_WARMUP_CYCLES = 100
+SETTLE_S = 2.5          # after the replica reaches the head: its heartbeat digest has run
+RSS_SAMPLES = 5         # RSS is the median of this many reads (it moves by a few MB at rest)
+RSS_EVERY_S = 0.5
+
+console = Console()
+
+
+@dataclass(frozen=True)
+class Settings:
+    write_iters: int
+    rebuild_iters: int
+    replica_loads: int
+    loads: int
+    replica_counts: tuple[int, ...]
+    cycles: int
+
+
+def adapter_specs(n: int) -> tuple[AdapterSpec, ...]:
+    return tuple(AdapterSpec(f"r16-{i:03d}", r=RANK, lora_alpha=32, target_modules=ALL_MODULES)
+                 for i in range(n))
+
+
+def pool_spec() -> PoolSpec:
+    return PoolSpec(num_layers=SHAPE.num_hidden_layers,
+                    module_dims={m: SHAPE.module_dims(m) for m in ALL_MODULES},
+                    slots=MAX_LORAS, max_rank=MAX_RANK, dtype="float32")
+
+
+def weights_of(path: Path, scaling: float) -> SlotWeights:
+    data = path.read_bytes()
+    header = parse_bytes(data)
+    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, info in header.tensors.items():
+        key = parse_lora_name(name)
+        assert key is not None, name
+        halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(data, header, info)
+    return SlotWeights(scaling=scaling, rank=RANK,
+                       pairs={k: (ab["A"], ab["B"]) for k, ab in halves.items()})
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def pointers(pool: MemoryPool) -> list[int]:
+    return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(pool.arrays)]
+
+
+# ---- 1a. one slot write against a rebuild, computed.pool in-process ---------------
+
+def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) -> dict[str, Any]:
+    spec = pool_spec()
+    weights = [weights_of(p, scaling) for p in adapter_files[:8]]
+
+    def ready(pool: MemoryPool) -> None:
+        jax.block_until_ready(pool.arrays)
+
+    pool = MemoryPool(spec)
+    pool_bytes = sum(a.nbytes for a in jax.tree.leaves(pool.arrays))
+    for s in range(8):  # warm-up: compiles _write and _clear
+        pool.write_slot(s, weights[s])
+        pool.clear_slot(s + 8)
+    ready(pool)
+    before = pointers(pool)
+    writes, clears, pads = [], [], []
+    for i in range(settings.write_iters):
+        slot = (i * 7) % MAX_LORAS
+        w = weights[i % len(weights)]
+        writes.append(timed(lambda: (pool.write_slot(slot, w), ready(pool))))
+        clears.append(timed(lambda: (pool.clear_slot((slot + 32) % MAX_LORAS), ready(pool))))
+        pads.append(timed(lambda: pool._padded(w)))  # the host half of write_slot
+    in_place = pointers(pool) == before
+    digests = [timed(pool.digest) for _ in range(3)]
+
+    def rebuild() -> MemoryPool:
+        p = MemoryPool(spec)
+        for s in range(MAX_LORAS):
+            p.write_slot(s, weights[s % len(weights)])
+        ready(p)
+        return p
+
+    rebuild()  # warm-up (the pool is dropped at once)
+    rebuilds, allocs = [], []
+    for _ in range(settings.rebuild_iters):
+        t0 = time.perf_counter()
+        p = rebuild()
+        rebuilds.append(time.perf_counter() - t0)
+        del p
+        t0 = time.perf_counter()
+        p = MemoryPool(spec)
+        ready(p)
+        allocs.append(time.perf_counter() - t0)
+        del p
+    write_med, rebuild_med = median(writes), median(rebuilds)
+    return {"pool_mb": round(pool_bytes / 1e6, 1),
+            "slot_mb": round(pool_bytes / MAX_LORAS / 1e6, 3),
+            "write_iters": settings.write_iters, "rebuild_iters": settings.rebuild_iters,
+            "write_ms_p50": ms(write_med), "write_ms_p99": ms(pct(writes, 99)),
+            "host_pad_ms_p50": ms(median(pads)),
+            "clear_ms_p50": ms(median(clears)),
+            "rebuild_ms_p50": ms(rebuild_med), "rebuild_ms_min": ms(min(rebuilds)),
+            "alloc_only_ms_p50": ms(median(allocs)),
+            "write_over_rebuild": round(write_med / rebuild_med, 5),
+            "buffers_in_place": in_place,
+            "pool_digest_ms_p50": ms(median(digests))}
+
+
+# ---- 1b. one load diff through Replica.apply_events, in-process -------------------
+
+def measure_replica(settings: Settings, root: Path, model_dir: Path,
+                    adapter_files: list[Path]) -> dict[str, Any]:
+    svc = StateSvc(root / "data-inproc")
+    try:
+        svc.start()
+        with ControlClient(svc.control, timeout_s=30) as c:
+            def cmd(command: str, **args: Any) -> Any:
+                return c.call(command, {"event_id": new_event_id(), **args})
+
+            cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
+                targets="all", dtype="float32")
+            replica = Replica(read_model(model_dir), c, root / "replica-inproc")
+            replica.bootstrap()
+
+            def apply_next() -> tuple[float, list[tuple[int, Any]]]:
+                page = c.call("events", {"since": replica.applied_seq})["events"]
+                bodies = [(ev["seq"], decode_body(ev["type"], ev["payload"])) for ev in page]
+                assert len(bodies) == 1, len(bodies)
+                t0 = time.perf_counter()
+                replica.apply_events(bodies)
+                assert replica.pool is not None
+                jax.block_until_ready(replica.pool.arrays)
+                return time.perf_counter() - t0, bodies
+
+            def load(name: str, path: Path) -> float:
+                cmd("load", name=name, path=str(path.parent))
+                return apply_next()[0]
+
+            def unload(name: str) -> float:
+                cmd("unload", name=name)
+                return apply_next()[0]
+
+            load("warm", adapter_files[-1])  # compiles the write
+            unload("warm")                   # and the clear
+            n = min(settings.replica_loads, len(adapter_files) - 1)
+            cold, warm, unloads = [], [], []
+            for i in range(n):  # a new adapter: its blob is fetched from statesvc
+                cold.append(load(f"c{i}", adapter_files[i]))
+                unloads.append(unload(f"c{i}"))
+            for i in range(n):  # the same adapters again: blobs come from the local cache
+                warm.append(load(f"w{i}", adapter_files[i]))
+                unloads.append(unload(f"w{i}"))
+            fetches = replica.blobs.fetches
+
+            # where the time of a cold load goes, part by part, on the same adapter
+            cmd("load", name="parts", path=str(adapter_files[0].parent))
+            page = c.call("events", {"since": replica.applied_seq})["events"]
+            body = decode_body(page[0]["type"], page[0]["payload"])
+            assert isinstance(body, AdapterLoaded)
+            fetch, cache_read, parse, write, save = [], [], [], [], []
+            pool = replica.pool
+            assert pool is not None
+            for _ in range(10):
+                fetch.append(timed(lambda: replica.blobs._fetch(body.sha256)))
+                data = replica.blobs.get(body.sha256)
+                cache_read.append(timed(lambda: replica.blobs.get(body.sha256)))
+                parse.append(timed(lambda: slot_weights(data, body)))
+                w = slot_weights(data, body)
+                write.append(timed(lambda: (pool.write_slot(63, w),
+                                            jax.block_until_ready(pool.arrays))))
+                save.append(timed(replica._save_local_state))
+            pool.clear_slot(63)
+
+            # a replica rebuilt by replay: every slot full, a fresh Replica bootstraps
+            for i in range(MAX_LORAS - 1):  # "parts" holds one slot already
+                cmd("load", name=f"full{i}", path=str(adapter_files[i % len(adapter_files)].parent))
+            replica.catch_up()
+            assert len(replica.holders) == MAX_LORAS
+            digest = replica.pool_digest()
+
+            def replay(name: str, *, cached_blobs: bool) -> float:
+                cache = root / name
+                if cached_blobs:
+                    shutil.copytree(replica.blobs.root, cache / "blobs")
+                fresh = Replica(read_model(model_dir), c, cache)
+                t0 = time.perf_counter()
+                fresh.bootstrap()
+                assert fresh.pool is not None
+                jax.block_until_ready(fresh.pool.arrays)
+                elapsed = time.perf_counter() - t0
+                assert fresh.pool_digest() == digest
+                return elapsed
+
+            replay_cold = replay("replay-cold", cached_blobs=False)
+            replay_cached = [replay(f"replay-{i}", cached_blobs=True) for i in range(3)]
+    finally:
+        svc.stop()
+    return {"loads": n, "blob_fetches": fetches,
+            "apply_load_cold_ms_p50": ms(median(cold)), "apply_load_cold_ms_p99": ms(pct(cold, 99)),
+            "apply_load_cached_ms_p50": ms(median(warm)),
+            "apply_load_cached_ms_p99": ms(pct(warm, 99)),
+            "apply_unload_ms_p50": ms(median(unloads)),
+            "replay_64_slots_blobs_fetched_ms": ms(replay_cold),
+            "replay_64_slots_blobs_cached_ms_p50": ms(median(replay_cached)),
+            "apply_cold_over_replay_cold": round(median(cold) / replay_cold, 4),
+            "apply_cached_over_replay_cached": round(median(warm) / median(replay_cached), 4),
+            "parts_ms_p50": {"blob_fetch_over_zmq": ms(median(fetch)),
+                             "cache_read_and_sha256": ms(median(cache_read)),
+                             "parse_safetensors": ms(median(parse)),
+                             "pool_write": ms(median(write)),
+                             "save_local_state": ms(median(save))}}
+
+
+# ---- 2. propagation to 1, 2 and 4 computed serve processes ------------------------
+
+def wait_applied(clients: list[ControlClient], seq: int) -> list[dict[str, Any]]:
+    """Poll each replica until it reports `seq` applied; returns their statuses."""
+    out = []
+    deadline = time.monotonic() + APPLY_TIMEOUT_S
+    for client in clients:
+        while True:
+            st = client.call("status")
+            if st["applied_seq"] >= seq and st["state"] == "ACTIVE":
+                out.append(st)
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica {st['id']} stuck at seq {st['applied_seq']} "
+                                   f"(waiting for {seq}; last_error {st['last_error']})")
+            time.sleep(POLL_S)
+    return out
+
+
+def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], n: int,
+                        loads: int) -> dict[str, Any]:
+    base = root / f"prop-{n}"
+    base.mkdir(parents=True)
+    svc = StateSvc(base / "data")
+    replicas = [Computed(model_dir, svc, base / "replicas" / f"r{i}", replica_id=f"r{i}")
+                for i in range(n)]
+    clients: list[ControlClient] = []
+    try:
+        svc.start()
+        with ControlClient(svc.control, timeout_s=30) as c:
+            def cmd(command: str, **args: Any) -> Any:
+                return c.call(command, {"event_id": new_event_id(), **args})
+
+            seq = cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
+                      targets="all", dtype="float32")["seq"]
+            for r in replicas:
+                r.start()
+            clients = [ControlClient(r.listen, timeout_s=30, retries=0) for r in replicas]
+            wait_applied(clients, seq)
+            warm = cmd("load", name="warm", path=str(adapter_files[-1].parent))
+            wait_applied(clients, warm["seq"])
+            wait_applied(clients, cmd("unload", name="warm")["seq"])
+            from_send: list[list[float]] = [[] for _ in replicas]
+            from_ack: list[list[float]] = [[] for _ in replicas]
+            unload_from_ack: list[float] = []
+            acks = []
+            for i in range(loads):
+                t_send = time.time()
+                seq = cmd("load", name=f"p{i}", path=str(adapter_files[i].parent))["seq"]
+                t_ack = time.time()
+                acks.append(t_ack - t_send)
+                for k, st in enumerate(wait_applied(clients, seq)):
+                    assert st["applied_seq"] == seq, (st["applied_seq"], seq)
+                    from_send[k].append(st["applied_at"] - t_send)
+                    from_ack[k].append(st["applied_at"] - t_ack)
+                seq = cmd("unload", name=f"p{i}")["seq"]
+                t_ack = time.time()
+                unload_from_ack += [st["applied_at"] - t_ack for st in wait_applied(clients, seq)]
+            fetches = [st["blob_fetches"] for st in wait_applied(clients, seq)]
+    except BaseException:
+        for r in replicas:
+            if r.log.is_file():
+                console.print(f"[red]{r.log} (last lines):[/red]\n{r.log.read_text()[-1500:]}")
+        raise
+    finally:
+        for client in clients:
+            client.close()
+        for r in replicas:
+            r.stop()
+        svc.stop()
+    every_send = [x for xs in from_send for x in xs]
+    every_ack = [x for xs in from_ack for x in xs]
+    slowest_send = [max(xs) for xs in zip(*from_send)]  # per load: when the last replica had it
+    return {"replicas": n, "loads": loads, "blob_fetches_per_replica": fetches,
+            "load_ack_ms_p50": ms(median(acks)), "load_ack_ms_p99": ms(pct(acks, 99)),
+            "from_send_ms_p50": ms(median(every_send)), "from_send_ms_p99": ms(pct(every_send, 99)),
+            "from_ack_ms_p50": ms(median(every_ack)), "from_ack_ms_p99": ms(pct(every_ack, 99)),
+            "from_ack_ms_min": ms(min(every_ack)),
+            "all_replicas_from_send_ms_p50": ms(median(slowest_send)),
+            "all_replicas_from_send_ms_p99": ms(pct(slowest_send, 99)),
+            "unload_from_ack_ms_p50": ms(median(unload_from_ack)),
+            "per_replica_from_ack_ms_p50": [ms(median(xs)) for xs in from_ack],
+            "samples_ms": {"load_ack": [ms(x) for x in acks],
+                           "from_ack": [[ms(x) for x in xs] for xs in from_ack]}}
+
+
+def measure_read_sha(path: Path, repeats: int = 50) -> dict[str, Any]:
+    def read_hash() -> None:
+        hashlib.sha256(path.read_bytes()).hexdigest()
+
+    read_hash()
+    times = [timed(read_hash) for _ in range(repeats)]
+    return {"file_mb": round(path.stat().st_size / 1e6, 3), "read_sha256_ms_p50": ms(median(times))}
+
+
+# ---- 3. RSS of computed serve over load/unload cycles -----------------------------
+
+def proc_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
+                cycles: int) -> dict[str, Any]:
+    base = root / "rss"
+    base.mkdir(parents=True)
+    svc = StateSvc(base / "data")
+    replica = Computed(model_dir, svc, base / "replicas" / "rss", replica_id="rss")
+    files = adapter_files[:RSS_ADAPTERS]
+    try:
+        svc.start()
+        with ControlClient(svc.control, timeout_s=30) as c, \
+                ControlClient(replica.listen, timeout_s=30, retries=0) as rc:
+            def cmd(command: str, **args: Any) -> Any:
+                return c.call(command, {"event_id": new_event_id(), **args})
+
+            cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
+                targets="all", dtype="float32")
+            replica.start()
+            assert replica.proc is not None
+            pid = replica.proc.pid
+            loaded: list[str] = []
+            done = 0
+
+            def cycle(i: int) -> int:
+                """Unload the oldest of the window when it is full, then load a new name."""
+                seq = 0
+                if len(loaded) >= RSS_WINDOW:
+                    seq = cmd("unload", name=loaded.pop(0))["seq"]
+                name = f"n{i % (2 * RSS_WINDOW)}"
+                seq = cmd("load", name=name, path=str(files[i % len(files)].parent))["seq"]
+                loaded.append(name)
+                return int(seq)
+
+            def settle(seq: int) -> dict[str, Any]:
+                """The steady RSS at `seq`: the median of RSS_SAMPLES reads, RSS_EVERY_S apart."""
+                wait_applied([rc], seq)
+                time.sleep(SETTLE_S)  # the heartbeat computes the new pool digest
+                rc.call("status")
+                samples = []
+                for _ in range(RSS_SAMPLES):
+                    samples.append(proc_kb(pid, "VmRSS"))
+                    time.sleep(RSS_EVERY_S)
+                return {"seq": seq, "rss_kb": median(samples), "rss_kb_samples": samples,
+                        "hwm_kb": proc_kb(pid, "VmHWM")}
+
+            for i in range(RSS_WARMUP_CYCLES):  # every adapter fetched, both jits compiled
+                seq = cycle(i)
+            warm = settle(seq)
+            t0 = time.perf_counter()
+            trace = []
+            events0 = seq
+            for i in range(RSS_WARMUP_CYCLES, RSS_WARMUP_CYCLES + cycles):
+                seq = cycle(i)
+                done += 1
+                if done % 250 == 0:
+                    trace.append({"cycles": done, "rss_kb": proc_kb(pid, "VmRSS")})
+            send_s = time.perf_counter() - t0
+            wait_applied([rc], seq)
+            follow_s = time.perf_counter() - t0
+            after = settle(seq)
+            status = rc.call("status")
+    except BaseException:
+        if replica.log.is_file():
+            console.print(f"[red]{replica.log} (last lines):[/red]\n"
+                          f"{replica.log.read_text()[-1500:]}")
+        raise
+    finally:
+        replica.stop()
+        svc.stop()
+    return {"cycles": cycles, "events": seq - events0, "warmup_cycles": RSS_WARMUP_CYCLES,
+            "adapters": len(files), "window": RSS_WINDOW,
+            "rss_mb_after_warmup": round(warm["rss_kb"] / 1024, 1),
+            "rss_mb_after_cycles": round(after["rss_kb"] / 1024, 1),
+            "rss_ratio": round(after["rss_kb"] / warm["rss_kb"], 4),
+            "peak_rss_mb": round(after["hwm_kb"] / 1024, 1),
+            "rss_mb_samples_after_warmup": [round(k / 1024, 1) for k in warm["rss_kb_samples"]],
+            "rss_mb_samples_after_cycles": [round(k / 1024, 1) for k in after["rss_kb_samples"]],
+            "rss_mb_trace": [{"cycles": t["cycles"], "rss_mb": round(t["rss_kb"] / 1024, 1)}
+                             for t in trace],
+            "events_per_s_sent": round((seq - events0) / send_s, 1),
+            "events_per_s_applied": round((seq - events0) / follow_s, 1),
+            "blob_fetches": status["blob_fetches"], "last_error": status["last_error"]}
+
+
+# ---- the run ---------------------------------------------------------------------
+
+def run(settings: Settings) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5 * (os.cpu_count() or 1):
+        console.print(f"[yellow]load average {load_before:.1f} on {os.cpu_count()} CPUs: other "
+                      "processes are busy, so the figures will be low and noisy[/yellow]")
+    root = Path(tempfile.mkdtemp(prefix="loraplane-bench-replica-"))
+    n_adapters = max(settings.loads, settings.replica_loads, RSS_ADAPTERS, 8) + 1
+    try:
+        t0 = time.perf_counter()
+        specs = adapter_specs(n_adapters)
+        example = make_example(root / "example", seed=0, shape=SHAPE, adapters=specs)
+        files = [example.adapter_dirs[s.name] / "adapter_model.safetensors" for s in specs]
+        console.print(f"[dim]temp dir {root}; {n_adapters} rank-{RANK} adapters of "
+                      f"{files[0].stat().st_size / 1e6:.2f} MB written in "
+                      f"{time.perf_counter() - t0:.1f} s[/dim]")
+        pool = measure_pool(settings, files, specs[0].scaling)
+        console.print(f"[dim]pool {pool['pool_mb']} MB ({MAX_LORAS} slots of "
+                      f"{pool['slot_mb']} MB); "
+                      f"write {pool['write_ms_p50']} ms, rebuild {pool['rebuild_ms_p50']} ms[/dim]")
+        replica = measure_replica(settings, root, example.model_dir, files)
+        console.print(f"[dim]Replica.apply_events load: {replica['apply_load_cold_ms_p50']} ms "
+                      f"(blob fetched), {replica['apply_load_cached_ms_p50']} ms (cached)[/dim]")
+        propagation = []
+        for n in settings.replica_counts:
+            p = measure_propagation(root, example.model_dir, files, n, settings.loads)
+            propagation.append(p)
+            console.print(f"[dim]{n} replica(s): from ack p50 {p['from_ack_ms_p50']} ms, "
+                          f"p99 {p['from_ack_ms_p99']} ms[/dim]")
+        read_sha = measure_read_sha(files[0])
+        rss = measure_rss(root, example.model_dir, files, settings.cycles)
+        console.print(f"[dim]RSS {rss['rss_mb_after_warmup']} MB -> "
+                      f"{rss['rss_mb_after_cycles']} MB "
+                      f"after {rss['events']} events[/dim]")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    targets = [
+        {"name": "one load diff / pool rebuild (computed.pool)",
+         "target": f"<= {TARGET_DIFF_OVER_REBUILD:.3f}", "measured": pool["write_over_rebuild"],
+         "met": pool["write_over_rebuild"] <= TARGET_DIFF_OVER_REBUILD},
+        {"name": f"RSS after {rss['events']:,} events / after warm-up",
+         "target": f"<= {TARGET_RSS_RATIO}", "measured": rss["rss_ratio"],
+         "met": rss["rss_ratio"] <= TARGET_RSS_RATIO},
+    ]
+    return {
+        "benchmark": "replica",
+        "machine": {**machine_info(), "jax": jax.__version__,
+                    "jax_backend": jax.default_backend(),
+                    "loadavg_1m_before": round(load_before, 2),
+                    "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+        "settings": {"model": {"hidden": SHAPE.hidden_size, "intermediate": SHAPE.intermediate_size,
+                               "layers": SHAPE.num_hidden_layers,
+                               "heads": SHAPE.num_attention_heads,
+                               "kv_heads": SHAPE.num_key_value_heads, "head_dim": SHAPE.head_dim},
+                     "max_loras": MAX_LORAS, "max_rank": MAX_RANK, "adapter_rank": RANK,
+                     "targets": "all", "dtype": "float32", "poll_s": POLL_S,
+                     "write_iters": settings.write_iters, "rebuild_iters": settings.rebuild_iters,
+                     "loads": settings.loads, "replica_counts": list(settings.replica_counts),
+                     "cycles": settings.cycles},
+        "pool": pool,
+        "replica_apply": replica,
+        "propagation": propagation,
+        "read_sha256": read_sha,
+        "rss": rss,
+        "targets": targets,
+    }
+
+
+def render(result: dict[str, Any]) -> tuple[list[Table], str]:
+    """Rich tables for the terminal and the same figures as README markdown."""
+    pool, rep = result["pool"], result["replica_apply"]
+    rss, sha = result["rss"], result["read_sha256"]
+    parts = rep["parts_ms_p50"]
+    rows1 = [
+        ("one load diff, computed.pool write_slot", f"{pool['write_ms_p50']:.2f}",
+         f"p99 {pool['write_ms_p99']:.2f}; host padding {pool['host_pad_ms_p50']:.2f}; "
+         f"buffers in place: {'yes' if pool['buffers_in_place'] else 'NO'}"),
+        ("one unload diff, computed.pool clear_slot", f"{pool['clear_ms_p50']:.2f}", ""),
+        (f"rebuild: new MemoryPool + {MAX_LORAS} writes", f"{pool['rebuild_ms_p50']:.1f}",
+         f"allocation alone {pool['alloc_only_ms_p50']:.1f}; one write / this "
+         f"{pool['write_over_rebuild']:.4f}"),
+        ("one load, Replica.apply_events, blob fetched", f"{rep['apply_load_cold_ms_p50']:.2f}",
+         f"p99 {rep['apply_load_cold_ms_p99']:.2f}"),
+        ("one load, Replica.apply_events, blob cached", f"{rep['apply_load_cached_ms_p50']:.2f}",
+         f"p99 {rep['apply_load_cached_ms_p99']:.2f}"),
+        ("one unload, Replica.apply_events", f"{rep['apply_unload_ms_p50']:.2f}", ""),
+        ("  part: blob fetch over ZeroMQ, with its sha256 check",
+         f"{parts['blob_fetch_over_zmq']:.2f}", ""),
+        ("  part: cache read + sha256", f"{parts['cache_read_and_sha256']:.2f}", ""),
+        ("  part: safetensors parse", f"{parts['parse_safetensors']:.2f}", ""),
+        ("  part: pool write", f"{parts['pool_write']:.2f}", ""),
+        ("  part: local state save", f"{parts['save_local_state']:.2f}", ""),
+        (f"replica rebuilt by replay, {MAX_LORAS} slots, blobs fetched",
+         f"{rep['replay_64_slots_blobs_fetched_ms']:.1f}",
+         f"one load fetched / this {rep['apply_cold_over_replay_cold']:.3f}"),
+        (f"replica rebuilt by replay, {MAX_LORAS} slots, blobs cached",
+         f"{rep['replay_64_slots_blobs_cached_ms_p50']:.1f}",
+         f"one load cached / this {rep['apply_cached_over_replay_cached']:.3f}"),
+        ("pool digest (status, heartbeat)", f"{pool['pool_digest_ms_p50']:.1f}", ""),
+    ]
+    t1 = Table(title=f"Applying a diff: pool {pool['pool_mb']} MB ({MAX_LORAS} slots, rank "
+                     f"{MAX_RANK}, all targets, float32), median ms")
+    for col in ("measurement", "ms", "notes"):
+        t1.add_column(col, justify="right" if col == "ms" else "left")
+    for row in rows1:
+        t1.add_row(*row)
+
+    t2 = Table(title=f"Propagation of a load (wall clock to the replica's applied_at; "
+                     f"{result['settings']['loads']} loads)")
+    cols2 = ("replicas", "from ack p50", "from ack p99", "from send p50", "from send p99",
+             "last replica from send p99", "ack p50", "ack p99")
+    for col in cols2:
+        t2.add_column(col, justify="right")
+    lines = ["| measurement | median ms | notes |", "|---|---:|---|"]
+    lines += [f"| {a.strip()} | {b} | {c} |" for a, b, c in rows1]
+    lines += ["", f"Propagation of a load to `computed serve` processes, ms "
+              f"({result['settings']['loads']} distinct adapters, each fetched by every replica; "
+              "from send/ack: the replica's `applied_at` minus when `load` was sent / answered; "
+              "ack: the `load` round trip):",
+              "", "| " + " | ".join(cols2) + " |", "|" + "---:|" * len(cols2)]
+    for p in result["propagation"]:
+        cells = [str(p["replicas"]), f"{p['from_ack_ms_p50']:.1f}", f"{p['from_ack_ms_p99']:.1f}",
+                 f"{p['from_send_ms_p50']:.1f}", f"{p['from_send_ms_p99']:.1f}",
+                 f"{p['all_replicas_from_send_ms_p99']:.1f}", f"{p['load_ack_ms_p50']:.1f}",
+                 f"{p['load_ack_ms_p99']:.1f}"]
+        t2.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nReading and sha256-ing the same {sha['file_mb']} MB "
+                 "adapter_model.safetensors: "
+                 f"{sha['read_sha256_ms_p50']:.2f} ms (median).")
+    lines.append(f"\nRSS of one `computed serve`: {rss['rss_mb_after_warmup']} MB after warm-up, "
+                 f"{rss['rss_mb_after_cycles']} MB after {rss['cycles']:,} load/unload cycles "
+                 f"({rss['events']:,} events over {rss['adapters']} adapters), peak "
+                 f"{rss['peak_rss_mb']} MB; the replica applied {rss['events_per_s_applied']:,} "
+                 "events/s.\n")
+    for t in result["targets"]:
+        lines.append(f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} "
+                     f"(target {t['target']})")
+    m = result["machine"]
+    lines.append(f"\n{m['nproc']} CPUs, Python {m['python']}, JAX {m['jax']} "
+                 f"({m['jax_backend']}), load average {m['loadavg_1m_before']} before and "
+                 f"{m['loadavg_1m_after']} after, {m['date']}; "
+                 "`python -m benchmarks.bench_replica` reproduces it.")
+    return [t1, t2], "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--write-iters", type=int, default=100, help="single slot writes timed")
+    ap.add_argument("--rebuild-iters", type=int, default=7, help="whole pool rebuilds timed")
+    ap.add_argument("--replica-loads", type=int, default=20,
+                    help="loads applied in-process through Replica.apply_events (each twice)")
+    ap.add_argument("--loads", type=int, default=60, help="loads per propagation measurement")
+    ap.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
+    ap.add_argument("--cycles", type=int, default=2000, help="load/unload cycles for the RSS")
+    ap.add_argument("--no-write", action="store_true",
+                    help="print only: leave benchmarks/results and README.md alone")
+    a = ap.parse_args(argv)
+    settings = Settings(a.write_iters, a.rebuild_iters, a.replica_loads, a.loads,
+                        tuple(int(x) for x in a.replicas.split(",")), a.cycles)
+    t0 = time.perf_counter()
+    result = run(settings)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    tables, markdown = render(result)
+    for table in tables:
+        console.print(table)
+    sha = result["read_sha256"]
+    console.print(f"read + sha256 of one {sha['file_mb']} MB adapter file: "
+                  f"{sha['read_sha256_ms_p50']:.2f} ms")
+    rss = result["rss"]
+    console.print(f"RSS {rss['rss_mb_after_warmup']} MB after warm-up -> "
+                  f"{rss['rss_mb_after_cycles']} MB after {rss['events']:,} events "
+                  f"(peak {rss['peak_rss_mb']} MB; {rss['events_per_s_applied']:,} events/s "
+                  f"applied); every 250 cycles: {[t['rss_mb'] for t in rss['rss_mb_trace']]}")
+    for t in result["targets"]:
+        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
+        console.print(f"{verdict} {t['name']}: {t['measured']} (target {t['target']})")
+    console.print(f"[dim]{result['seconds']} s in all[/dim]")
+    if not a.no_write:
+        path = write_results("replica", result)
+        console.print(f"results written to {path}")
+        if update_readme("replica", markdown):
+            console.print("README.md section bench:replica updated")
+        else:
+            console.print("[dim]README.md has no bench:replica markers; left alone[/dim]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
