@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 import click
 
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN
+
+# Test-only fault switch: the slot this replica writes wrong (drills must catch it).
+PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
 
 
 @click.group()
@@ -32,8 +36,29 @@ def main() -> None:
 @click.option("--replica-id", default=None, help="[default: HOST-PORT of --listen]")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Blob cache and local state [default: ./var/replicas/ID].")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="The base model's compute dtype.")
+@click.option("--max-batch", type=click.IntRange(1, 1024), default=32, show_default=True,
+              help="Requests decoded together (KV-cache rows).")
+@click.option("--max-len", type=click.IntRange(16), default=None,
+              help="Context per request, prompt + output [default: the model's "
+                   "max_position_embeddings, at most 4096].")
+@click.option("--queue-limit", type=click.IntRange(1), default=256, show_default=True,
+              help="Requests waiting for a row before new ones get `overloaded`.")
+@click.option("--min-seq-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="How long a request waits for its min_seq before `not_ready`.")
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="Compile every prefill bucket and the decode step before serving.")
+@click.option("--inference/--no-inference", default=True, show_default=True,
+              help="Serve `generate` (off: a replica that only holds the pool).")
+@click.option("--replay-from-zero", is_flag=True,
+              help="Rebuild from seq 0, ignoring snapshots and the local state (drills).")
+@click.option("--heartbeat/--no-heartbeat", default=True, show_default=True,
+              help="Report to statesvc (off for short-lived drill replicas).")
 def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | None,
-          cache_dir: Path | None) -> None:
+          cache_dir: Path | None, dtype: str, max_batch: int, max_len: int | None,
+          queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
+          replay_from_zero: bool, heartbeat: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
@@ -49,8 +74,27 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
     # the client's socket is made on first use, in the sync thread that alone uses it
     client = ControlClient(state, timeout_s=3.0, retries=1)
-    daemon = Daemon(Replica(info, client, cache_dir), replica_id=replica_id, listen=listen,
-                    state=state, diffs=diffs)
+    fault = os.environ.get(PERTURB_SLOT_ENV)
+    if fault:
+        log.warning("fault switch %s=%s: slot %s will be written wrong", PERTURB_SLOT_ENV, fault,
+                    fault)
+    replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
+                      perturb_slot=int(fault) if fault else None)
+    engine = None
+    if inference:
+        from computed.engine import Engine, LlamaRunner
+        from computed.model import ModelLoadError, load_model
+        try:
+            config, params = load_model(model, dtype)
+        except ModelLoadError as exc:
+            raise click.ClickException(str(exc)) from None
+        length = max_len or min(config.max_position_embeddings, 4096)
+        engine = Engine(LlamaRunner(config, params, max_batch=max_batch, max_len=length),
+                        replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout)
+    daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state, diffs=diffs,
+                    engine=engine, warmup=warmup, heartbeat=heartbeat,
+                    about={"pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(),
+                           "model": str(model.resolve())})
     log.info("replica %s: model %s (%s), statesvc %s / %s, cache %s", replica_id, model,
              info.fingerprint[:12], state, diffs, cache_dir)
     print(f"READY listen={daemon.listen} id={replica_id}", flush=True)

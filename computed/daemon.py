@@ -52,8 +52,9 @@ class SyncLoop(threading.Thread):
     """Keeps the replica in step with statesvc (see the module docstring)."""
 
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
-                 diffs: str) -> None:
+                 diffs: str, heartbeat: bool = True) -> None:
         super().__init__(name="sync", daemon=True)
+        self.heartbeat = heartbeat
         self.replica = replica
         self.replica_id = replica_id
         self.listen = listen
@@ -89,7 +90,7 @@ class SyncLoop(threading.Thread):
                     while self.beat.poll(0):
                         self.beat.recv()
                 self._sync()
-                if time.monotonic() >= next_beat:
+                if self.heartbeat and time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         except BaseException as exc:  # a model mismatch, or a bug: the daemon must stop
@@ -179,8 +180,11 @@ def digests(r: Replica) -> dict[str, Any]:
 
 class Daemon:
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
-                 diffs: str, engine: Engine | None = None) -> None:
+                 diffs: str, engine: Engine | None = None, warmup: bool = True,
+                 heartbeat: bool = True, about: dict[str, Any] | None = None) -> None:
         self.replica = replica
+        self.warmup = warmup
+        self.about = about or {}  # how this process was started: pid, argv, model (drills)
         self.replica_id = replica_id
         self.engine = engine
         self.router = zmq.Context.instance().socket(zmq.ROUTER)
@@ -189,7 +193,7 @@ class Daemon:
         self.router.bind(listen)
         self.listen = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
-                             diffs=diffs)
+                             diffs=diffs, heartbeat=heartbeat)
         self._stop = False
 
     def stop(self, *_: Any) -> None:
@@ -201,6 +205,11 @@ class Daemon:
         self.sync.start()
         try:
             while not self._stop and self.sync.is_alive():
+                if self.warmup and self.engine is not None and not self.engine.warm \
+                        and self.replica.pool is not None:
+                    t0 = time.perf_counter()
+                    self.engine.warmup()
+                    log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
                 busy = self.engine is not None and self.engine.busy
                 if self.router.poll(0 if busy else 50):
                     self._serve_clients()
@@ -215,9 +224,17 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         r = self.replica
-        return {"id": self.replica_id, "address": self.listen, **digests(r),
+        pool = r.pool
+        return {"id": self.replica_id, "address": self.listen, **digests(r), **self.about,
+                "slot_digests": None if pool is None or pool.pending else
+                [pool.slot_digest(s) for s in range(pool.spec.slots)],
+                "syncing_seq": r.syncing_seq,
                 "head_seq_seen": self.sync.remote_head, "last_error": r.last_error,
                 "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
+                "inference": None if self.engine is None else {
+                    "warm": self.engine.warm, "running": sum(x is not None for x in self.engine.rows),
+                    "waiting": len(self.engine.waiting), "max_batch": self.engine.model.max_batch,
+                    "max_len": self.engine.model.max_len},
                 "slots": {str(s): {"name": h.name, "version": h.version}
                           for s, h in sorted(r.holders.items())}}
 

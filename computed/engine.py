@@ -41,6 +41,8 @@ class Model(Protocol):
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
+    def warmup(self, pool: LoraPool, cache: Any) -> Any: ...
+
 
 def _token_list(limit: int) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
@@ -146,6 +148,16 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.rows: list[Running | None] = [None] * model.max_batch
         self.cache = model.new_cache()
+        self.warm = False
+
+    def warmup(self) -> None:
+        """Compile every shape serving uses, once the pool exists (its shapes are inputs)."""
+        pool = self.replica.pool
+        if self.warm or pool is None:
+            return
+        with pool.reading() as arrays:
+            self.cache = self.model.warmup(arrays, self.cache)
+        self.warm = True
 
     # ---- intake ----------------------------------------------------------------
 
@@ -276,3 +288,51 @@ class Engine:
         self.rows[row] = run
         self._emit(run, logits, done)
         return True
+
+
+class LlamaRunner:
+    """The Flax Llama (computed/model.py) behind the engine's `Model` interface.
+
+    Prompts are padded to power-of-two buckets (from 16 up to max_len), so
+    prefill compiles once per bucket and decode once; `warmup` compiles them
+    all up front, so nothing compiles while serving.
+    """
+
+    def __init__(self, config: Any, params: Any, *, max_batch: int, max_len: int) -> None:
+        self.config, self.params = config, params
+        self.vocab_size = int(config.vocab_size)
+        self.max_batch = max_batch
+        self.max_len = max_len
+        buckets, b = [], 16
+        while b < max_len:
+            buckets.append(b)
+            b *= 2
+        self.buckets = tuple(buckets) + (max_len,)
+
+    def bucket(self, length: int) -> int:
+        return next(b for b in self.buckets if b >= length)
+
+    def new_cache(self) -> Any:
+        from computed.model import init_cache
+        return init_cache(self.config, self.max_batch, self.max_len, self.params.dtype)
+
+    def prefill(self, pool: LoraPool, cache: Any, tokens: np.ndarray, length: int, row: int,
+                slot: int) -> tuple[np.ndarray, Any]:
+        from computed.model import prefill
+        logits, cache = prefill(self.params, pool, cache, tokens, length, row, slot)
+        return np.asarray(logits), cache
+
+    def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
+               slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]:
+        from computed.model import decode
+        logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active)
+        return np.asarray(logits), cache
+
+    def warmup(self, pool: LoraPool, cache: Any) -> Any:
+        """Compile prefill for every bucket and decode once (row 0, the base model)."""
+        for b in self.buckets:
+            _, cache = self.prefill(pool, cache, np.zeros(b, np.int32), 1, 0, -1)
+        zeros = np.zeros(self.max_batch, np.int32)
+        _, cache = self.decode(pool, cache, zeros, zeros, np.full(self.max_batch, -1, np.int32),
+                               np.zeros(self.max_batch, bool))
+        return cache

@@ -60,8 +60,12 @@ def pool_spec(pool: PoolConfigured) -> PoolSpec:
 
 
 class Replica:
-    def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path) -> None:
+    def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
+                 from_zero: bool = False, perturb_slot: int | None = None) -> None:
         self.model = model
+        self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
+        self.perturb_slot = perturb_slot  # test-only fault: this slot is written wrong
+        self.syncing_seq = 0  # how far a catch-up has read the log
         self.client = client
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -102,28 +106,44 @@ class Replica:
     # ---- sync ------------------------------------------------------------------
 
     def bootstrap(self) -> None:
-        """Reach the head: from the local state (warm cache) or statesvc's latest snapshot."""
+        """Reach the head from the local state (warm cache), statesvc's latest snapshot, or,
+        with `from_zero`, from an empty state and every event of the log."""
         self.phase = Phase.SYNCING
-        base = self._local_state()
-        if base is None:
+        base = None if self.from_zero else self._local_state()
+        if base is None and self.from_zero:
+            base = State()
+        elif base is None:
             snap = self.client.call("snapshot")
             base = from_canonical(snap["seq"], snap["state"])
             if logical_digest(base) != snap["digest"]:
                 raise BlobError(f"snapshot at seq {snap['seq']} does not match its digest")
-        self._advance_to(base, [])
-        self.catch_up()
+        try:
+            self.catch_up(base)
+        except BlobError:
+            if base.seq > self.state.seq:  # serve what can be served while the rest is retried
+                try:
+                    self._advance_to(base)
+                except BlobError:
+                    pass
+            raise
         self.phase = Phase.ACTIVE
 
-    def catch_up(self) -> int:
-        """Fetch and apply every event after the applied seq; returns how many were applied."""
-        applied = 0
+    def catch_up(self, base: State | None = None) -> int:
+        """Fetch every event after `base` (default: the applied state), reduce their metadata
+        up to the head, then reconcile the pool once; returns how many events were read."""
+        state = self.state if base is None else base
+        read = 0
         while True:
-            page = self.client.call("events", {"since": self.state.seq})["events"]
+            page = self.client.call("events", {"since": state.seq})["events"]
             if not page:
-                return applied
-            bodies = [(ev["seq"], decode_body(ev["type"], ev["payload"])) for ev in page]
-            self.apply_events(bodies)
-            applied += len(bodies)
+                break
+            for ev in page:
+                state = apply(state, ev["seq"], decode_body(ev["type"], ev["payload"]))
+            read += len(page)
+            self.syncing_seq = state.seq
+        if state is not self.state:
+            self._advance_to(state)
+        return read
 
     def apply_events(self, events: list[tuple[int, Body]]) -> None:
         """Apply consecutive events from applied+1 on (older ones are dropped)."""
@@ -135,9 +155,9 @@ class Replica:
         state = self.state
         for seq, body in events:
             state = apply(state, seq, body)
-        self._advance_to(state, events)
+        self._advance_to(state)
 
-    def _advance_to(self, new: State, events: list[tuple[int, Body]]) -> None:
+    def _advance_to(self, new: State) -> None:
         if new.pool is not None:
             self._check_model(new.pool)
         pool = self.pool
@@ -149,6 +169,8 @@ class Replica:
             if self.holders.get(slot) != holder:
                 adapter = new.adapters[holder.name]
                 writes[slot] = slot_weights(self.blobs.get(adapter.sha256), adapter)
+                if slot == self.perturb_slot:
+                    writes[slot] = _perturbed(writes[slot])
         clears = [s for s in self.holders if s not in wanted]
         # nothing has changed up to here; from here on nothing can fail
         assert pool is not None or not (writes or clears)
@@ -201,6 +223,14 @@ class Replica:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(canonical_bytes({"seq": self.state.seq, "state": canonical(self.state)}))
         os.replace(tmp, path)
+
+
+def _perturbed(w: SlotWeights) -> SlotWeights:
+    """The test-only fault: one weight of the slot nudged, as a bad write would leave it."""
+    (first, (a, b)), *rest = sorted(w.pairs.items())
+    a = a.copy()
+    a.flat[0] += 0.5
+    return SlotWeights(w.scaling, w.rank, dict([(first, (a, b)), *rest]))
 
 
 class GapError(Exception):

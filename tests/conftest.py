@@ -6,6 +6,7 @@ from typing import Iterator
 import pytest
 
 from statesvc.example import ExampleAssets, make_example
+from tests.fleet import fleet  # noqa: F401  (a fixture)
 from tests.procs import StateSvc
 
 

@@ -64,6 +64,7 @@ class Computed:
     cache_dir: Path
     listen: str = field(default_factory=loopback)
     replica_id: str | None = None
+    extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen[Any] | None = None
 
     @property
@@ -76,7 +77,8 @@ class Computed:
             [str(BIN / "computed"), "serve", "--model", str(self.model_dir), "--state",
              self.state.control, "--diffs", self.state.publish, "--listen", self.listen,
              "--cache-dir", str(self.cache_dir),
-             *(["--replica-id", self.replica_id] if self.replica_id else [])],
+             *(["--replica-id", self.replica_id] if self.replica_id else []),
+             *self.extra_args],
             log=self.log)
         return self
 

@@ -1,0 +1,625 @@
+"""Llama as Hugging Face's `LlamaForCausalLM` defines it, in JAX, with multi-LoRA and a KV cache.
+
+The model is pure functions over a parameter pytree (`LlamaParams`, whose
+static `LlamaConfig` rides along as pytree metadata, so every entry point
+takes just `params`). What it reproduces of transformers 5.24's
+`modeling_llama.py`:
+
+- RMSNorm computed in float32 and cast back before the weight multiplies it;
+  eps from `rms_norm_eps`.
+- RoPE (rotate-half form) with `rope_theta`, and the `linear` and `llama3`
+  scalings; inverse frequencies computed in float32 as transformers does. Both
+  config forms are read: transformers 5's `rope_parameters` and 4.x's
+  top-level `rope_theta` plus `rope_scaling` (with `type` or `rope_type`).
+- Grouped-query attention (query head h uses key/value head h // (heads /
+  kv_heads)), an explicit `head_dim`, scores scaled by head_dim**-0.5, softmax
+  in float32.
+- SwiGLU MLP `down(silu(gate(x)) * up(x))`; optional attention and MLP biases.
+- Tied (`lm_head` is the embedding) or untied output embeddings.
+
+LoRA (computed/lora.py) is added to q, k, v, o, gate, up and down wherever the
+pool has the module: `y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT
+does; slot -1 is the base model and adds nothing.
+
+KV cache for continuous batching (`KVCache`): K and V of shape
+`[layers, max_batch, kv_heads, max_len, head_dim]` in the model dtype; each
+running sequence owns one batch row. Heads come before positions so that the
+attention matmuls read the cache in place: with positions first, XLA on CPU
+transposes every layer's K and V before each step's matmuls, and a decode
+step takes about three times as long. Entry points, all jitted, the first two
+donating the cache so it is updated in place:
+
+- `prefill(params, lora_pool, cache, tokens[P], length, row, slot)`: one
+  prompt padded to a bucket length P; writes K/V of positions [0, P) of row
+  `row` (positions from `length` on hold padding, overwritten by decode before
+  they are ever read) and returns the logits after token `length - 1`. One
+  compile per P; `length`, `row` and `slot` are traced.
+- `decode(params, lora_pool, cache, tokens[B], positions[B], slots[B], active[B])`:
+  one step for every row; row b writes its K/V at positions[b] and attends to
+  [0, positions[b]]. Inactive rows write nothing (their write index is pushed
+  out of range and dropped) and their logits are meaningless. One compile.
+- `forward_full(params, lora_pool, tokens[B, T], slots[B])`: every position's
+  logits, no cache (for tests and scoring).
+
+Layers are a Python loop over per-layer parameters, unrolled at trace time:
+in a CPU measurement of decode-sized matmuls, `lax.scan` over stacked layer
+weights was markedly slower (it slices each layer out per iteration); the cost
+is a compile time that grows with the number of layers.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import mmap
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from computed import lora
+from computed.pool import LoraPool
+from shared.config import MODULE_PARENT, MODULES
+from shared.tensorfile import TensorFileError, parse_header, to_float32
+
+DTYPES = ("float32", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3")
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint directory cannot be loaded as a Llama model."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (transformers' `rope_parameters`, normalised)."""
+
+    theta: float
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture, read from config.json; hashable (static under jit)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+
+    @property
+    def module_dims(self) -> dict[str, tuple[int, int]]:
+        """Target module -> (in_features, out_features), as PoolSpec wants them."""
+        h, q, kv, i = (self.hidden_size, self.num_heads * self.head_dim,
+                       self.num_kv_heads * self.head_dim, self.intermediate_size)
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
+        """Read a transformers 4.x or 5.x Llama config.json (as a dict)."""
+        if cfg.get("model_type") != "llama":
+            raise ModelLoadError(f"config.json: model_type must be 'llama', got {cfg.get('model_type')!r}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        if cfg.get("pretraining_tp", 1) not in (None, 1):
+            raise ModelLoadError("config.json: pretraining_tp other than 1 is not supported")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            max_pos = int(cfg.get("max_position_embeddings", 2048))
+            config = cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=_rope_config(cfg, max_pos),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                max_position_embeddings=max_pos,
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json lacks {exc.args[0]!r}") from None
+        if heads % kv_heads:
+            raise ModelLoadError(f"config.json: num_attention_heads {heads} is not a multiple of "
+                                 f"num_key_value_heads {kv_heads}")
+        if head_dim % 2:
+            raise ModelLoadError(f"config.json: head_dim {head_dim} must be even for RoPE")
+        return config
+
+
+def _rope_config(cfg: Mapping[str, Any], max_pos: int) -> RopeConfig:
+    # transformers 5: rope_parameters {rope_type, rope_theta, ...}; 4.x: rope_theta at the top
+    # level and rope_scaling {type|rope_type, factor, ...} or null. A file may carry both.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    if "layer_types" in cfg or any(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError("config.json: per-layer rope parameters are not supported")
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"config.json: rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("config.json: partial_rotary_factor other than 1 is not supported")
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    try:
+        factor = float(merged["factor"])
+    except KeyError:
+        raise ModelLoadError(f"config.json: rope type {kind!r} needs a factor") from None
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), type=kind, factor=factor)
+    try:
+        return RopeConfig(
+            theta=float(theta), type=kind, factor=factor,
+            low_freq_factor=float(merged["low_freq_factor"]),
+            high_freq_factor=float(merged["high_freq_factor"]),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", max_pos)))
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json: llama3 rope scaling lacks {exc.args[0]!r}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def inv_freq(config: LlamaConfig) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim / 2], float32, computed as transformers computes them."""
+    rope, dim = config.rope, config.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    freq = (np.float32(1.0) / np.power(np.float32(rope.theta), exponent)).astype(np.float32)
+    if rope.type == "linear":
+        freq = (freq / np.float32(rope.factor)).astype(np.float32)
+    elif rope.type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = (np.float32(2 * math.pi) / freq).astype(np.float32)
+        scaled = np.where(wavelen > low_wavelen, freq / np.float32(rope.factor), freq).astype(np.float32)
+        smooth = ((old / wavelen - rope.low_freq_factor)
+                  / (rope.high_freq_factor - rope.low_freq_factor)).astype(np.float32)
+        smoothed = ((1 - smooth) * scaled / np.float32(rope.factor) + smooth * scaled).astype(np.float32)
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return freq
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerParams:
+    """One decoder layer. Projection weights are stored [in, out] (HF stores [out, in])."""
+
+    input_norm: jax.Array           # [hidden]
+    post_attention_norm: jax.Array  # [hidden]
+    weights: dict[str, jax.Array]   # module -> [in, out]
+    biases: dict[str, jax.Array]    # module -> [out]; empty without attention/mlp bias
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["embed", "layers", "norm", "lm_head"], meta_fields=["config"])
+@dataclass(frozen=True)
+class LlamaParams:
+    config: LlamaConfig
+    embed: jax.Array                # [vocab, hidden]
+    layers: tuple[LayerParams, ...]
+    norm: jax.Array                 # [hidden]
+    lm_head: jax.Array | None       # [vocab, hidden]; None when tied to embed
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.embed.dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """K and V, each [layers, max_batch, kv_heads, max_len, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[3])
+
+
+def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32") -> KVCache:
+    """A zeroed cache of `max_batch` rows of `max_len` positions, in the model's dtype."""
+    shape = (config.num_layers, max_batch, config.num_kv_heads, max_len, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@contextmanager
+def _open_shards(model_dir: Path) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
+    """Tensor name -> (buffer, header, info) over every shard, memory-mapped."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        shards = [single]
+    elif index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc})") from None
+        for n in names:
+            if not isinstance(n, str) or "/" in n or "\\" in n or n.startswith("."):
+                raise ModelLoadError(f"{index}: shard name {n!r} must be a file in the same directory")
+        shards = [model_dir / n for n in names]
+    else:
+        raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    maps: list[mmap.mmap] = []
+    try:
+        tensors: dict[str, tuple[Any, Any, Any]] = {}
+        for path in shards:
+            with path.open("rb") as f:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            maps.append(buf)
+            try:
+                header = parse_header(buf, len(buf))
+            except TensorFileError as exc:
+                raise ModelLoadError(f"{path}: {exc}") from None
+            for name, info in header.tensors.items():
+                tensors[name] = (buf, header, info)
+        yield tensors
+    finally:
+        for m in maps:
+            m.close()
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32") -> tuple[LlamaConfig, LlamaParams]:
+    """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model_dir = Path(model_dir)
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{model_dir}: no config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
+    config = LlamaConfig.from_hf(raw)
+    jdt = jnp.dtype(dtype)
+
+    with _open_shards(model_dir) as tensors:
+
+        def get(name: str, shape: tuple[int, ...], *, transpose: bool = False) -> jax.Array:
+            if name not in tensors:
+                raise ModelLoadError(f"{model_dir}: the checkpoint has no tensor {name!r}")
+            buf, header, info = tensors[name]
+            if info.shape != shape:
+                raise ModelLoadError(f"{model_dir}: {name} has shape {info.shape}, config.json implies {shape}")
+            try:
+                arr = to_float32(buf, header, info)
+            except TensorFileError as exc:
+                raise ModelLoadError(f"{model_dir}: {exc}") from None
+            if transpose:
+                arr = arr.T
+            return jnp.asarray(np.ascontiguousarray(arr), dtype=jdt)
+
+        h, v = config.hidden_size, config.vocab_size
+        dims = config.module_dims
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}"
+            weights, biases = {}, {}
+            for m in MODULES:
+                n_in, n_out = dims[m]
+                stem = f"{p}.{MODULE_PARENT[m]}.{m}"
+                weights[m] = get(f"{stem}.weight", (n_out, n_in), transpose=True)
+                if (config.attention_bias and m in ATTN_MODULES) or (config.mlp_bias and m in MLP_MODULES):
+                    biases[m] = get(f"{stem}.bias", (n_out,))
+            layers.append(LayerParams(input_norm=get(f"{p}.input_layernorm.weight", (h,)),
+                                      post_attention_norm=get(f"{p}.post_attention_layernorm.weight", (h,)),
+                                      weights=weights, biases=biases))
+        params = LlamaParams(
+            config=config,
+            embed=get("model.embed_tokens.weight", (v, h)),
+            layers=tuple(layers),
+            norm=get("model.norm.weight", (h,)),
+            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", (v, h)),
+        )
+    return config, params
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, config: LlamaConfig) -> jax.Array:
+    """Rotate `x [..., heads, head_dim]` by `positions [...]` (rotate-half form, as HF)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(config))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # broadcast over heads
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _softmax(scores: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+class _Lora:
+    """How one forward pass adds LoRA: one slot for all tokens, or rows grouped by slot."""
+
+    def __init__(self, pool: LoraPool | None, config: LlamaConfig, *, slot: jax.Array | None = None,
+                 seg: lora.Segments | None = None) -> None:
+        if pool is not None:
+            _check_pool(pool, config)
+        self.pool, self.slot, self.seg = pool, slot, seg
+
+    def delta(self, x: jax.Array, layer: int, module: str) -> jax.Array | None:
+        if self.pool is None or module not in self.pool.A:
+            return None
+        A, B = self.pool.A[module][layer], self.pool.B[module][layer]
+        if self.seg is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            return lora.segmented(flat, A, B, self.pool.scaling, self.seg).reshape(*x.shape[:-1], -1)
+        assert self.slot is not None
+        return lora.single(x, A, B, self.pool.scaling, self.slot)
+
+
+def _check_pool(pool: LoraPool, config: LlamaConfig) -> None:
+    dims = config.module_dims
+    for m, a in pool.A.items():
+        n_in, n_out = dims[m]
+        b = pool.B[m]
+        if a.shape[0] != config.num_layers or a.shape[-1] != n_in or b.shape[-2] != n_out:
+            raise ValueError(f"the LoRA pool's {m} has A {a.shape} and B {b.shape}; the model needs "
+                             f"[{config.num_layers}, slots, rank, {n_in}] and "
+                             f"[{config.num_layers}, slots, {n_out}, rank]: configure the pool for this model")
+
+
+def _linear(x: jax.Array, layer: LayerParams, index: int, module: str, adapters: _Lora) -> jax.Array:
+    y = x @ layer.weights[module]
+    if module in layer.biases:
+        y = y + layer.biases[module]
+    d = adapters.delta(x, index, module)
+    return y if d is None else (y + d).astype(x.dtype)
+
+
+def _mlp(x: jax.Array, layer: LayerParams, index: int, adapters: _Lora) -> jax.Array:
+    gate = _linear(x, layer, index, "gate_proj", adapters)
+    up = _linear(x, layer, index, "up_proj", adapters)
+    return _linear(jax.nn.silu(gate) * up, layer, index, "down_proj", adapters)
+
+
+def _qkv(x: jax.Array, positions: jax.Array, layer: LayerParams, index: int, adapters: _Lora,
+         config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], RoPE applied."""
+    lead, hd, kvh = x.shape[:-1], config.head_dim, config.num_kv_heads
+    q = _linear(x, layer, index, "q_proj", adapters).reshape(*lead, config.num_heads, hd)
+    k = _linear(x, layer, index, "k_proj", adapters).reshape(*lead, kvh, hd)
+    v = _linear(x, layer, index, "v_proj", adapters).reshape(*lead, kvh, hd)
+    q, k = rope(q, positions, config), rope(k, positions, config)
+    return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v
+
+
+def _heads_first(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """[P, kv, d] -> [1, 1, kv, P, d], the cache's layout for one layer and row."""
+    return jnp.swapaxes(x, 0, 1)[None, None].astype(dtype)
+
+
+def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
+    head = params.embed if params.lm_head is None else params.lm_head
+    return jnp.einsum("...h,vh->...v", h, head).astype(jnp.float32)
+
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, config: LlamaConfig) -> jax.Array:
+    """q [..., T, kv, g, d], k and v [..., T, kv, d] -> [..., T, heads * d], causal."""
+    t = q.shape[-4]
+    scores = jnp.einsum("...qkgd,...skd->...kgqs", q, k) * (config.head_dim ** -0.5)
+    mask = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    probs = _softmax(scores, mask, q.dtype)
+    out = jnp.einsum("...kgqs,...skd->...qkgd", probs, v)
+    return out.reshape(*out.shape[:-3], -1)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, adapters: _Lora,
+             attend: Attend) -> jax.Array:
+    """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the attention."""
+    config = params.config
+    h = params.embed[tokens]
+    for i, layer in enumerate(params.layers):
+        q, k, v = _qkv(rms_norm(h, layer.input_norm, config.rms_norm_eps), positions, layer, i, adapters, config)
+        h = h + _linear(attend(i, q, k, v), layer, i, "o_proj", adapters)
+        h = h + _mlp(rms_norm(h, layer.post_attention_norm, config.rms_norm_eps), layer, i, adapters)
+    return rms_norm(h, params.norm, config.rms_norm_eps)
+
+
+def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+             length: jax.Array, row: jax.Array, slot: jax.Array) -> tuple[jax.Array, KVCache]:
+    config = params.config
+    k_cache, v_cache = cache.k, cache.v
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        nonlocal k_cache, v_cache
+        at = (i, row, 0, 0, 0)  # k and v [P, kv, d] go to [kv, P, d] of layer i, row `row`
+        k_cache = jax.lax.dynamic_update_slice(k_cache, _heads_first(k, k_cache.dtype), at)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, _heads_first(v, v_cache.dtype), at)
+        return _causal_attention(q, k, v, config)
+
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    h = _decoder(params, tokens, positions, _Lora(lora_pool, config, slot=slot), attend)
+    last = jax.lax.dynamic_index_in_dim(h, length - 1, 0, keepdims=False)
+    return _logits(params, last), KVCache(k_cache, v_cache)
+
+
+def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+            positions: jax.Array, slots: jax.Array, active: jax.Array) -> tuple[jax.Array, KVCache]:
+    config = params.config
+    n_rows, max_len = tokens.shape[0], cache.max_len
+    rows = jnp.arange(n_rows)
+    write_at = jnp.where(active, positions, max_len)  # out of range: dropped, the cache is untouched
+    visible = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    k_cache, v_cache = cache.k, cache.v
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        # q [B, kv, g, d]; k and v [B, kv, d] written at [i, b, :, positions[b]]
+        nonlocal k_cache, v_cache
+        k_cache = k_cache.at[i, rows, :, write_at].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[i, rows, :, write_at].set(v.astype(v_cache.dtype), mode="drop")
+        scores = jnp.einsum("bkgd,bksd->bkgs", q, k_cache[i]) * (config.head_dim ** -0.5)
+        probs = _softmax(scores, visible, q.dtype)
+        return jnp.einsum("bkgs,bksd->bkgd", probs, v_cache[i]).reshape(n_rows, -1)
+
+    seg = None if lora_pool is None else lora.segments(slots, lora_pool.scaling.shape[0])
+    h = _decoder(params, tokens, positions, _Lora(lora_pool, config, seg=seg), attend)
+    return _logits(params, h), KVCache(k_cache, v_cache)
+
+
+def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.Array,
+                  slots: jax.Array) -> jax.Array:
+    config = params.config
+    n_rows, t = tokens.shape
+    token_slots = jnp.broadcast_to(slots[:, None], (n_rows, t)).reshape(-1)
+    seg = None if lora_pool is None else lora.segments(token_slots, lora_pool.scaling.shape[0])
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n_rows, t))
+    h = _decoder(params, tokens, positions, _Lora(lora_pool, config, seg=seg),
+                 lambda i, q, k, v: _causal_attention(q, k, v, config))
+    return _logits(params, h)
+
+
+prefill_jit = jax.jit(_prefill, donate_argnames="cache")
+decode_jit = jax.jit(_decode, donate_argnames="cache")
+forward_full_jit = jax.jit(_forward_full)
+
+
+def _host_i32(x: Any, name: str) -> np.ndarray:
+    """A host int32 array: Python ints, numpy ints and int32 arrays all trace alike (no recompile)."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu" and arr.dtype != np.bool_:
+        raise TypeError(f"{name} must be integers, got {arr.dtype}")
+    return arr.astype(np.int32)
+
+
+def _check_tokens(tokens: np.ndarray, config: LlamaConfig) -> None:
+    if tokens.size and not (0 <= tokens.min() and tokens.max() < config.vocab_size):
+        raise ValueError(f"token ids must be in [0, {config.vocab_size}) (vocab_size); "
+                         f"got {tokens.min()}..{tokens.max()}")
+
+
+def _check_slots(slots: np.ndarray, lora_pool: LoraPool | None) -> None:
+    limit = 0 if lora_pool is None else int(lora_pool.scaling.shape[0])
+    bad = slots[(slots < lora.BASE) | (slots >= limit)]
+    if bad.size:
+        raise ValueError(f"slot {int(bad[0])} is outside [-1, {limit}): -1 is the base model"
+                         + ("; no LoRA pool was given" if lora_pool is None else
+                            f", the pool has {limit} slots (max_loras)"))
+
+
+def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, length: int,
+            row: int, slot: int) -> tuple[jax.Array, KVCache]:
+    """Run one prompt (`tokens [P]`, the first `length` real, the rest padding) into cache row `row`.
+
+    Returns (logits [vocab] float32 after token length - 1, the updated cache);
+    `cache` is donated. `slot` is the request's LoRA slot, or -1 for the base model.
+    One compile per P (bucket the prompt lengths).
+    """
+    tokens = _host_i32(tokens, "tokens")
+    if tokens.ndim != 1 or not 1 <= tokens.shape[0] <= cache.max_len:
+        raise ValueError(f"prefill takes tokens [P] with 1 <= P <= the cache's max_len {cache.max_len}; "
+                         f"got shape {tokens.shape}")
+    _check_tokens(tokens, params.config)
+    length_, row_, slot_ = (_host_i32(v, n) for v, n in ((length, "length"), (row, "row"), (slot, "slot")))
+    if not 1 <= length_ <= tokens.shape[0]:
+        raise ValueError(f"length {int(length_)} must be in [1, {tokens.shape[0]}] (the padded prompt's length)")
+    if not 0 <= row_ < cache.max_batch:
+        raise ValueError(f"row {int(row_)} is outside the cache's {cache.max_batch} rows (max_batch)")
+    _check_slots(slot_.reshape(1), lora_pool)
+    return prefill_jit(params, lora_pool, cache, tokens, length_, row_, slot_)
+
+
+def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
+           slots: Any, active: Any) -> tuple[jax.Array, KVCache]:
+    """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
+
+    Row b appends `tokens[b]` at `positions[b]` (< max_len) and attends to
+    [0, positions[b]] with LoRA slot `slots[b]` (-1: base). Rows with
+    `active[b]` False write nothing to the cache and their other entries are
+    ignored. `cache` is donated.
+    """
+    tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
+                                _host_i32(slots, "slots"))
+    active = np.asarray(active, np.bool_)
+    b = cache.max_batch
+    for name, arr in (("tokens", tokens), ("positions", positions), ("slots", slots), ("active", active)):
+        if arr.shape != (b,):
+            raise ValueError(f"decode takes {name} of shape [{b}] (the cache's max_batch); got {arr.shape}")
+    live = positions[active]
+    if live.size and not (0 <= live.min() and live.max() < cache.max_len):
+        raise ValueError(f"active rows need positions in [0, {cache.max_len}) (the cache's max_len); "
+                         f"got {live.min()}..{live.max()}")
+    _check_tokens(tokens[active], params.config)
+    tokens = np.where(active, tokens, 0).astype(np.int32)
+    slots = np.where(active, slots, lora.BASE).astype(np.int32)  # inactive rows compute no LoRA term
+    _check_slots(slots, lora_pool)
+    positions = np.where(active, positions, 0).astype(np.int32)
+    return decode_jit(params, lora_pool, cache, tokens, positions, slots, active)
+
+
+def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
+    """Logits [B, T, vocab] float32 for `tokens [B, T]`, row b with LoRA slot `slots[b]`; no cache."""
+    tokens, slots = _host_i32(tokens, "tokens"), _host_i32(slots, "slots")
+    if tokens.ndim != 2 or slots.shape != tokens.shape[:1]:
+        raise ValueError(f"forward_full takes tokens [B, T] and slots [B]; got {tokens.shape} and {slots.shape}")
+    _check_tokens(tokens, params.config)
+    _check_slots(slots, lora_pool)
+    return forward_full_jit(params, lora_pool, tokens, slots)
+
+
+__all__ = [
+    "KVCache", "LayerParams", "LlamaConfig", "LlamaParams", "ModelLoadError", "RopeConfig",
+    "decode", "forward_full", "init_cache", "inv_freq", "load_model", "prefill", "rms_norm", "rope",
+]

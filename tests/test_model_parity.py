@@ -1,0 +1,517 @@
+"""The JAX Llama with multi-LoRA gives what transformers + PEFT give, through its KV cache too.
+
+References are Hugging Face transformers and PEFT on the same checkpoint and
+adapter files (float32, eager attention). Each case checks the logits of every
+step within 1e-4 of the logit scale (max |ours - ref| <= 1e-4 * max |ref|) and
+the greedy continuation token for token: for single requests (prefill, then
+decode through the cache) and for a continuous batch where rows use different
+adapters or the base model, have different prompt lengths and buckets, join
+late and finish early. Two checkpoints: the example one (GQA, untied, explicit
+head_dim) and one with tied embeddings, llama3 rope scaling, full multi-head
+attention, a head_dim that is not hidden/heads, and an rsLoRA adapter.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from computed import lora  # noqa: E402
+from computed.model import (  # noqa: E402
+    KVCache,
+    LlamaConfig,
+    LlamaParams,
+    decode,
+    forward_full,
+    init_cache,
+    load_model,
+    prefill,
+)
+from computed.pool import MemoryPool, PoolSpec  # noqa: E402
+from computed.weights import slot_weights  # noqa: E402
+from shared.events import AdapterLoaded  # noqa: E402
+from statesvc.example import (  # noqa: E402
+    ALL_MODULES,
+    ATTN_MODULES,
+    AdapterSpec,
+    ExampleAssets,
+    ModelShape,
+    make_example,
+    model_config,
+)
+from tests.jaxcount import counting_compiles  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own deprecations
+
+RTOL = 1e-4        # of the logit scale, float32
+BF16_RTOL = 5e-2   # bfloat16 weights and activations against the float32 reference
+NEW_TOKENS = 8
+BUCKETS = (16, 32, 64)
+MAX_BATCH = 6
+MAX_LEN = 64
+
+OTHER_SHAPE = ModelShape(
+    vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
+    rope_theta=500000.0, rms_norm_eps=1e-6,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+OTHER_ADAPTERS = (
+    AdapterSpec("rslora-all-r8", r=8, lora_alpha=16, target_modules=ALL_MODULES, use_rslora=True),
+    AdapterSpec("attn-r4", r=4, lora_alpha=8, target_modules=ATTN_MODULES),
+)
+
+
+def bucket(n: int) -> int:
+    return next(b for b in BUCKETS if b >= n)
+
+
+def padded(prompt: list[int]) -> np.ndarray:
+    out = np.zeros(bucket(len(prompt)), np.int32)
+    out[:len(prompt)] = prompt
+    return out
+
+
+def close(ours: Any, ref: np.ndarray, rtol: float = RTOL) -> float:
+    """Assert max |ours - ref| <= rtol * max |ref|; return the ratio for the message."""
+    ours = np.asarray(ours, np.float32)
+    diff = float(np.abs(ours - ref).max()) / float(np.abs(ref).max())
+    assert diff <= rtol, f"logits differ by {diff:.2e} of the logit scale (limit {rtol:.0e})"
+    return diff
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The reference models are tiny: extra torch threads only contend with XLA's (10x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Reference:
+    """transformers + PEFT with every adapter of a checkpoint loaded; greedy decoding."""
+
+    def __init__(self, assets: ExampleAssets) -> None:
+        from peft import PeftModel
+        from transformers import LlamaForCausalLM
+
+        base = LlamaForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32,
+                                                attn_implementation="eager")
+        names = [a.name for a in assets.adapters]
+        model = PeftModel.from_pretrained(base, assets.adapter_dirs[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(assets.adapter_dirs[name], adapter_name=name)
+        self.model = model.eval()
+        self._cache: dict[tuple[tuple[int, ...], str | None], tuple[list[int], np.ndarray]] = {}
+
+    def logits(self, tokens: np.ndarray, adapters: list[str | None]) -> np.ndarray:
+        """[B, T, vocab] with PEFT's mixed-batch inference (None: the base model)."""
+        names = ["__base__" if a is None else a for a in adapters]
+        with torch.no_grad():
+            return self.model(torch.tensor(np.asarray(tokens), dtype=torch.long),
+                              adapter_names=names).logits.numpy()
+
+    def greedy(self, prompt: list[int], adapter: str | None) -> tuple[list[int], np.ndarray]:
+        """NEW_TOKENS greedy tokens and the logits [NEW_TOKENS, vocab] each was chosen from."""
+        key = (tuple(prompt), adapter)
+        if key not in self._cache:
+            seq, steps = list(prompt), []
+            for _ in range(NEW_TOKENS):
+                last = self.logits(np.array([seq]), [adapter])[0, -1]
+                steps.append(last)
+                seq.append(int(np.argmax(last)))
+            self._cache[key] = (seq[len(prompt):], np.stack(steps))
+        return self._cache[key]
+
+
+@dataclass
+class Setup:
+    assets: ExampleAssets
+    config: LlamaConfig
+    params: LlamaParams
+    pool: MemoryPool
+    slots: dict[str, int]            # adapter name -> pool slot
+    ref: Reference
+
+    def slot(self, adapter: str | None) -> int:
+        return lora.BASE if adapter is None else self.slots[adapter]
+
+
+def fill_pool(assets: ExampleAssets, config: LlamaConfig, dtype: str = "float32") -> tuple[MemoryPool, dict[str, int]]:
+    """A pool with every adapter of `assets`, written as a replica writes them."""
+    spec = PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims,
+                    slots=len(assets.adapters) + 2, max_rank=32, dtype=dtype)
+    pool, slots = MemoryPool(spec), {}
+    for i, spec_ in enumerate(assets.adapters):
+        d = assets.adapter_dirs[spec_.name]
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        scaling = alpha / (r ** 0.5 if cfg["use_rslora"] else r)
+        slot = i + 1  # leave slot 0 empty: a base row must not pick up slot 0's weights
+        event = AdapterLoaded(name=spec_.name, version=i + 1, slot=slot, sha256="0" * 64, size=0,
+                              rank=r, alpha=alpha, scaling=scaling, use_rslora=cfg["use_rslora"],
+                              targets=tuple(cfg["target_modules"]), pinned=False)
+        assert pool.write_slot(slot, slot_weights((d / "adapter_model.safetensors").read_bytes(), event))
+        slots[spec_.name] = slot
+    return pool, slots
+
+
+def make_setup(assets: ExampleAssets) -> Setup:
+    config, params = load_model(assets.model_dir)
+    pool, slots = fill_pool(assets, config)
+    return Setup(assets, config, params, pool, slots, Reference(assets))
+
+
+@pytest.fixture(scope="module")
+def example_setup(example: ExampleAssets) -> Setup:
+    return make_setup(example)
+
+
+@pytest.fixture(scope="module")
+def other_assets(tmp_path_factory: pytest.TempPathFactory) -> ExampleAssets:
+    return make_example(tmp_path_factory.mktemp("other"), seed=3, shape=OTHER_SHAPE, adapters=OTHER_ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def other_setup(other_assets: ExampleAssets) -> Setup:
+    return make_setup(other_assets)
+
+
+@pytest.fixture(scope="module", params=["example", "tied-llama3-mha"])
+def setup(request: pytest.FixtureRequest) -> Setup:
+    name = "example_setup" if request.param == "example" else "other_setup"
+    return request.getfixturevalue(name)
+
+
+def prompt_of(setup: Setup, seed: int, length: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, setup.config.vocab_size, length)]
+
+
+# --------------------------------------------------------------------------- parity
+
+
+def test_forward_full_matches_peft_mixed_batch(setup: Setup) -> None:
+    adapters: list[str | None] = [None] + [a.name for a in setup.assets.adapters] + [None]
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, setup.config.vocab_size, (len(adapters), 11))
+    ref = setup.ref.logits(tokens, adapters)
+    ours = forward_full(setup.params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters])
+    close(ours, ref)
+    # A LoRA term that is really there: base and adapter rows differ far beyond the tolerance.
+    assert np.abs(ref[1] - setup.ref.logits(tokens[1:2], [None])[0]).max() > 100 * RTOL * np.abs(ref).max()
+
+
+def test_single_requests_prefill_then_decode(setup: Setup) -> None:
+    adapters: list[str | None] = [None] + [a.name for a in setup.assets.adapters]
+    cache = init_cache(setup.config, MAX_BATCH, MAX_LEN)
+    for n, adapter in enumerate(adapters):
+        prompt = prompt_of(setup, n, 5 + 4 * n)
+        want_tokens, want_logits = setup.ref.greedy(prompt, adapter)
+        row, slot = n % MAX_BATCH, setup.slot(adapter)
+        logits, cache = prefill(setup.params, setup.pool.arrays, cache, padded(prompt), len(prompt), row, slot)
+        close(logits, want_logits[0])
+        got = [int(np.argmax(logits))]
+        active = np.arange(MAX_BATCH) == row
+        for step in range(1, NEW_TOKENS):
+            tokens = np.where(active, got[-1], 0)
+            positions = np.where(active, len(prompt) + step - 1, 0)
+            slots = np.where(active, slot, lora.BASE)
+            logits, cache = decode(setup.params, setup.pool.arrays, cache, tokens, positions, slots, active)
+            close(logits[row], want_logits[step])
+            got.append(int(np.argmax(logits[row])))
+        assert got == want_tokens, f"adapter {adapter}: greedy continuation differs"
+
+
+@dataclass
+class Request:
+    adapter: str | None
+    prompt: list[int]
+    joins_at: int           # decode step at which it is prefilled
+    row: int = -1
+    out: list[int] | None = None
+    checked: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.out is not None and len(self.out) == NEW_TOKENS
+
+
+def test_continuous_batch_of_mixed_adapters(setup: Setup) -> None:
+    names = [a.name for a in setup.assets.adapters]
+    requests = [
+        Request(None, prompt_of(setup, 10, 5), joins_at=0),
+        Request(names[0], prompt_of(setup, 11, 12), joins_at=0),
+        Request(names[-1], prompt_of(setup, 12, 17), joins_at=0),        # bucket 32
+        Request(names[0], prompt_of(setup, 13, 3), joins_at=0),          # shares a slot with row 1
+        Request(names[1 % len(names)], prompt_of(setup, 14, 9), joins_at=3),   # joins mid-flight
+        Request(None, prompt_of(setup, 15, 40), joins_at=2),              # bucket 64, base
+        Request(names[-1], prompt_of(setup, 16, 6), joins_at=5),          # reuses a finished row
+    ]
+    cache = init_cache(setup.config, MAX_BATCH, MAX_LEN)
+    free = list(range(MAX_BATCH))
+    running: list[Request] = []
+    step = 0
+    while any(not r.done for r in requests):
+        for r in requests:
+            if r.joins_at == step and r.out is None and free:
+                r.row = free.pop(0)
+                logits, cache = prefill(setup.params, setup.pool.arrays, cache, padded(r.prompt),
+                                        len(r.prompt), r.row, setup.slot(r.adapter))
+                close(logits, setup.ref.greedy(r.prompt, r.adapter)[1][0])
+                r.out = [int(np.argmax(logits))]
+                running.append(r)
+            elif r.joins_at == step and r.out is None:
+                r.joins_at += 1  # no free row yet: wait
+        tokens = np.zeros(MAX_BATCH, np.int32)
+        positions = np.full(MAX_BATCH, MAX_LEN - 1, np.int32)  # inactive rows: anything
+        slots = np.full(MAX_BATCH, 2, np.int32)                 # inactive rows: any slot
+        active = np.zeros(MAX_BATCH, bool)
+        for r in running:
+            assert r.out is not None
+            tokens[r.row], positions[r.row] = r.out[-1], len(r.prompt) + len(r.out) - 1
+            slots[r.row], active[r.row] = setup.slot(r.adapter), True
+        if active.any():
+            logits, cache = decode(setup.params, setup.pool.arrays, cache, tokens, positions, slots, active)
+            for r in running:
+                assert r.out is not None
+                close(logits[r.row], setup.ref.greedy(r.prompt, r.adapter)[1][len(r.out)])
+                r.out.append(int(np.argmax(logits[r.row])))
+                r.checked += 1
+        for r in [r for r in running if r.done]:
+            running.remove(r)
+            free.append(r.row)
+        step += 1
+    for r in requests:
+        assert r.out == setup.ref.greedy(r.prompt, r.adapter)[0], f"{r.adapter} row {r.row}: greedy differs"
+        assert r.checked == NEW_TOKENS - 1
+
+
+def test_inactive_rows_leave_the_cache_alone(example_setup: Setup) -> None:
+    s = example_setup
+    cache = init_cache(s.config, MAX_BATCH, MAX_LEN)
+    prompt = prompt_of(s, 20, 10)
+    _, cache = prefill(s.params, s.pool.arrays, cache, padded(prompt), len(prompt), 2, 1)
+    before_k, before_v = np.array(cache.k), np.array(cache.v)
+    active = np.zeros(MAX_BATCH, bool)
+    _, cache = decode(s.params, s.pool.arrays, cache, np.arange(MAX_BATCH), np.full(MAX_BATCH, 3),
+                      np.full(MAX_BATCH, 1), active)
+    np.testing.assert_array_equal(np.array(cache.k), before_k)
+    np.testing.assert_array_equal(np.array(cache.v), before_v)
+
+
+def test_base_rows_ignore_an_adapter_in_slot_zero(example: ExampleAssets) -> None:
+    """A base row (-1) gets no LoRA term even with slot 0, which -1 is clamped to for indexing, in use."""
+    config, params = load_model(example.model_dir)
+    empty_zero, _ = fill_pool(example, config)
+    full_zero, _ = fill_pool(example, config)
+    spec_ = example.adapters[0]
+    event = AdapterLoaded(name=spec_.name, version=1, slot=0, sha256="0" * 64, size=0, rank=spec_.r,
+                          alpha=spec_.lora_alpha, scaling=spec_.scaling, use_rslora=spec_.use_rslora,
+                          targets=spec_.target_modules, pinned=False)
+    data = (example.adapter_dirs[spec_.name] / "adapter_model.safetensors").read_bytes()
+    assert full_zero.write_slot(0, slot_weights(data, event))
+    tokens = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    base = [lora.BASE, lora.BASE]
+    # Same program, same shapes: a base row's logits are bit for bit those with slot 0 empty.
+    with_empty = np.asarray(forward_full(params, empty_zero.arrays, tokens, base))
+    with_full = np.asarray(forward_full(params, full_zero.arrays, tokens, base))
+    mixed = np.asarray(forward_full(params, full_zero.arrays, tokens, [lora.BASE, 0]))
+    np.testing.assert_array_equal(with_full, with_empty)
+    np.testing.assert_array_equal(mixed[0], with_empty[0])
+    assert np.abs(mixed[1] - with_empty[1]).max() > 1e-2  # while the slot-0 row does change
+    close(with_empty, np.asarray(forward_full(params, None, tokens, base)))
+    cache = init_cache(config, 2, 16)
+    prompt = np.array(tokens[0] + [0] * 12)
+    first, cache = prefill(params, empty_zero.arrays, cache, prompt, 4, 0, lora.BASE)
+    second, cache = prefill(params, full_zero.arrays, cache, prompt, 4, 0, lora.BASE)
+    np.testing.assert_array_equal(np.asarray(second), np.asarray(first))
+    close(first, with_empty[0, 3])
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_segmented_lora_matches_a_per_row_reference(window: int) -> None:
+    """Runs of one slot longer than a window, base rows anywhere, any mix: one compile for all."""
+    rng = np.random.default_rng(window)
+    S, r, n_in, n_out, n = 5, 4, 12, 10, 13
+    A = rng.standard_normal((S, r, n_in)).astype(np.float32)
+    B = rng.standard_normal((S, n_out, r)).astype(np.float32)
+    scaling = rng.uniform(0.5, 2.0, S).astype(np.float32)
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    f = jax.jit(lambda x, slots: lora.segmented(x, jnp.asarray(A), jnp.asarray(B), jnp.asarray(scaling),
+                                                lora.segments(slots, S, window=window)))
+    mixes = [np.full(n, lora.BASE), np.full(n, 2), rng.integers(-1, S, n), np.arange(n) % S,
+             np.where(np.arange(n) < 9, 4, lora.BASE), np.sort(rng.integers(-1, S, n))[::-1]]
+    f(x, np.zeros(n, np.int32)).block_until_ready()
+    with counting_compiles() as compiles:
+        for slots in mixes:
+            got = np.asarray(f(x, slots.astype(np.int32)))
+            want = np.stack([np.zeros(n_out, np.float32) if s < 0 else scaling[s] * (B[s] @ (A[s] @ row))
+                             for row, s in zip(x, slots)])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert compiles == []
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("shape", [ModelShape(), OTHER_SHAPE], ids=["example", "tied-llama3-mha"])
+def test_config_reads_transformers_4_and_5_forms(shape: ModelShape) -> None:
+    forms = {style: LlamaConfig.from_hf(model_config(shape, style=style)) for style in ("v4", "v5", "both")}
+    assert forms["v4"] == forms["v5"] == forms["both"]
+    config = forms["both"]
+    assert (config.head_dim, config.num_kv_heads, config.tie_word_embeddings) == (
+        shape.head_dim, shape.num_key_value_heads, shape.tie_word_embeddings)
+    assert config.rope.type == (shape.rope_scaling or {}).get("rope_type", "default")
+
+
+def test_sharded_checkpoint_loads_the_same(example: ExampleAssets, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(example.model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(tmp_path / file), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    (tmp_path / "config.json").write_text((example.model_dir / "config.json").read_text())
+    _, whole = load_model(example.model_dir)
+    _, sharded = load_model(tmp_path)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- bfloat16
+
+
+@pytest.fixture(scope="module")
+def bf16_assets(tmp_path_factory: pytest.TempPathFactory) -> ExampleAssets:
+    return make_example(tmp_path_factory.mktemp("bf16"), seed=0, dtype="bfloat16")
+
+
+def test_bfloat16_checkpoint_in_float32_is_exact(bf16_assets: ExampleAssets) -> None:
+    """bf16 files widen exactly: loaded in float32 they match transformers' float32 load of them."""
+    s = make_setup(bf16_assets)
+    names = [a.name for a in bf16_assets.adapters]
+    tokens = np.random.default_rng(1).integers(0, s.config.vocab_size, (3, 9))
+    adapters = [None, names[0], names[3]]
+    close(forward_full(s.params, s.pool.arrays, tokens, [s.slot(a) for a in adapters]),
+          s.ref.logits(tokens, adapters))
+
+
+def test_bfloat16_model_runs_close_to_float32(bf16_assets: ExampleAssets) -> None:
+    config, params = load_model(bf16_assets.model_dir, dtype="bfloat16")
+    assert params.embed.dtype == jnp.bfloat16
+    assert all(w.dtype == jnp.bfloat16 for w in jax.tree.leaves(params))
+    pool, slots = fill_pool(bf16_assets, config, dtype="bfloat16")
+    ref = Reference(bf16_assets)
+    cache = init_cache(config, MAX_BATCH, MAX_LEN, dtype="bfloat16")
+    assert cache.k.dtype == jnp.bfloat16
+    names = [a.name for a in bf16_assets.adapters]
+    rows = [(None, list(range(3, 14))), (names[3], list(range(40, 47)))]
+    for row, (adapter, prompt) in enumerate(rows):
+        slot = lora.BASE if adapter is None else slots[adapter]
+        logits, cache = prefill(params, pool.arrays, cache, padded(prompt), len(prompt), row, slot)
+        assert logits.dtype == jnp.float32
+        close(logits, ref.greedy(prompt, adapter)[1][0], BF16_RTOL)
+    # one decode step for both rows, fed the reference's first token
+    active = np.arange(MAX_BATCH) < 2
+    tokens = np.zeros(MAX_BATCH, np.int32)
+    positions = np.zeros(MAX_BATCH, np.int32)
+    slot_ids = np.full(MAX_BATCH, lora.BASE, np.int32)
+    for row, (adapter, prompt) in enumerate(rows):
+        tokens[row], positions[row] = ref.greedy(prompt, adapter)[0][0], len(prompt)
+        slot_ids[row] = lora.BASE if adapter is None else slots[adapter]
+    logits, cache = decode(params, pool.arrays, cache, tokens, positions, slot_ids, active)
+    for row, (adapter, prompt) in enumerate(rows):
+        close(logits[row], ref.greedy(prompt, adapter)[1][1], BF16_RTOL)
+
+
+# --------------------------------------------------------------------------- compiles
+
+
+def test_no_recompiles_across_slots_rows_lengths_and_mixes(example_setup: Setup) -> None:
+    s = example_setup
+    cache = init_cache(s.config, MAX_BATCH, MAX_LEN)
+    arrays = s.pool.arrays
+    tokens16 = np.arange(16, dtype=np.int32)
+    _, cache = prefill(s.params, arrays, cache, tokens16, 5, 0, lora.BASE)  # warm: one compile
+    _, cache = decode(s.params, arrays, cache, np.zeros(MAX_BATCH, int), np.zeros(MAX_BATCH, int),
+                      np.full(MAX_BATCH, lora.BASE), np.zeros(MAX_BATCH, bool))
+    rng = np.random.default_rng(0)
+    with counting_compiles() as compiles:
+        for length, row, slot in [(16, 5, 1), (1, 3, 4), (9, 0, lora.BASE), (12, 2, 5)]:
+            _, cache = prefill(s.params, arrays, cache, tokens16, length, row, slot)
+        _, cache = prefill(s.params, arrays, cache, list(range(16)), np.int64(3), np.int32(1), 2)
+        for mix in ([lora.BASE] * MAX_BATCH, [1] * MAX_BATCH, [1, 2, 3, 4, 5, lora.BASE], [5, 5, 1, 1, 0, 0]):
+            _, cache = decode(s.params, arrays, cache, rng.integers(0, 256, MAX_BATCH),
+                              rng.integers(0, MAX_LEN, MAX_BATCH), mix, rng.random(MAX_BATCH) < 0.7)
+    assert compiles == [], f"{len(compiles)} compiles within one bucket and one decode shape"
+    with counting_compiles() as compiles:
+        _, cache = prefill(s.params, arrays, cache, np.arange(24), 20, 1, 1)  # a length no other test uses
+    assert len(compiles) == 1, "a new bucket length compiles prefill once"
+
+
+def test_cache_is_updated_in_place(example_setup: Setup) -> None:
+    s = example_setup
+    cache = init_cache(s.config, MAX_BATCH, MAX_LEN)
+    pointers = [cache.k.unsafe_buffer_pointer(), cache.v.unsafe_buffer_pointer()]
+    _, cache = prefill(s.params, s.pool.arrays, cache, np.arange(16), 7, 1, 1)
+    _, cache = decode(s.params, s.pool.arrays, cache, np.zeros(MAX_BATCH, int), np.full(MAX_BATCH, 7),
+                      np.full(MAX_BATCH, 1), np.ones(MAX_BATCH, bool))
+    assert isinstance(cache, KVCache)
+    assert [cache.k.unsafe_buffer_pointer(), cache.v.unsafe_buffer_pointer()] == pointers
+
+
+def test_errors_name_the_limit(example_setup: Setup) -> None:
+    s = example_setup
+    cache = init_cache(s.config, 2, 16)
+    ok = np.zeros(16, np.int32)
+    with pytest.raises(ValueError, match="max_len 16"):
+        prefill(s.params, None, cache, np.zeros(32, np.int32), 3, 0, lora.BASE)
+    with pytest.raises(ValueError, match="length 17"):
+        prefill(s.params, None, cache, ok, 17, 0, lora.BASE)
+    with pytest.raises(ValueError, match="row 2 is outside the cache's 2 rows"):
+        prefill(s.params, None, cache, ok, 3, 2, lora.BASE)
+    with pytest.raises(ValueError, match="no LoRA pool was given"):
+        prefill(s.params, None, cache, ok, 3, 0, 0)
+    with pytest.raises(ValueError, match=r"slot 9 is outside \[-1, 7\)"):
+        prefill(s.params, s.pool.arrays, cache, ok, 3, 0, 9)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        prefill(s.params, None, cache, ok + 256, 3, 0, lora.BASE)
+    with pytest.raises(TypeError, match="tokens must be integers"):
+        prefill(s.params, None, cache, ok.astype(np.float32), 3, 0, lora.BASE)
+    zeros = np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match=r"max_batch"):
+        decode(s.params, None, cache, np.zeros(3, np.int32), zeros, zeros, np.ones(2, bool))
+    with pytest.raises(ValueError, match=r"positions in \[0, 16\)"):
+        decode(s.params, None, cache, zeros, np.array([3, 16]), zeros - 1, np.ones(2, bool))
+    # an inactive row's position and slot are not checked: they are ignored
+    _, cache = decode(s.params, None, cache, zeros, np.array([3, 99]), np.array([-1, 99]), np.array([True, False]))
+    wrong = PoolSpec(num_layers=s.config.num_layers, module_dims={"q_proj": (32, 64)}, slots=2,
+                     max_rank=4, dtype="float32")
+    with pytest.raises(ValueError, match="configure the pool for this model"):
+        forward_full(s.params, MemoryPool(wrong).arrays, [[1, 2]], [0])
+
