@@ -336,6 +336,56 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
               f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms[/]")
 
 
+@main.command()
+@click.option("--kill", "kill", default=None, metavar="REPLICA_ID",
+              help="Also SIGKILL this live replica, restart it and time its recovery.")
+@click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
+              help="statesvc's diff address, for the drill's fresh replicas.")
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="Base model dir [default: what the live replicas report].")
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
+          as_json: bool) -> None:
+    """Rebuild replicas from the log (from seq 0 and from the latest snapshot) and prove
+    that they agree with every live replica and with statesvc. Exit 1 on any disagreement."""
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+    from statesvc.drill import Drill, DrillError
+
+    bars: dict[str, TaskID] = {}
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(),
+                  TextColumn("seq {task.completed:.0f}/{task.total:.0f}"), console=err,
+                  disable=as_json or not err.is_terminal, transient=True) as progress:
+        def show(name: str, seq: int, head: int) -> None:
+            if name not in bars:
+                bars[name] = progress.add_task(name, total=max(head, 1))
+            progress.update(bars[name], completed=seq, total=max(head, 1))
+
+        try:
+            report = Drill(ctx.obj["state"], diffs, model=model, progress=show).run(kill)
+        except DrillError as exc:
+            err.print(f"[bold red]error[/] (drill): {exc}")
+            sys.exit(3)
+    if as_json:
+        _emit(report.to_json())
+    else:
+        table = Table(title=f"drill at seq {report.head_seq}: "
+                      + ("[green]all agree[/]" if report.ok else "[bold red]DISAGREEMENT[/]"))
+        for col in ("replica", "check", "result", "detail"):
+            table.add_column(col)
+        for c in report.checks:
+            table.add_row(c.replica, c.check, "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]",
+                          c.detail)
+        out.print(table)
+        out.print("  ".join(f"{k} {v:.2f} s" for k, v in report.timings.items()))
+    for c in report.checks:
+        if not c.ok:
+            err.print(f"[bold red]disagreement[/]: replica {c.replica}: {c.check} {c.detail}")
+    sys.exit(0 if report.ok else 1)
+
+
 @main.command("make-example")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)

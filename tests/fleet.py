@@ -17,10 +17,10 @@ class Fleet:
         self.statesvc = StateSvc(tmp / "data", **svc_kw)
         self.replicas: list[Computed] = []
 
-    def replica(self, name: str, *, start: bool = True, args: tuple[str, ...] = ("--no-warmup",)
-                ) -> Computed:
+    def replica(self, name: str, *, start: bool = True, args: tuple[str, ...] = ("--no-warmup",),
+                env: dict[str, str] | None = None) -> Computed:
         r = Computed(self.example.model_dir, self.statesvc, self.tmp / "replicas" / name,
-                     replica_id=name, extra_args=args)
+                     replica_id=name, extra_args=args, env=env or {})
         self.replicas.append(r)
         return r.start() if start else r
 

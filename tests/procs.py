@@ -65,6 +65,7 @@ class Computed:
     listen: str = field(default_factory=loopback)
     replica_id: str | None = None
     extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[Any] | None = None
 
     @property
@@ -79,7 +80,7 @@ class Computed:
              "--cache-dir", str(self.cache_dir),
              *(["--replica-id", self.replica_id] if self.replica_id else []),
              *self.extra_args],
-            log=self.log)
+            log=self.log, env=self.env)
         return self
 
     def stop(self) -> None:

@@ -13,6 +13,7 @@ class HFReference:
     def __init__(self, model_dir: Path) -> None:
         import torch
         import transformers
+        torch.set_num_threads(1)  # a tiny model: threads only fight XLA for the 2 cores
         self.torch = torch
         self.base = transformers.AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32).eval()
