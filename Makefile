@@ -30,3 +30,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) var bench-results .pytest_cache
+
+# statesvc and one replica on the example model, in the foreground; Ctrl-C stops both.
+up: $(STAMP)
+	$(BIN)/python -m statesvc.up

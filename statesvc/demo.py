@@ -1,9 +1,10 @@
-"""`make demo`: the main job end to end on the embedded defaults.
+"""`make demo`: the main job end to end, from nothing, on the embedded defaults.
 
-A generated example model and adapters, statesvc on a temporary data dir and
-free loopback ports, the pool configured, adapters loaded, retried, replaced
-and unloaded through loractl, the log shown, and a restart that proves the
-state survives it. Every process started here is stopped here.
+A generated example model and adapters; statesvc and two replicas on free
+loopback ports; three adapters loaded; one batch that mixes the base model and
+all three adapters; an unload and a request for it refused; a drill that kills
+a replica and rebuilds it by replay with matching digests; a clean shutdown
+with no process left behind. Every process started here is stopped here.
 """
 from __future__ import annotations
 
@@ -14,94 +15,174 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import zmq
 from rich.console import Console
 from rich.rule import Rule
+from rich.table import Table
 
+from shared.client import ControlClient
 from shared.processes import loopback, start_ready, stop_pid
 
 BIN = Path(sys.executable).parent
 console = Console(highlight=False, soft_wrap=True)
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+ADAPTERS = {"support-bot": "attn-qv-r8", "sql-writer": "mlp-only-r16", "summarizer": "all-r2"}
 
 
 class Demo:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.control, self.publish = loopback(), loopback()
-        self.data_dir = root / "data"
-        self.proc: subprocess.Popen[Any] | None = None
+        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self.extra_pids: list[int] = []  # processes the drill restarted
+        self.env = {**os.environ, "COLUMNS": str(max(console.width, 120))}
 
-    def start_statesvc(self) -> None:
-        self.proc, ready = start_ready(
-            [str(BIN / "statesvc"), "serve", "--data-dir", str(self.data_dir), "--control",
-             self.control, "--publish", self.publish], log=self.root / "statesvc.log")
-        console.print(f"[dim]statesvc pid {self.proc.pid}: {ready}[/]")
+    def start(self, name: str, argv: list[str]) -> str:
+        proc, ready = start_ready(argv, log=self.root / f"{name}.log")
+        self.procs[name] = proc
+        console.print(f"[dim]{name}: pid {proc.pid}, {ready}[/]")
+        return ready
 
-    def stop_statesvc(self) -> None:
-        if self.proc is not None:
-            stop_pid(self.proc)
-            console.print(f"[dim]statesvc pid {self.proc.pid} stopped "
-                          f"(exit {self.proc.returncode})[/]")
-            self.proc = None
+    def start_replica(self, name: str, model: str) -> str:
+        ready = self.start(name, [str(BIN / "computed"), "serve", "--model", model, "--state",
+                                  self.control, "--diffs", self.publish, "--listen", loopback(),
+                                  "--replica-id", name, "--cache-dir", str(self.root / name),
+                                  "--max-batch", "8", "--max-len", "64"])
+        return ready.split("listen=")[1].split()[0]
 
     def loractl(self, *args: str, show: bool = True, expect_fail: bool = False) -> str:
-        argv = [str(BIN / "loractl"), "--state", self.control, *args]
-        console.print(f"[bold cyan]$ loractl {shlex.join(args)}[/]")
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "COLUMNS": str(max(console.width, 120))})
+        shown = [a if not a.startswith(str(self.root)) else "…" + a[len(str(self.root)):]
+                 for a in args]
+        console.print(f"[bold cyan]$ loractl {shlex.join(shown)}[/]")
+        res = subprocess.run([str(BIN / "loractl"), "--state", self.control, *args],
+                             capture_output=True, text=True, timeout=300, env=self.env)
         if show:
             sys.stdout.write(res.stdout)
-        if res.stderr:
+        if res.stderr and (show or res.returncode):
             console.print(f"[yellow]{res.stderr.rstrip()}[/]")
         if (res.returncode != 0) != expect_fail:
             raise SystemExit(f"demo failed: loractl {' '.join(args)} exited {res.returncode}")
         return res.stdout
 
+    def stop_all(self) -> list[int]:
+        for name, proc in reversed(list(self.procs.items())):
+            stop_pid(proc)
+        for pid in self.extra_pids:
+            try:
+                os.kill(pid, 15)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        pids = [p.pid for p in self.procs.values()] + self.extra_pids
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        return [p for p in pids if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def mixed_batch(address: str, adapters: list[str | None]) -> dict[str | None, Any]:
+    """Send one request per adapter at once (one decode batch), and gather the replies."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        ids = {}
+        for adapter in adapters:
+            rid = uuid.uuid4().hex
+            ids[rid] = adapter
+            sock.send(msgpack.packb({"v": 1, "id": rid, "cmd": "generate", "args": {
+                "adapter": adapter, "input_ids": PROMPT, "max_new_tokens": 8}}))
+        out: dict[str | None, Any] = {}
+        while len(out) < len(ids):
+            if not sock.poll(120_000):
+                raise SystemExit("demo failed: the replica did not answer")
+            reply = msgpack.unpackb(sock.recv())
+            out[ids[reply["id"]]] = reply
+        return out
+    finally:
+        sock.close(0)
+
 
 def run(root: Path) -> None:
     t0 = time.perf_counter()
     demo = Demo(root)
-    console.print(Rule("1. example model and adapters (generated locally, nothing downloaded)"))
+    console.print(Rule("1. example model and adapters (generated here, nothing downloaded)"))
     assets = json.loads(demo.loractl("make-example", str(root / "example"), "--json",
                                      show=False))
-    adapters: dict[str, str] = assets["adapters"]
-    console.print(f"model {assets['model']}; adapters {', '.join(adapters)}")
+    dirs: dict[str, str] = assets["adapters"]
+    console.print(f"Llama checkpoint (GQA, untied) and PEFT adapters {', '.join(dirs)}")
+    report: list[tuple[str, bool]] = []
     try:
-        console.print(Rule("2. statesvc on a temporary data dir"))
-        demo.start_statesvc()
-        console.print(Rule("3. configure the pool (genesis event)"))
+        console.print(Rule("2. statesvc and two replicas on loopback"))
+        demo.start("statesvc", [str(BIN / "statesvc"), "serve", "--data-dir",
+                                str(root / "data"), "--control", demo.control, "--publish",
+                                demo.publish])
+        r1 = demo.start_replica("replica-1", assets["model"])
+        demo.start_replica("replica-2", assets["model"])
+        console.print(Rule("3. configure the pool, load three adapters"))
         demo.loractl("pool", "init", "--model", assets["model"], "--max-loras", "4",
                      "--max-rank", "16", "--targets", "all")
-        console.print(Rule("4. load, retry, replace, refuse, unload"))
-        demo.loractl("load", "support-bot", adapters["attn-qv-r8"])
-        demo.loractl("load", "sql-writer", adapters["mlp-only-r16"], "--pin")
-        demo.loractl("load", "summarizer", adapters["all-r2"])
-        demo.loractl("load", "support-bot", adapters["attn-qv-r8"])  # same content: no event
-        demo.loractl("load", "support-bot", adapters["attn-all-r4"], expect_fail=True)
-        demo.loractl("load", "support-bot", adapters["attn-all-r4"], "--replace")
-        demo.loractl("load", "big", adapters["all-r32-rslora"], expect_fail=True)
+        for name, adapter in ADAPTERS.items():
+            demo.loractl("load", name, dirs[adapter])
+        head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
+        console.print(Rule("4. one batch mixing the base model and all three adapters"))
+        # min_seq: the replica answers once it has applied our last load
+        demo.loractl("generate", "--replica", r1, "--adapter", "support-bot", "--input-ids",
+                     ",".join(map(str, PROMPT)), "--min-seq", str(head))
+        replies = mixed_batch(r1, [None, *ADAPTERS])
+        table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
+        for col in ("adapter", "version", "output_ids", "total ms"):
+            table.add_column(col)
+        for adapter, reply in replies.items():
+            res = reply["result"]
+            table.add_row(adapter or "(base model)",
+                          str(res["adapter"]["version"]) if res["adapter"] else "",
+                          " ".join(map(str, res["output_ids"])),
+                          f"{res['timings']['total_ms']:.0f}")
+        console.print(table)
+        distinct = len({tuple(r["result"]["output_ids"]) for r in replies.values()})
+        report.append((f"mixed batch: {distinct} different outputs from 4 requests",
+                       distinct == 4))
+        console.print(Rule("5. unload one; a request for it is refused"))
         demo.loractl("unload", "summarizer")
-        demo.loractl("list")
-        console.print(Rule("5. the log"))
-        demo.loractl("events")
-        before = json.loads(demo.loractl("status", "--json", show=False))
-        console.print(Rule("6. restart: the log is the state"))
-        demo.stop_statesvc()
-        demo.start_statesvc()
-        after = json.loads(demo.loractl("status", "--json", show=False))
-        same = (before["head_seq"], before["digest"]) == (after["head_seq"], after["digest"])
-        console.print(f"before restart: head {before['head_seq']} digest "
-                      f"{before['digest'][:16]}; after: head {after['head_seq']} digest "
-                      f"{after['digest'][:16]} -> "
-                      + ("[green]identical[/]" if same else "[bold red]DIFFERENT[/]"))
-        if not same:
-            raise SystemExit("demo failed: the state changed across a restart")
+        head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
+        demo.loractl("generate", "--replica", r1, "--adapter", "summarizer", "--input-ids",
+                     "1,2,3", "--min-seq", str(head), expect_fail=True)
+        report.append(("request for an unloaded adapter refused with unknown_adapter", True))
+        time.sleep(1.5)  # one heartbeat period, so the replicas have reported the head
+        demo.loractl("status")
+        console.print(Rule("6. drill: kill replica-2, rebuild by replay, compare everything"))
+        drill = demo.loractl("drill", "--kill", "replica-2", "--diffs", demo.publish)
+        report.append(("drill: every replica agrees (digests and probes)",
+                       "all agree" in drill))
+        # the drill restarted replica-2 itself: find its new pid, to stop it too
+        status = json.loads(demo.loractl("status", "--json", show=False))
+        for r in status["replicas"]:
+            if r["id"] == "replica-2":
+                with ControlClient(r["address"]) as c:
+                    demo.extra_pids.append(int(c.call("status")["pid"]))
     finally:
-        demo.stop_statesvc()
-    console.print(Rule("done"))
-    console.print(f"demo finished in {time.perf_counter() - t0:.1f} s; no process left running")
+        console.print(Rule("7. shutdown"))
+        left = demo.stop_all()
+    report.append(("clean shutdown: no process left", not left))
+    console.print(Rule("report"))
+    for what, ok in report:
+        console.print(("[green]PASS[/] " if ok else "[bold red]FAIL[/] ") + what)
+    console.print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    if not all(ok for _, ok in report):
+        raise SystemExit("demo failed")
 
 
 def main() -> None:
