@@ -13,6 +13,8 @@ from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, DEFAULT_REPLICA_LIST
 
 # Test-only fault switch: the slot this replica writes wrong (drills must catch it).
 PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
+# Test-only fault switch: seconds to pause after each slot write (a window to crash in).
+SLOW_WRITE_ENV = "LORAPLANE_FAULT_SLOW_WRITE_S"
 
 
 @click.group()
@@ -79,7 +81,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         log.warning("fault switch %s=%s: slot %s will be written wrong", PERTURB_SLOT_ENV, fault,
                     fault)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
-                      perturb_slot=int(fault) if fault else None)
+                      perturb_slot=int(fault) if fault else None,
+                      slow_write_s=float(os.environ.get(SLOW_WRITE_ENV, "0")))
     engine = None
     if inference:
         from computed.engine import Engine, LlamaRunner

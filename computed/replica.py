@@ -61,10 +61,12 @@ def pool_spec(pool: PoolConfigured) -> PoolSpec:
 
 class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
-                 from_zero: bool = False, perturb_slot: int | None = None) -> None:
+                 from_zero: bool = False, perturb_slot: int | None = None,
+                 slow_write_s: float = 0.0) -> None:
         self.model = model
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
         self.perturb_slot = perturb_slot  # test-only fault: this slot is written wrong
+        self.slow_write_s = slow_write_s  # test-only fault: a pause after each slot write
         self.syncing_seq = 0  # how far a catch-up has read the log
         self.client = client
         self.cache_dir = Path(cache_dir)
@@ -179,6 +181,8 @@ class Replica:
                 pool.clear_slot(slot)  # type: ignore[union-attr]
             for slot, weights in sorted(writes.items()):
                 pool.write_slot(slot, weights)  # type: ignore[union-attr]
+                if self.slow_write_s:  # test-only fault: widen the window for a crash here
+                    time.sleep(self.slow_write_s)
             self.pool, self.holders, self.state = pool, wanted, new
         self.applied_at = time.time()
         self.last_error = None

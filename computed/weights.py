@@ -25,6 +25,8 @@ class BlobCache:
     def __init__(self, root: Path, client: ControlClient) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob("*.tmp*"):  # a crash while caching a blob
+            leftover.unlink(missing_ok=True)
         self.client = client
         self.fetches = 0  # blobs fetched from statesvc (not served from the cache)
 
