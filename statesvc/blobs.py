@@ -30,11 +30,13 @@ class BlobStore:
     def has(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
 
-    def put(self, data: bytes, sha256: str | None = None) -> tuple[str, bool]:
-        """Store `data` durably; returns (sha256, created). An existing blob is not rewritten."""
+    def put(self, data: bytes, sha256: str | None = None, *,
+            overwrite: bool = False) -> tuple[str, bool]:
+        """Store `data` durably; returns (sha256, created). An existing blob is not rewritten
+        unless `overwrite` (to repair a damaged copy)."""
         sha256 = sha256 or hashlib.sha256(data).hexdigest()
         final = self.path(sha256)
-        if final.is_file():
+        if final.is_file() and not overwrite:
             return sha256, False
         final.parent.mkdir(exist_ok=True)
         tmp = self.tmp / f"{sha256}.{os.getpid()}"

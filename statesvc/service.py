@@ -263,6 +263,10 @@ class StateService:
         if old is not None and (old.sha256, old.rank, old.alpha, old.use_rslora, old.targets,
                                 old.pinned) == (cand.sha256, cand.rank, cand.alpha,
                                                 cand.use_rslora, cand.targets, args["pin"]):
+            if not self.blobs.verify(old.sha256):  # a damaged stored copy: this load repairs it
+                log.warning("blob %s of %s was damaged; rewritten from %s", old.sha256[:12],
+                            name, args["path"])
+                self.blobs.put(cand.weights, cand.sha256, overwrite=True)
             return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
                     "created": False}
         if old is not None and not args["replace"]:

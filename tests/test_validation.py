@@ -318,3 +318,14 @@ def test_oversized_weights(tmp_path: Path, example: ExampleAssets) -> None:
     svc.max_adapter_bytes = 1000
     err = refused(svc, example.adapter_dirs[QV])
     assert "above the 1000-byte limit" in str(err)
+
+
+def test_reloading_same_content_repairs_a_damaged_blob(svc: StateService,
+                                                       example: ExampleAssets) -> None:
+    call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    [sha] = svc.blobs.all()
+    svc.blobs.path(sha).write_bytes(b"damaged")
+    head = svc.store.head()
+    again = call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
+    assert again["created"] is False and svc.store.head() == head
+    assert svc.blobs.verify(sha)
