@@ -57,10 +57,17 @@ def main() -> None:
               help="Rebuild from seq 0, ignoring snapshots and the local state (drills).")
 @click.option("--heartbeat/--no-heartbeat", default=True, show_default=True,
               help="Report to statesvc (off for short-lived drill replicas).")
+@click.option("--key", envvar="LORAPLANE_KEY", default=None,
+              help="CURVE: this replica's secret key file (env LORAPLANE_KEY).")
+@click.option("--server-key", envvar="LORAPLANE_SERVER_KEY", default=None,
+              help="CURVE: statesvc's public key file (env LORAPLANE_SERVER_KEY).")
+@click.option("--client-queue-limit", type=click.IntRange(1), default=64, show_default=True,
+              help="Requests one client may have waiting or running at once.")
 def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | None,
           cache_dir: Path | None, dtype: str, max_batch: int, max_len: int | None,
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
-          replay_from_zero: bool, heartbeat: bool) -> None:
+          replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
+          client_queue_limit: int) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
@@ -75,7 +82,12 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     replica_id = replica_id or f"{socket.gethostname()}-{listen.rsplit(':', 1)[-1]}"
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
     # the client's socket is made on first use, in the sync thread that alone uses it
-    client = ControlClient(state, timeout_s=3.0, retries=1)
+    from shared.keys import KeyError_, client_keys
+    try:
+        keys = client_keys(key, server_key)
+    except KeyError_ as exc:
+        raise click.UsageError(str(exc)) from None
+    client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
     fault = os.environ.get(PERTURB_SLOT_ENV)
     if fault:
         log.warning("fault switch %s=%s: slot %s will be written wrong", PERTURB_SLOT_ENV, fault,
@@ -93,9 +105,10 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
             raise click.ClickException(str(exc)) from None
         length = max_len or min(config.max_position_embeddings, 4096)
         engine = Engine(LlamaRunner(config, params, max_batch=max_batch, max_len=length),
-                        replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout)
+                        replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout,
+                        client_limit=client_queue_limit)
     daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state, diffs=diffs,
-                    engine=engine, warmup=warmup, heartbeat=heartbeat,
+                    engine=engine, warmup=warmup, heartbeat=heartbeat, keys=keys,
                     about={"pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(),
                            "model": str(model.resolve())})
     log.info("replica %s: model %s (%s), statesvc %s / %s, cache %s", replica_id, model,

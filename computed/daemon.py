@@ -29,6 +29,7 @@ from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
 from shared.events import EventError
+from shared.keys import ClientKeys
 from shared.protocol import (Field, ProtocolError, encode_request, error_reply, int_range,
                              ok_reply, request_id_of, str_len, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
@@ -52,8 +53,9 @@ class SyncLoop(threading.Thread):
     """Keeps the replica in step with statesvc (see the module docstring)."""
 
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
-                 diffs: str, heartbeat: bool = True) -> None:
+                 diffs: str, heartbeat: bool = True, keys: ClientKeys | None = None) -> None:
         super().__init__(name="sync", daemon=True)
+        self.keys = keys
         self.heartbeat = heartbeat
         self.replica = replica
         self.replica_id = replica_id
@@ -72,8 +74,11 @@ class SyncLoop(threading.Thread):
         self.sub.setsockopt(zmq.RCVHWM, 1_000_000)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(self.diffs_addr)  # subscribe first (Clone pattern), then fetch state
         self.beat = ctx.socket(zmq.DEALER)
+        if self.keys is not None:
+            self.keys.apply(self.sub)
+            self.keys.apply(self.beat)
+        self.sub.connect(self.diffs_addr)  # subscribe first (Clone pattern), then fetch state
         self.beat.setsockopt(zmq.LINGER, 0)
         self.beat.setsockopt(zmq.SNDHWM, 4)
         self.beat.connect(self.state_addr)
@@ -181,7 +186,8 @@ def digests(r: Replica) -> dict[str, Any]:
 class Daemon:
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
                  diffs: str, engine: Engine | None = None, warmup: bool = True,
-                 heartbeat: bool = True, about: dict[str, Any] | None = None) -> None:
+                 heartbeat: bool = True, about: dict[str, Any] | None = None,
+                 keys: ClientKeys | None = None) -> None:
         self.replica = replica
         self.warmup = warmup
         self.about = about or {}  # how this process was started: pid, argv, model (drills)
@@ -193,7 +199,7 @@ class Daemon:
         self.router.bind(listen)
         self.listen = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
-                             diffs=diffs, heartbeat=heartbeat)
+                             diffs=diffs, heartbeat=heartbeat, keys=keys)
         self._stop = False
 
     def stop(self, *_: Any) -> None:

@@ -123,6 +123,11 @@ class Done:
     error: GenerateError | None = None
 
 
+def _client_of(reply_to: Any) -> Any:
+    """The client a request came from: the first envelope frame (its ROUTER identity)."""
+    return reply_to[0] if isinstance(reply_to, list) and reply_to else None
+
+
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else temperature, then nucleus (top-p) sampling."""
     if temperature == 0.0:
@@ -139,10 +144,11 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 class Engine:
     def __init__(self, model: Model, replica: Replica, *, queue_limit: int = 256,
-                 min_seq_wait_s: float = 10.0) -> None:
+                 min_seq_wait_s: float = 10.0, client_limit: int = 64) -> None:
         self.model = model
         self.replica = replica
         self.queue_limit = queue_limit
+        self.client_limit = client_limit
         self.min_seq_wait_s = min_seq_wait_s
         self.schema = generate_schema(model.vocab_size, model.max_len)
         self.waiting: deque[Request] = deque()
@@ -173,6 +179,13 @@ class Engine:
                 "prompt_too_long", f"{prompt} prompt tokens + max_new_tokens "
                 f"{args['max_new_tokens']} exceed this replica's context of {self.model.max_len} "
                 "tokens; shorten the prompt or ask for fewer tokens", "args.input_ids"))
+        client = _client_of(reply_to)
+        mine = sum(_client_of(r.reply_to) == client for r in self.waiting) + sum(
+            r is not None and _client_of(r.req.reply_to) == client for r in self.rows)
+        if mine >= self.client_limit:
+            return Done(reply_to, req_id, error=GenerateError(
+                "overloaded", f"this client already has {mine} requests waiting or running "
+                f"(the per-client limit is {self.client_limit}); wait for replies first"))
         if len(self.waiting) >= self.queue_limit:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "

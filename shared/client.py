@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import zmq
 
 from shared.config import MAX_WIRE_BYTES
+from shared.keys import ClientKeys
 from shared.protocol import ProtocolError, encode_request, unpack
 
 
@@ -30,8 +31,9 @@ class Unavailable(Exception):
 
 class ControlClient:
     def __init__(self, address: str, *, timeout_s: float = 10.0, retries: int = 2,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None, keys: ClientKeys | None = None) -> None:
         self.address = address
+        self.keys = keys
         self.timeout_ms = int(timeout_s * 1000)
         self.retries = retries
         self.ctx = context or zmq.Context.instance()
@@ -42,6 +44,8 @@ class ControlClient:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+            if self.keys is not None:
+                self.keys.apply(self.sock)
             self.sock.connect(self.address)
         return self.sock
 
@@ -80,9 +84,10 @@ class ControlClient:
                 err = reply.get("error") or {}
                 raise RemoteError(str(err.get("code")), str(err.get("message")), err.get("field"))
             self.close()  # a fresh socket, so a reply to the old one cannot arrive late
+        hint = ("is it running, and is this key allowed there?" if self.keys is not None else
+                "is it running? (a server started with --auth also needs --key and --server-key)")
         raise Unavailable(f"no answer from {self.address} within {self.timeout_ms / 1000:g} s "
-                          f"({self.retries + 1} tries); is the state service running "
-                          "(`statesvc serve`)?")
+                          f"({self.retries + 1} tries); {hint}")
 
 
 def new_event_id() -> str:

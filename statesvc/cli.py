@@ -46,6 +46,37 @@ def main() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
+def is_loopback(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback host."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ keys."""
+
+
+@keys.command("init")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+def keys_init(directory: Path) -> None:
+    """Write the server key pair into DIRECTORY, with operators/ and replicas/ folders for
+    the public keys of the clients allowed in each role."""
+    from shared.keys import KeyError_, init_server_keys
+
+    try:
+        public, secret = init_server_keys(directory)
+    except KeyError_ as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"server public key {public} (give it to clients as --server-key)\n"
+               f"server secret key {secret} (keep it here)\n"
+               f"allow an operator: copy its NAME.key into {directory / 'operators'}\n"
+               f"allow a replica:   copy its NAME.key into {directory / 'replicas'}")
+
+
 @main.command()
 @DATA_DIR
 @DB_URL
@@ -71,22 +102,44 @@ def migrate(data_dir: Path, db_url: str | None) -> None:
               show_default=True, help="Seconds between heartbeats on the diff socket.")
 @click.option("--max-adapter-bytes", type=click.IntRange(1), default=MAX_ADAPTER_BYTES,
               show_default=True, help="Largest adapter_model.safetensors accepted by load.")
+@click.option("--auth", "auth_dir", type=click.Path(exists=True, file_okay=False,
+                                                    path_type=Path), default=None,
+              help="CURVE: the key dir made by `statesvc keys init`; only keys in its "
+                   "operators/ and replicas/ folders may connect.")
+@click.option("--adapter-root", "adapter_roots", multiple=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Only load adapters from under this directory (repeatable).")
 def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapshot_every: int,
-          heartbeat_interval: float, max_adapter_bytes: int) -> None:
+          heartbeat_interval: float, max_adapter_bytes: int, auth_dir: Path | None,
+          adapter_roots: tuple[Path, ...]) -> None:
     """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
     from statesvc.server import Server
     from statesvc.service import StateService
 
+    if auth_dir is None:
+        for address in (control, publish):
+            if not is_loopback(address):
+                raise click.ClickException(
+                    f"refusing to bind {address} without authentication: bind loopback "
+                    "(tcp://127.0.0.1:PORT) or pass --auth DIR (see `statesvc keys init`)")
     lock = _lock_data_dir(data_dir)
     store = SqliteEventStore(db_url or sqlite_url(data_dir))
     service = StateService(store, BlobStore(data_dir / "blobs"), snapshot_every=snapshot_every,
-                           max_adapter_bytes=max_adapter_bytes)
+                           max_adapter_bytes=max_adapter_bytes,
+                           adapter_roots=tuple(r.resolve() for r in adapter_roots))
     server = Server(service, control=control, publish=publish,
-                    heartbeat_interval=heartbeat_interval)
+                    heartbeat_interval=heartbeat_interval, auth_dir=auth_dir)
     log = logging.getLogger("statesvc")
     log.info("data dir %s, head seq %d", data_dir.resolve(), service.state.seq)
-    log.info("control %s, diffs %s (no authentication: bind loopback only)",
-             server.control, server.publish)
+    if auth_dir is None:
+        log.warning("control %s, diffs %s: NO AUTHENTICATION, loopback only; anyone on this "
+                    "host may issue commands (pass --auth DIR to require keys)",
+                    server.control, server.publish)
+    else:
+        log.info("control %s, diffs %s: CURVE, keys allowed in %s", server.control,
+                 server.publish, auth_dir)
+    if not adapter_roots:
+        log.warning("no --adapter-root: load accepts adapter directories anywhere on this host")
     print(f"READY control={server.control} publish={server.publish}", flush=True)
     try:
         server.serve_forever()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shared.client import ControlClient, RemoteError, Unavailable
+from shared.keys import ClientKeys, client_keys
 from shared.processes import loopback, start_ready, stop_pid
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -54,8 +55,8 @@ class Report:
 
 
 def _call(address: str, cmd: str, args: dict[str, Any] | None = None,
-          timeout: float = 10.0) -> Any:
-    with ControlClient(address, timeout_s=timeout, retries=0) as c:
+          timeout: float = 10.0, keys: ClientKeys | None = None) -> Any:
+    with ControlClient(address, timeout_s=timeout, retries=0, keys=keys) as c:
         return c.call(cmd, args or {})
 
 
@@ -69,8 +70,10 @@ def _status(address: str) -> dict[str, Any] | None:
 class Drill:
     def __init__(self, state: str, diffs: str, *, model: Path | None = None,
                  progress: Callable[[str, int, int], None] | None = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, key_files: tuple[str, str] | None = None) -> None:
         self.state, self.diffs = state, diffs
+        self.key_files = key_files  # (secret key, server key) under --auth
+        self.keys = client_keys(*key_files) if key_files else None
         self.model = model
         self.progress = progress or (lambda *_: None)
         self.timeout = timeout
@@ -86,7 +89,7 @@ class Drill:
         return time.monotonic() - t0
 
     def run(self, kill: str | None = None) -> Report:
-        statesvc = _call(self.state, "status")
+        statesvc = _call(self.state, "status", keys=self.keys)
         head = int(statesvc["head_seq"])
         live = {r["id"]: r for r in statesvc["replicas"] if r["state"] != "STALE"}
         if kill is not None and kill not in live:
@@ -121,7 +124,9 @@ class Drill:
                 "--state", self.state, "--diffs", self.diffs, "--listen", loopback(),
                 "--replica-id", name, "--cache-dir", str(tmp / name), "--no-heartbeat",
                 "--no-warmup", "--max-batch", "4",
-                *(["--replay-from-zero"] if from_zero else [])]
+                *(["--replay-from-zero"] if from_zero else []),
+                *(["--key", self.key_files[0], "--server-key", self.key_files[1]]
+                  if self.key_files else [])]
         proc, ready = start_ready(argv, log=tmp / f"{name}.log")
         self.procs.append(proc)
         return ready.split("listen=")[1].split()[0]
@@ -149,8 +154,9 @@ class Drill:
             s = _status(address)
             if s is None or s["state"] != "ACTIVE":
                 return False
-            head = _call(self.state, "status")["head_seq"]
-            digest = _call(self.state, "digest", {"seq": s["applied_seq"]})["digest"]
+            head = _call(self.state, "status", keys=self.keys)["head_seq"]
+            digest = _call(self.state, "digest", {"seq": s["applied_seq"]},
+                           keys=self.keys)["digest"]
             self.progress(rid, s["applied_seq"], head)
             return bool(s["applied_seq"] >= head and s["logical_digest"] == digest)
 
@@ -160,7 +166,7 @@ class Drill:
     def _settled(self, addresses: dict[str, str]) -> tuple[int, dict[str, dict[str, Any]]]:
         """Every replica's status at one common applied seq (the log may move meanwhile)."""
         for _ in range(50):
-            head = int(_call(self.state, "status")["head_seq"])
+            head = int(_call(self.state, "status", keys=self.keys)["head_seq"])
             self._wait("every replica to reach the head", lambda: all(
                 (s := _status(a)) is not None and s["applied_seq"] >= head
                 and s["pool_digest"] != "pending" for a in addresses.values()))
@@ -173,9 +179,10 @@ class Drill:
     def _compare(self, addresses: dict[str, str]) -> None:
         seq, statuses = self._settled(addresses)
         self.report.head_seq = seq
-        expected = _call(self.state, "digest", {"seq": seq})["digest"]
+        expected = _call(self.state, "digest", {"seq": seq}, keys=self.keys)["digest"]
         ref = statuses[ZERO]
-        adapters = [None, *sorted(a["name"] for a in _call(self.state, "list")["adapters"])]
+        listed = _call(self.state, "list", keys=self.keys)["adapters"]
+        adapters = [None, *sorted(a["name"] for a in listed)]
         probes = {rid: self._probe(addr, adapters, seq) for rid, addr in addresses.items()}
         for rid, s in statuses.items():
             self._check(rid, "logical_digest", expected, s["logical_digest"],

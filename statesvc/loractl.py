@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ def _emit(value: Any) -> None:
 
 
 def _client(ctx: click.Context) -> ControlClient:
-    return ControlClient(ctx.obj["state"], timeout_s=ctx.obj["timeout"])
+    return ControlClient(ctx.obj["state"], timeout_s=ctx.obj["timeout"], keys=ctx.obj["keys"])
 
 
 def handles_errors(fn: F) -> F:
@@ -62,10 +63,23 @@ def handles_errors(fn: F) -> F:
               help=f"Control address of the state service (env {STATE_ENV}).")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds to wait for each answer before retrying.")
+@click.option("--key", envvar="LORAPLANE_KEY", default=None,
+              help="CURVE: your secret key file, NAME.key_secret (env LORAPLANE_KEY).")
+@click.option("--server-key", envvar="LORAPLANE_SERVER_KEY", default=None,
+              help="CURVE: the server's public key file (env LORAPLANE_SERVER_KEY).")
 @click.pass_context
-def main(ctx: click.Context, state: str, timeout: float) -> None:
+def main(ctx: click.Context, state: str, timeout: float, key: str | None,
+         server_key: str | None) -> None:
     """Manage the LoRA adapters served by a loraplane fleet."""
-    ctx.obj = {"state": state, "timeout": timeout}
+    from shared.keys import KeyError_, client_keys
+    try:
+        keys_ = client_keys(key, server_key)
+    except KeyError_ as exc:
+        raise click.UsageError(str(exc)) from None
+    ctx.obj = {"state": state, "timeout": timeout, "keys": keys_,
+               "key_files": (key or os.environ.get("LORAPLANE_KEY"),
+                             server_key or os.environ.get("LORAPLANE_SERVER_KEY"))
+               if keys_ else None}
 
 
 @main.group()
@@ -364,7 +378,8 @@ def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
             progress.update(bars[name], completed=seq, total=max(head, 1))
 
         try:
-            report = Drill(ctx.obj["state"], diffs, model=model, progress=show).run(kill)
+            report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
+                           key_files=ctx.obj["key_files"]).run(kill)
         except DrillError as exc:
             err.print(f"[bold red]error[/] (drill): {exc}")
             sys.exit(3)
@@ -384,6 +399,25 @@ def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
         if not c.ok:
             err.print(f"[bold red]disagreement[/]: replica {c.replica}: {c.check} {c.detail}")
     sys.exit(0 if report.ok else 1)
+
+
+@main.group("keys")
+def keys_group() -> None:
+    """CurveZMQ client keys."""
+
+
+@keys_group.command("new")
+@click.argument("name")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("."), show_default=True, help="Where to write the key pair.")
+def keys_new(name: str, directory: Path) -> None:
+    """Write a client key pair NAME.key (public: give it to the server's admin) and
+    NAME.key_secret (keep it: pass it as --key)."""
+    from shared.keys import new_client_keys
+
+    public, secret = new_client_keys(directory, name)
+    out.print(f"public key {public}: copy it into the server key dir's operators/ (or "
+              f"replicas/)\nsecret key {secret}: use it as --key (env LORAPLANE_KEY)")
 
 
 @main.command("make-example")

@@ -11,13 +11,15 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES
-from shared.protocol import (ProtocolError, Request, decode_request, error_reply, ok_reply, pack,
-                             request_id_of, unpack)
+from shared.keys import ServerAuth
+from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
+                             ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of
 from statesvc.service import StateService
 
@@ -39,16 +41,22 @@ def parse_seq_set(spec: str) -> set[int]:
 
 class Server:
     def __init__(self, service: StateService, *, control: str, publish: str,
-                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> None:
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+                 auth_dir: Path | None = None) -> None:
         self.service = service
         self.heartbeat_interval = heartbeat_interval
         self.drop_diffs = parse_seq_set(os.environ.get(DROP_DIFFS_ENV, ""))
         self.ctx = zmq.Context()
+        self.auth = None if auth_dir is None else ServerAuth(self.ctx, auth_dir)
         self.router = self.ctx.socket(zmq.ROUTER)
+        if self.auth is not None:
+            self.auth.apply(self.router)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(control)
         self.pub = self.ctx.socket(zmq.PUB)
+        if self.auth is not None:
+            self.auth.apply(self.pub)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(publish)
@@ -77,6 +85,8 @@ class Server:
         finally:
             self.router.close(0)
             self.pub.close(0)
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.term()
 
     def _heartbeat(self) -> None:
@@ -86,17 +96,25 @@ class Server:
                                               "ts": time.time()})])
 
     def _serve_batch(self) -> None:
-        batch: list[tuple[list[bytes], Request]] = []
+        batch: list[tuple[list[bytes], Request, str]] = []
         while len(batch) < MAX_BATCH:
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                raw = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if len(frames) < 2:
+            if len(raw) < 2:
                 continue  # no identity or no body: nothing to answer
+            frames = [f.bytes for f in raw]
             envelope, body = frames[:-1], frames[-1]
+            # with CURVE, the authenticator named the client (ROLE:NAME) on each message
+            actor = raw[-1].get("User-Id") if self.auth is not None else LOCAL_ACTOR
             try:
-                batch.append((envelope, decode_request(body)))
+                req = decode_request(body)
+                if (self.auth is not None and req.cmd in WRITE_COMMANDS
+                        and not actor.startswith("operator:")):
+                    raise ProtocolError("forbidden", f"{actor} may not issue {req.cmd}: only "
+                                        "operator keys may change the log")
+                batch.append((envelope, req, actor))
             except ProtocolError as exc:
                 self.router.send_multipart(envelope + [
                     error_reply(_safe_id(body), exc.code, str(exc), exc.field)])
@@ -107,13 +125,13 @@ class Server:
                     "report it")])
         if not batch:
             return
-        answers, committed = self.service.handle([(req, LOCAL_ACTOR) for _, req in batch])
+        answers, committed = self.service.handle([(req, actor) for _, req, actor in batch])
         for ev in committed:
             if ev.seq in self.drop_diffs:
                 log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
                 continue
             self.pub.send_multipart([b"diff", pack(diff_of(ev.seq, ev.body))])
-        for (envelope, req), ans in zip(batch, answers):
+        for (envelope, req, _), ans in zip(batch, answers):
             if ans.error is not None:
                 frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)
             else:

@@ -91,11 +91,13 @@ class StateService:
     def __init__(self, store: EventStore, blobs: BlobStore, *,
                  snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
                  max_adapter_bytes: int = MAX_ADAPTER_BYTES,
+                 adapter_roots: tuple[Path, ...] = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.blobs = blobs
         self.snapshot_every = snapshot_every
         self.max_adapter_bytes = max_adapter_bytes
+        self.adapter_roots = adapter_roots  # empty: anywhere
         self.clock = clock
         self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
         self._digests: OrderedDict[int, str] = OrderedDict()
@@ -257,8 +259,10 @@ class StateService:
             raise CommandError("invalid_name", f"adapter name {name!r} must match "
                                "[A-Za-z0-9][A-Za-z0-9._-]{0,63}: a letter or digit, then up to "
                                "63 letters, digits, '.', '_' or '-'", "args.name")
-        cand = inspect_adapter(_absolute(args["path"], "args.path"), pool,
-                               max_bytes=self.max_adapter_bytes)
+        path = _absolute(args["path"], "args.path")
+        if self.adapter_roots:
+            contained(path, self.adapter_roots)
+        cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes)
         old = state.adapters.get(name)
         if old is not None and (old.sha256, old.rank, old.alpha, old.use_rslora, old.targets,
                                 old.pinned) == (cand.sha256, cand.rank, cand.alpha,
@@ -363,6 +367,24 @@ def _absolute(path: str, field: str) -> Path:
         raise CommandError("bad_request", f"{field} must be an absolute path on the state "
                            f"service's host, got {path!r} (loractl sends absolute paths)", field)
     return p
+
+
+def contained(path: Path, roots: tuple[Path, ...]) -> None:
+    """Refuse a path outside every root: `..` parts, absolute paths elsewhere, and symlinks
+    (of the directory or of the files PEFT reads) that lead out of the roots."""
+    roots_text = ", ".join(map(str, roots))
+    if ".." in path.parts:
+        raise CommandError("forbidden", f"{path}: '..' is not allowed in adapter paths; give "
+                           f"the path under an --adapter-root ({roots_text})", "args.path")
+    targets = [path] + [path / name for name in ("adapter_config.json",
+                                                 "adapter_model.safetensors")]
+    for target in targets:
+        real = target.resolve()
+        if not any(real.is_relative_to(root) for root in roots):
+            via = "" if real == target else f" (it resolves to {real})"
+            raise CommandError("forbidden", f"{target} is outside the adapter roots{via}; "
+                               f"statesvc loads only from under {roots_text} (--adapter-root)",
+                               "args.path")
 
 
 def _describe_pool(pool: PoolConfigured) -> str:

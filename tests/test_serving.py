@@ -200,14 +200,24 @@ def test_bad_requests_get_errors_and_the_replica_keeps_serving(
 def test_overload_and_min_seq(fleet: Fleet) -> None:
     fleet.init(max_loras=2, max_rank=32)
     replica = fleet.replica("r1", args=("--max-batch", "1", "--max-len", "64",
-                                        "--queue-limit", "1", "--min-seq-timeout", "2"))
+                                        "--queue-limit", "2", "--client-queue-limit", "2",
+                                        "--min-seq-timeout", "2"))
     wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
-    client = Client(replica.listen)
+    client, other = Client(replica.listen), Client(replica.listen)
     try:
-        ids = [client.send("generate", generate(None, [1, 2, 3], n=20)) for _ in range(6)]
-        codes = sorted(r["error"]["code"] if not r["ok"] else "ok"
-                       for r in client.gather(ids).values())
+        # one client past its own bound
+        ids = [client.send("generate", generate(None, [1, 2, 3], n=20)) for _ in range(4)]
+        replies = client.gather(ids).values()
+        assert sorted(r["ok"] for r in replies) == [False, False, True, True]
+        assert all("per-client limit is 2" in r["error"]["message"]
+                   for r in replies if not r["ok"])
+        # two clients within their bounds, past the replica's queue
+        ids_a = [client.send("generate", generate(None, [1, 2, 3], n=20)) for _ in range(2)]
+        ids_b = [other.send("generate", generate(None, [1, 2, 3], n=20)) for _ in range(2)]
+        replies = [*client.gather(ids_a).values(), *other.gather(ids_b).values()]
+        codes = sorted(r["error"]["code"] if not r["ok"] else "ok" for r in replies)
         assert "overloaded" in codes and "ok" in codes
+        assert any("already queued" in r["error"]["message"] for r in replies if not r["ok"])
         # read your own write: min_seq waits for the load to be applied
         head = fleet.head()
         rid = client.send("generate", generate("late", [1, 2, 3], min_seq=head + 1))
@@ -221,3 +231,4 @@ def test_overload_and_min_seq(fleet: Fleet) -> None:
         assert reply["error"]["code"] == "not_ready" and "min_seq" in reply["error"]["message"]
     finally:
         client.close()
+        other.close()

@@ -1,0 +1,133 @@
+"""CURVE authentication and roles on statesvc, contained adapter sources, loopback-only default."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
+from shared.keys import ClientKeys, client_keys
+from statesvc.example import ExampleAssets
+from tests.procs import BIN, Computed, StateSvc, free_port, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[StateSvc, Path, Path]]:
+    keydir, clients = tmp_path / "server-keys", tmp_path / "client-keys"
+    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    for name, role in [("alice", "operators"), ("r1", "replicas"), ("mallory", None)]:
+        res = run("loractl", "keys", "new", name, "--dir", str(clients))
+        assert res.returncode == 0, res.stderr
+        if role:
+            shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
+    svc = StateSvc(tmp_path / "data", extra_args=("--auth", str(keydir)))
+    try:
+        yield svc.start(), keydir, clients
+    finally:
+        svc.stop()
+
+
+def keys(keydir: Path, clients: Path, name: str) -> ClientKeys:
+    k = client_keys(str(clients / f"{name}.key_secret"), str(keydir / "server.key"))
+    assert k is not None
+    return k
+
+
+def test_only_allowed_keys_connect_and_only_operators_append(
+        keyed: tuple[StateSvc, Path, Path], example: ExampleAssets, tmp_path: Path) -> None:
+    svc, keydir, clients = keyed
+    for who in [None, keys(keydir, clients, "mallory")]:  # no key, an unknown key
+        with ControlClient(svc.control, timeout_s=1.0, retries=0, keys=who) as c:
+            with pytest.raises(Unavailable):
+                c.call("status")
+    alice = ControlClient(svc.control, keys=keys(keydir, clients, "alice"))
+    with alice:
+        alice.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                                 "max_loras": 2, "max_rank": 8, "targets": "all"})
+        alice.call("load", {"event_id": new_event_id(), "name": "a",
+                            "path": str(example.adapter_dirs["all-r2"])})
+        with ControlClient(svc.control, keys=keys(keydir, clients, "r1")) as replica_key:
+            with pytest.raises(RemoteError) as refused:
+                replica_key.call("load", {"event_id": new_event_id(), "name": "b",
+                                          "path": str(example.adapter_dirs["attn-qv-r8"])})
+            assert refused.value.code == "forbidden" and "replica:r1" in str(refused.value)
+            events = replica_key.call("events", {"since": 0})["events"]  # reading is allowed
+        assert [e["actor"] for e in events] == ["operator:alice", "operator:alice"]
+        assert alice.call("status")["head_seq"] == 2
+    # loractl with keys from the environment, and a replica on its own key
+    env = {**os.environ, "LORAPLANE_KEY": str(clients / "alice.key_secret"),
+           "LORAPLANE_SERVER_KEY": str(keydir / "server.key")}
+    res = subprocess.run([str(BIN / "loractl"), "--state", svc.control, "list", "--json"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0 and [a["name"] for a in json.loads(res.stdout)] == ["a"]
+    replica = Computed(example.model_dir, svc, tmp_path / "replicas" / "r1", replica_id="r1",
+                       extra_args=("--no-warmup", "--key", str(clients / "r1.key_secret"),
+                                   "--server-key", str(keydir / "server.key")))
+    try:
+        replica.start()
+        wait_for(lambda: replica.status()["applied_seq"] == 2, what="the keyed replica")
+        with ControlClient(svc.control, keys=keys(keydir, clients, "alice")) as c:
+            wait_for(lambda: [r["agrees"] for r in c.call("status")["replicas"]] == [True],
+                     what="its heartbeat")
+    finally:
+        replica.stop()
+
+
+def test_without_keys_statesvc_binds_loopback_only(tmp_path: Path) -> None:
+    res = run("statesvc", "serve", "--data-dir", str(tmp_path / "d"), "--control",
+              f"tcp://0.0.0.0:{free_port()}", "--publish", f"tcp://127.0.0.1:{free_port()}")
+    assert res.returncode != 0
+    assert "refusing to bind tcp://0.0.0.0" in res.stderr and "--auth" in res.stderr
+
+
+@pytest.fixture
+def rooted(tmp_path: Path) -> Iterator[tuple[StateSvc, Path]]:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    svc = StateSvc(tmp_path / "data", extra_args=("--adapter-root", str(root)))
+    try:
+        yield svc.start(), root
+    finally:
+        svc.stop()
+
+
+def test_adapter_paths_must_stay_under_the_roots(rooted: tuple[StateSvc, Path],
+                                                 example: ExampleAssets, tmp_path: Path) -> None:
+    svc, root = rooted
+    outside = tmp_path / "outside"
+    shutil.copytree(example.adapter_dirs["all-r2"], outside)
+    shutil.copytree(example.adapter_dirs["all-r2"], root / "good")
+    (root / "escape-dir").symlink_to(outside)
+    (root / "escape-file").mkdir()
+    shutil.copy(outside / "adapter_config.json", root / "escape-file")
+    (root / "escape-file" / "adapter_model.safetensors").symlink_to(
+        outside / "adapter_model.safetensors")
+    with ControlClient(svc.control) as c:
+        c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                             "max_loras": 2, "max_rank": 8, "targets": "all"})
+        cases = {f"{root}/../outside": "'..' is not allowed",
+                 str(outside): "is outside the adapter roots",
+                 str(root / "escape-dir"): "resolves to",
+                 str(root / "escape-file"): "adapter_model.safetensors is outside"}
+        for path, why in cases.items():
+            with pytest.raises(RemoteError) as refused:
+                c.call("load", {"event_id": new_event_id(), "name": "x", "path": path})
+            assert refused.value.code == "forbidden" and why in str(refused.value), path
+            assert "--adapter-root" in str(refused.value)
+        assert c.call("status")["head_seq"] == 1
+        assert not list((svc.data_dir / "blobs").glob("??/*"))
+        ok = c.call("load", {"event_id": new_event_id(), "name": "x",
+                             "path": str(root / "good")})
+        assert ok["seq"] == 2
