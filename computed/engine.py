@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from computed.model import decode, init_cache, prefill
 from computed.pool import Lease, LoraPool, SlotDraining
 from computed.replica import Phase, Replica
 from shared.protocol import Field, ProtocolError, int_range, str_len, validate
@@ -326,18 +327,15 @@ class LlamaRunner:
         return next(b for b in self.buckets if b >= length)
 
     def new_cache(self) -> Any:
-        from computed.model import init_cache
         return init_cache(self.config, self.max_batch, self.max_len, self.params.dtype)
 
     def prefill(self, pool: LoraPool, cache: Any, tokens: np.ndarray, length: int, row: int,
                 slot: int) -> tuple[np.ndarray, Any]:
-        from computed.model import prefill
         logits, cache = prefill(self.params, pool, cache, tokens, length, row, slot)
         return np.asarray(logits), cache
 
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]:
-        from computed.model import decode
         logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active)
         return np.asarray(logits), cache
 

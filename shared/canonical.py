@@ -17,7 +17,8 @@ def _sorted(value: Any) -> Any:
 
 def canonical_bytes(value: Any) -> bytes:
     """msgpack of `value` with map keys sorted and tuples packed as arrays."""
-    return msgpack.packb(_sorted(value), use_bin_type=True)
+    packed: bytes = msgpack.packb(_sorted(value), use_bin_type=True)
+    return packed
 
 
 def digest(value: Any) -> str:

@@ -32,7 +32,8 @@ class ProtocolError(ValueError):
 
 
 def pack(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -221,9 +222,8 @@ class Request:
 
 def request_id_of(value: Any) -> str | None:
     """The id of a request that failed validation, when it can be read, for the error reply."""
-    if isinstance(value, dict) and isinstance(value.get("id"), str) and len(value["id"]) <= 64:
-        return value["id"]
-    return None
+    req_id = value.get("id") if isinstance(value, dict) else None
+    return req_id if isinstance(req_id, str) and len(req_id) <= 64 else None
 
 
 def decode_request(frame: bytes) -> Request:

@@ -94,7 +94,7 @@ def _alive(pid: int) -> bool:
 
 def mixed_batch(address: str, adapters: list[str | None]) -> dict[str | None, Any]:
     """Send one request per adapter at once (one decode batch), and gather the replies."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
@@ -145,9 +145,9 @@ def run(root: Path) -> None:
         table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
         for col in ("adapter", "version", "output_ids", "total ms"):
             table.add_column(col)
-        for adapter, reply in replies.items():
+        for label, reply in replies.items():
             res = reply["result"]
-            table.add_row(adapter or "(base model)",
+            table.add_row(label or "(base model)",
                           str(res["adapter"]["version"]) if res["adapter"] else "",
                           " ".join(map(str, res["output_ids"])),
                           f"{res['timings']['total_ms']:.0f}")

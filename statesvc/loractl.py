@@ -244,7 +244,7 @@ def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bo
             else:
                 _print_events(evs)
             return
-        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(diffs)
@@ -430,7 +430,7 @@ def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
 
     t0 = time.perf_counter()
     assets = make_example(directory, seed=seed)
-    res = {"model": str(assets.model_dir.resolve()),
+    res: dict[str, Any] = {"model": str(assets.model_dir.resolve()),
            "adapters": {n: str(p.resolve()) for n, p in sorted(assets.adapter_dirs.items())}}
     if as_json:
         _emit(res)

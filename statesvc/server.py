@@ -60,8 +60,8 @@ class Server:
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(publish)
-        self.control = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.publish = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.control = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.publish = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = False
 
     def stop(self, *_: Any) -> None:
@@ -107,7 +107,7 @@ class Server:
             frames = [f.bytes for f in raw]
             envelope, body = frames[:-1], frames[-1]
             # with CURVE, the authenticator named the client (ROLE:NAME) on each message
-            actor = raw[-1].get("User-Id") if self.auth is not None else LOCAL_ACTOR
+            actor = str(raw[-1].get("User-Id")) if self.auth is not None else LOCAL_ACTOR
             try:
                 req = decode_request(body)
                 if (self.auth is not None and req.cmd in WRITE_COMMANDS

@@ -108,7 +108,8 @@ def upgrade_to_head(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
-def _event(row: EventRow) -> Event:
+def _event(row: Any) -> Event:
+    """An Event from a row of the events table (an ORM row or a Core Row)."""
     return Event(row.seq, row.event_id, row.type, dict(row.payload), row.recorded_at, row.actor)
 
 
@@ -138,8 +139,7 @@ class SqliteEventStore:
                 conn.execute(insert(SnapshotRow),
                              [{"seq": s.seq, "state": s.state, "digest": s.digest,
                                "created_at": now} for s in snapshots])
-        return [Event(r["seq"], r["event_id"], r["type"], r["payload"], now, r["actor"])
-                for r in rows]
+        return [Event(e.seq, e.event_id, e.type, e.payload, now, e.actor) for e in events]
 
     def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
         if not event_ids:
@@ -150,7 +150,8 @@ class SqliteEventStore:
                f"WHERE event_id IN ({','.join('?' * len(ids))})")
         with self.engine.connect() as conn:
             rows = conn.exec_driver_sql(sql, tuple(ids)).all()
-        return {r[1]: Event(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows}
+        return {str(r[1]): Event(int(r[0]), str(r[1]), str(r[2]), json.loads(r[3]), str(r[4]),
+                                 str(r[5])) for r in rows}
 
     def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]:
         """Events with since < seq (<= until), oldest first, at most `limit`."""
