@@ -307,9 +307,10 @@ class Engine:
 class LlamaRunner:
     """The Flax Llama (computed/model.py) behind the engine's `Model` interface.
 
-    Prompts are padded to power-of-two buckets (from 16 up to max_len), so
-    prefill compiles once per bucket and decode once; `warmup` compiles them
-    all up front, so nothing compiles while serving.
+    Prompts are padded to power-of-two buckets (from 16 up to max_len), and a
+    decode step attends over the bucket that holds its longest sequence, so
+    prefill and decode compile once per bucket; `warmup` compiles them all up
+    front, so nothing compiles while serving.
     """
 
     def __init__(self, config: Any, params: Any, *, max_batch: int, max_len: int) -> None:
@@ -336,7 +337,10 @@ class LlamaRunner:
 
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]:
-        logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active)
+        # attention over the smallest bucket that holds every running sequence
+        longest = int(positions[active].max()) + 1 if active.any() else 1
+        logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active,
+                               attend_len=self.bucket(longest))
         return np.asarray(logits), cache
 
     def warmup(self, pool: LoraPool, cache: Any) -> Any:
@@ -344,6 +348,10 @@ class LlamaRunner:
         for b in self.buckets:
             _, cache = self.prefill(pool, cache, np.zeros(b, np.int32), 1, 0, -1)
         zeros = np.zeros(self.max_batch, np.int32)
-        _, cache = self.decode(pool, cache, zeros, zeros, np.full(self.max_batch, -1, np.int32),
-                               np.zeros(self.max_batch, bool))
+        base = np.full(self.max_batch, -1, np.int32)
+        for b in self.buckets:  # one decode compile per attention-length bucket
+            positions = np.full(self.max_batch, b - 1, np.int32)
+            active = np.zeros(self.max_batch, bool)
+            active[0] = True
+            _, cache = self.decode(pool, cache, zeros, positions, base, active)
         return cache

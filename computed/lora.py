@@ -99,18 +99,34 @@ def _slot_scale(scaling: jax.Array, slot: jax.Array) -> jax.Array:
     return jnp.where(slot >= 0, scaling[jnp.maximum(slot, 0)], 0.0)
 
 
-def single(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, slot: jax.Array) -> jax.Array:
-    """The LoRA term of `slot` for every row of `x [..., in]`: `[..., out]` (zero when slot is BASE)."""
+def _take(pool: jax.Array, layer: int | None, slot: jax.Array) -> jax.Array:
+    """One slot's matrix from `pool` ([layers, slots, ...] with `layer`, else [slots, ...]),
+    by dynamic slice of the whole pool array: slicing out the layer first would make XLA copy
+    that layer's slots for every module on every step (the pool is an input of the loop)."""
+    if layer is None:
+        return jax.lax.dynamic_index_in_dim(pool, slot, 0, keepdims=False)
+    start = (layer, slot) + (0,) * (pool.ndim - 2)
+    return jax.lax.dynamic_slice(pool, start, (1, 1) + pool.shape[2:])[0, 0]
+
+
+def single(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, slot: jax.Array,
+           layer: int | None = None) -> jax.Array:
+    """The LoRA term of `slot` for every row of `x [..., in]`: `[..., out]` (zero when slot is BASE).
+
+    `A` and `B` are one layer's `[slots, ...]`, or with `layer` the whole `[layers, slots, ...]`."""
     dt = _compute_dtype(x, A)
     s = jnp.maximum(slot, 0)
-    a = jax.lax.dynamic_index_in_dim(A, s, 0, keepdims=False).astype(dt)  # [r, in]
-    b = jax.lax.dynamic_index_in_dim(B, s, 0, keepdims=False).astype(dt)  # [out, r]
+    a = _take(A, layer, s).astype(dt)  # [r, in]
+    b = _take(B, layer, s).astype(dt)  # [out, r]
     y = (x.astype(dt) @ a.T) @ b.T
     return jnp.where(slot >= 0, y * _slot_scale(scaling, slot).astype(dt), jnp.zeros((), dt))
 
 
-def segmented(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, seg: Segments) -> jax.Array:
-    """The LoRA term of each row of `x [N, in]` with its own slot (`seg.slots`): `[N, out]`."""
+def segmented(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, seg: Segments,
+              layer: int | None = None) -> jax.Array:
+    """The LoRA term of each row of `x [N, in]` with its own slot (`seg.slots`): `[N, out]`.
+
+    `A` and `B` are one layer's `[slots, ...]`, or with `layer` the whole `[layers, slots, ...]`."""
     dt = _compute_dtype(x, A)
     n, n_in = x.shape
     w = seg.window
@@ -120,12 +136,12 @@ def segmented(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, seg:
 
     def one_window(i: jax.Array, y: jax.Array) -> jax.Array:
         u, start = seg.window_slot[i], seg.window_start[i]
-        a = jax.lax.dynamic_index_in_dim(A, u, 0, keepdims=False).astype(dt)  # [r, in]
-        b = jax.lax.dynamic_index_in_dim(B, u, 0, keepdims=False).astype(dt)  # [out, r]
+        a = _take(A, layer, u).astype(dt)  # [r, in]
+        b = _take(B, layer, u).astype(dt)  # [out, r]
         t = jax.lax.dynamic_slice_in_dim(xs, start, w) @ a.T
         t = jnp.where((in_window < seg.window_rows[i])[:, None], t, jnp.zeros((), dt))
         part = jax.lax.dynamic_slice_in_dim(y, start, w) + t @ b.T
         return jax.lax.dynamic_update_slice_in_dim(y, part, start, 0)
 
-    y = jax.lax.fori_loop(0, seg.count, one_window, jnp.zeros((n + w, B.shape[1]), dt))
+    y = jax.lax.fori_loop(0, seg.count, one_window, jnp.zeros((n + w, B.shape[-2]), dt))
     return y[:n][seg.inverse] * _slot_scale(scaling, seg.slots).astype(dt)[:, None]

@@ -396,12 +396,13 @@ class _Lora:
     def delta(self, x: jax.Array, layer: int, module: str) -> jax.Array | None:
         if self.pool is None or module not in self.pool.A:
             return None
-        A, B = self.pool.A[module][layer], self.pool.B[module][layer]
+        A, B = self.pool.A[module], self.pool.B[module]  # all layers: sliced inside, see lora._take
         if self.seg is not None:
             flat = x.reshape(-1, x.shape[-1])
-            return lora.segmented(flat, A, B, self.pool.scaling, self.seg).reshape(*x.shape[:-1], -1)
+            return lora.segmented(flat, A, B, self.pool.scaling, self.seg,
+                                  layer).reshape(*x.shape[:-1], -1)
         assert self.slot is not None
-        return lora.single(x, A, B, self.pool.scaling, self.slot)
+        return lora.single(x, A, B, self.pool.scaling, self.slot, layer)
 
 
 def _check_pool(pool: LoraPool, config: LlamaConfig) -> None:
@@ -497,12 +498,16 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
 
 
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
-            positions: jax.Array, slots: jax.Array, active: jax.Array) -> tuple[jax.Array, KVCache]:
+            positions: jax.Array, slots: jax.Array, active: jax.Array,
+            attend_len: int) -> tuple[jax.Array, KVCache]:
+    """One decode step; attention reads only the first `attend_len` cache positions (static:
+    one compile per length bucket), so a step costs what the longest running sequence needs,
+    not what the cache could hold."""
     config = params.config
     n_rows, max_len = tokens.shape[0], cache.max_len
     rows = jnp.arange(n_rows)
     write_at = jnp.where(active, positions, max_len)  # out of range: dropped, the cache is untouched
-    visible = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    visible = (jnp.arange(attend_len)[None, :] <= positions[:, None])[:, None, None, :]
     k_cache, v_cache = cache.k, cache.v
 
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -510,9 +515,11 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         nonlocal k_cache, v_cache
         k_cache = k_cache.at[i, rows, :, write_at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, rows, :, write_at].set(v.astype(v_cache.dtype), mode="drop")
-        scores = jnp.einsum("bkgd,bksd->bkgs", q, k_cache[i]) * (config.head_dim ** -0.5)
+        keys = jax.lax.slice_in_dim(k_cache[i], 0, attend_len, axis=2)  # [B, kv, L, d]
+        values = jax.lax.slice_in_dim(v_cache[i], 0, attend_len, axis=2)
+        scores = jnp.einsum("bkgd,bksd->bkgs", q, keys) * (config.head_dim ** -0.5)
         probs = _softmax(scores, visible, q.dtype)
-        return jnp.einsum("bkgs,bksd->bkgd", probs, v_cache[i]).reshape(n_rows, -1)
+        return jnp.einsum("bkgs,bksd->bkgd", probs, values).reshape(n_rows, -1)
 
     seg = None if lora_pool is None else lora.segments(slots, lora_pool.scaling.shape[0])
     h = _decoder(params, tokens, positions, _Lora(lora_pool, config, seg=seg), attend)
@@ -532,7 +539,7 @@ def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.A
 
 
 prefill_jit = jax.jit(_prefill, donate_argnames="cache")
-decode_jit = jax.jit(_decode, donate_argnames="cache")
+decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames="attend_len")
 forward_full_jit = jax.jit(_forward_full)
 
 
@@ -582,7 +589,7 @@ def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
 
 
 def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
-           slots: Any, active: Any) -> tuple[jax.Array, KVCache]:
+           slots: Any, active: Any, attend_len: int | None = None) -> tuple[jax.Array, KVCache]:
     """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
 
     Row b appends `tokens[b]` at `positions[b]` (< max_len) and attends to
@@ -606,7 +613,13 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     slots = np.where(active, slots, lora.BASE).astype(np.int32)  # inactive rows compute no LoRA term
     _check_slots(slots, lora_pool)
     positions = np.where(active, positions, 0).astype(np.int32)
-    return decode_jit(params, lora_pool, cache, tokens, positions, slots, active)
+    if attend_len is None:
+        attend_len = cache.max_len
+    if not (live.size == 0 or live.max() < attend_len <= cache.max_len):
+        raise ValueError(f"attend_len {attend_len} must exceed every active position and be at "
+                         f"most the cache's max_len {cache.max_len}")
+    return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
+                      attend_len=attend_len)
 
 
 def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
