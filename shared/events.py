@@ -109,6 +109,22 @@ def _ordered_targets(value: Any) -> tuple[str, ...]:
     return tuple(m for m in MODULES if m in value)
 
 
+# The type of each scalar field of the bodies (float fields also take ints).
+_FIELD_TYPES: dict[str, type] = {
+    "fingerprint": str, "model_config": dict, "num_layers": int, "max_loras": int,
+    "max_rank": int, "dtype": str, "name": str, "version": int, "slot": int, "sha256": str,
+    "size": int, "rank": int, "alpha": float, "scaling": float, "use_rslora": bool,
+    "pinned": bool}
+
+
+def _check_types(type_: str, payload: dict[str, Any]) -> None:
+    for name, value in payload.items():
+        kind = _FIELD_TYPES.get(name)
+        if kind is None or type(value) is kind or (kind is float and type(value) is int):
+            continue
+        raise EventError(f"{type_}.{name} must be {kind.__name__}, got {type(value).__name__}")
+
+
 def decode_body(type_: str, payload: dict[str, Any]) -> Body:
     """The typed body of a payload; raises EventError when it does not fit the type."""
     cls = BODY_TYPES.get(type_)
@@ -117,6 +133,7 @@ def decode_body(type_: str, payload: dict[str, Any]) -> Body:
     names = {f.name for f in fields(cls)}
     if not isinstance(payload, dict) or not set(payload) <= names:
         raise EventError(f"{type_} payload has unexpected fields: {sorted(set(payload) - names)}")
+    _check_types(type_, payload)
     try:
         data = dict(payload)
         if "targets" in data:
@@ -128,5 +145,5 @@ def decode_body(type_: str, payload: dict[str, Any]) -> Body:
             if data.get("replaces") is not None:
                 data["replaces"] = Replaced(**data["replaces"])
         return cls(**data)
-    except (TypeError, KeyError, IndexError, AttributeError) as exc:
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError, OverflowError) as exc:
         raise EventError(f"{type_} payload is malformed: {exc}") from None

@@ -12,6 +12,7 @@ from typing import Any
 
 from shared.canonical import digest
 from shared.config import MAX_CONFIG_BYTES, MODULE_PARENT
+from shared.files import read_regular
 from shared.tensorfile import TensorFileError, read_header
 
 
@@ -35,7 +36,7 @@ def _shards(model_dir: Path) -> list[Path]:
         return [single]
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(read_regular(index, MAX_CONFIG_BYTES))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ModelError(f"{index}: not a valid safetensors index ({exc})") from None
@@ -55,7 +56,8 @@ def read_model(model_dir: Path) -> ModelInfo:
         return _read_model(Path(model_dir))
     except ModelError:
         raise
-    except (OSError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError,
+            RecursionError) as exc:  # FileError is a ValueError
         raise ModelError(f"{model_dir}: not a readable Hugging Face checkpoint ({exc})") from None
 
 
@@ -64,9 +66,7 @@ def _read_model(model_dir: Path) -> ModelInfo:
         raise ModelError(f"{model_dir}: not a directory")
     config_path = model_dir / "config.json"
     try:
-        if config_path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ModelError(f"{config_path} is larger than {MAX_CONFIG_BYTES} bytes")
-        config = json.loads(config_path.read_text())
+        config = json.loads(read_regular(config_path, MAX_CONFIG_BYTES))
     except FileNotFoundError:
         raise ModelError(f"{model_dir}: no config.json") from None
     except json.JSONDecodeError as exc:

@@ -131,6 +131,8 @@ def validate(schema: Schema, data: Any, where: str) -> dict[str, Any]:
     """Check `data` against `schema`: known keys only, types, ranges; fill defaults."""
     if not isinstance(data, dict):
         raise ProtocolError("bad_request", f"{where} must be a map", where)
+    if not all(isinstance(k, str) for k in data):  # sorted() below needs one key type
+        raise ProtocolError("bad_request", f"{where}: field names must be strings", where)
     unknown = sorted(set(data) - set(schema))
     if unknown:
         allowed = ", ".join(sorted(schema)) or "none"

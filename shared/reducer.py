@@ -165,5 +165,5 @@ def body_of_diff(diff: dict[str, Any]) -> tuple[int, Body]:
             return seq, decode_body(PoolConfigured.TYPE, diff["pool"])
         fields_ = {k: v for k, v in diff.items() if k not in ("seq", "op")}
         return seq, decode_body(_OP_TYPES[op], fields_)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise EventError(f"malformed diff: {exc}") from None

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from shared.files import FileError, open_regular
 
 # dtype name -> bytes per element
 DTYPE_SIZES: dict[str, int] = {
@@ -25,6 +28,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 MAX_HEADER_BYTES = 100 << 20
+MAX_DIMS = 8  # LoRA and Llama weights have 1 or 2
 
 
 class TensorFileError(ValueError):
@@ -53,7 +57,10 @@ def _check_entry(name: str, entry: Any, data_len: int) -> TensorInfo:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise TensorFileError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:  # math.prod of many is quadratic
+        raise TensorFileError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} "
+                              "dimensions")
+    if not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
         raise TensorFileError(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(type(o) is int for o in offsets)):
@@ -85,7 +92,7 @@ def parse_header(prefix: bytes, total_size: int, *, max_header: int = MAX_HEADER
         raise TensorFileError("truncated header")
     try:
         raw = json.loads(bytes(prefix[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
         raise TensorFileError(f"header is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise TensorFileError("header must be a JSON object")
@@ -108,12 +115,16 @@ def parse_bytes(buf: bytes) -> Header:
 
 def read_header(path: Path) -> Header:
     """Parse the header of a file on disk without reading its tensors."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
+    try:
+        f = open_regular(path)
+    except FileError as exc:
+        raise TensorFileError(str(exc)) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) == 8:
             (n,) = struct.unpack("<Q", head)
-            if n <= MAX_HEADER_BYTES:
+            if n <= MAX_HEADER_BYTES and 8 + n <= size:  # read only what the file can hold
                 head += f.read(n)
     return parse_header(head, size)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES
 from shared.events import PoolConfigured, lora_scaling
+from shared.files import FileError, read_regular
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import FLOAT_DTYPES, TensorFileError, is_finite, parse_bytes
 
@@ -46,16 +48,22 @@ def _invalid(path: Path, what: str) -> AdapterError:
     return AdapterError("invalid_adapter", f"{path}: {what}")
 
 
+def _read(path: Path, name: str, limit: int) -> bytes:
+    try:
+        return read_regular(path / name, limit)
+    except (OSError, FileError) as exc:
+        raise _invalid(path, f"cannot read {name}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise _invalid(path, f"no {CONFIG_FILE}; point at the directory PEFT's "
                        "save_pretrained() wrote")
-    if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
-        raise _invalid(path, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        cfg = json.loads(_read(path, CONFIG_FILE, MAX_CONFIG_BYTES))
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
         raise _invalid(path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise _invalid(path, f"{CONFIG_FILE} must hold a JSON object")
@@ -91,14 +99,24 @@ def _rank_alpha(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> tuple[
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if type(r) is not int or r < 1:
         raise _invalid(path, f"r must be a positive integer, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
-            or alpha <= 0:
+    alpha_f = _as_float(alpha)
+    if alpha_f is None or not math.isfinite(alpha_f) or alpha_f <= 0:
         raise _invalid(path, f"lora_alpha must be a positive number, got {alpha!r}")
     if r > pool.max_rank:
         raise AdapterError("invalid_adapter", f"{path}: rank {r} is above the pool's --max-rank "
                            f"{pool.max_rank}; configure a new pool with a larger --max-rank, or "
                            "retrain the adapter with a smaller r")
-    return r, float(alpha)
+    return r, alpha_f
+
+
+def _as_float(value: Any) -> float | None:
+    """A JSON number as a float (inf beyond float's range); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int of 309 digits or more
+        return math.inf
 
 
 def _read_weights(path: Path, max_bytes: int) -> bytes:
@@ -110,10 +128,7 @@ def _read_weights(path: Path, max_bytes: int) -> bytes:
                                "save_pretrained(..., safe_serialization=True) to get "
                                f"{WEIGHTS_FILE}")
         raise _invalid(path, f"no {WEIGHTS_FILE}")
-    size = weights.stat().st_size
-    if size > max_bytes:
-        raise _invalid(path, f"{WEIGHTS_FILE} is {size} bytes, above the {max_bytes}-byte limit")
-    return weights.read_bytes()
+    return _read(path, WEIGHTS_FILE, max_bytes)
 
 
 def _check_tensors(path: Path, data: bytes, pool: PoolConfigured, rank: int) -> tuple[str, ...]:
@@ -161,7 +176,7 @@ def inspect_adapter(path: Path, pool: PoolConfigured, *,
                     max_bytes: int = MAX_ADAPTER_BYTES) -> Candidate:
     """Validate a PEFT LoRA directory for `pool`; raises AdapterError saying what to fix."""
     path = Path(path)
-    if not path.is_dir():
+    if not os.path.isdir(path):  # Path.is_dir raises on ENAMETOOLONG and EACCES (3.11)
         raise _invalid(path, "no such directory")
     cfg = _read_config(path)
     _refuse_unsupported(path, cfg)
@@ -179,7 +194,10 @@ def inspect_adapter(path: Path, pool: PoolConfigured, *,
     if isinstance(declared, list) and not set(targets) <= set(declared):
         raise _invalid(path, f"weights target {list(targets)}, but target_modules lists only "
                        f"{declared}")
-    return Candidate(data, sha256, rank, alpha, bool(cfg.get("use_rslora", False)), targets)
+    use_rslora = cfg.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _invalid(path, f"use_rslora must be true or false, got {use_rslora!r}")
+    return Candidate(data, sha256, rank, alpha, use_rslora, targets)
 
 
 # Verdicts of _check_tensors for weights already checked, by content: the same bytes

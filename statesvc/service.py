@@ -30,6 +30,7 @@ from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
 
 log = logging.getLogger("statesvc")
 
+FORGET_AFTER_S = 3600.0  # a replica silent this long leaves `status`
 _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
@@ -329,7 +330,10 @@ class StateService:
         if req.cmd == "blob":
             return self._blob(args)
         if req.cmd == "heartbeat":
-            self.replicas[args["id"]] = (self.clock(), dict(args))
+            now = self.clock()
+            self.replicas[args["id"]] = (now, dict(args))
+            for rid in [r for r, (seen, _) in self.replicas.items() if now - seen > FORGET_AFTER_S]:
+                del self.replicas[rid]  # gone for an hour: no longer part of the fleet
             return {"head_seq": state.seq}
         if req.cmd == "status":
             return self.status()
