@@ -61,13 +61,17 @@ def main() -> None:
               help="CURVE: this replica's secret key file (env LORAPLANE_KEY).")
 @click.option("--server-key", envvar="LORAPLANE_SERVER_KEY", default=None,
               help="CURVE: statesvc's public key file (env LORAPLANE_SERVER_KEY).")
+@click.option("--auth", "auth_dir", type=click.Path(exists=True, file_okay=False,
+                                                    path_type=Path), default=None,
+              help="CURVE on the listen socket: a key dir made by `statesvc keys init`; "
+                   "only keys in its clients/ and operators/ folders may connect.")
 @click.option("--client-queue-limit", type=click.IntRange(1), default=64, show_default=True,
               help="Requests one client may have waiting or running at once.")
 def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | None,
           cache_dir: Path | None, dtype: str, max_batch: int, max_len: int | None,
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
-          client_queue_limit: int) -> None:
+          client_queue_limit: int, auth_dir: Path | None) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
@@ -109,6 +113,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
                         client_limit=client_queue_limit)
     daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state, diffs=diffs,
                     engine=engine, warmup=warmup, heartbeat=heartbeat, keys=keys,
+                    auth_dir=auth_dir,
                     about={"pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(),
                            "model": str(model.resolve())})
     log.info("replica %s: model %s (%s), statesvc %s / %s, cache %s", replica_id, model,

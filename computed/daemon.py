@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
 from shared.events import EventError
-from shared.keys import ClientKeys
+from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (Field, ProtocolError, encode_request, error_reply, int_range,
                              ok_reply, request_id_of, str_len, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
@@ -187,13 +188,17 @@ class Daemon:
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
                  diffs: str, engine: Engine | None = None, warmup: bool = True,
                  heartbeat: bool = True, about: dict[str, Any] | None = None,
-                 keys: ClientKeys | None = None) -> None:
+                 keys: ClientKeys | None = None, auth_dir: Path | None = None) -> None:
         self.replica = replica
         self.warmup = warmup
         self.about = about or {}  # how this process was started: pid, argv, model (drills)
         self.replica_id = replica_id
         self.engine = engine
-        self.router = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        self.auth = None if auth_dir is None else ServerAuth(ctx, auth_dir, INFERENCE_ROLES)
+        self.router = ctx.socket(zmq.ROUTER)
+        if self.auth is not None:
+            self.auth.apply(self.router)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(listen)
@@ -225,6 +230,8 @@ class Daemon:
             self.sync.stopping.set()
             self.sync.join(10)
             self.router.close(0)
+            if self.auth is not None:
+                self.auth.stop()
         if self.sync.fatal is not None:
             raise self.sync.fatal
 

@@ -1,9 +1,10 @@
 """CurveZMQ keys: who may talk to statesvc and replicas, and as what.
 
 A key directory made by `statesvc keys init DIR` holds the server's key pair
-(`server.key`, `server.key_secret`) and two folders of allowed client public
+(`server.key`, `server.key_secret`) and folders of allowed client public
 keys: `operators/` (may issue commands) and `replicas/` (may read the log and
-blobs and heartbeat). A client's identity on the wire is `ROLE:NAME`, NAME
+blobs and heartbeat) for statesvc; `clients/` (and `operators/`) for a
+replica's inference socket when the replica runs with `--auth DIR`. A client's identity on the wire is `ROLE:NAME`, NAME
 being its certificate's file stem; every event records it as its actor.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-ROLES = ("operators", "replicas")
+ROLES = ("operators", "replicas")  # statesvc's control and diff sockets
+INFERENCE_ROLES = ("clients", "operators")  # a replica's listen socket
 KEY_ENV, SERVER_KEY_ENV = "LORAPLANE_KEY", "LORAPLANE_SERVER_KEY"
 
 
@@ -74,7 +76,7 @@ def new_client_keys(directory: Path, name: str) -> tuple[Path, Path]:
 def init_server_keys(directory: Path) -> tuple[Path, Path]:
     if (directory / "server.key_secret").exists():
         raise KeyError_(f"{directory} already holds a server key; refusing to overwrite it")
-    for role in ROLES:
+    for role in ROLES + INFERENCE_ROLES:
         (directory / role).mkdir(parents=True, exist_ok=True)
     return new_client_keys(directory, "server")
 
@@ -83,12 +85,13 @@ class ServerAuth:
     """Runs the ZAP handler for a context: CURVE, allowed keys by role, re-read per connection
     so keys added to or removed from the folders take effect without a restart."""
 
-    def __init__(self, ctx: zmq.Context[Any], directory: Path) -> None:
+    def __init__(self, ctx: zmq.Context[Any], directory: Path,
+                 roles: tuple[str, ...] = ROLES) -> None:
         self.directory = directory
         public, secret = _load(directory / "server.key_secret", secret=True)
         assert secret is not None
         self.public, self.secret = public, secret
-        auth = _RoleAuthenticator(ctx, directory)
+        auth = _RoleAuthenticator(ctx, directory, roles)
         auth.start()
         auth.configure_curve_callback("*", auth)
         self.auth = auth
@@ -103,13 +106,14 @@ class ServerAuth:
 
 
 class _RoleAuthenticator(ThreadAuthenticator):
-    def __init__(self, ctx: zmq.Context[Any], directory: Path) -> None:
+    def __init__(self, ctx: zmq.Context[Any], directory: Path, roles: tuple[str, ...]) -> None:
         super().__init__(ctx)
         self.directory = directory
+        self.roles = roles
 
     def _role_keys(self) -> dict[bytes, str]:
         out = {}
-        for role in ROLES:
+        for role in self.roles:
             for cert in sorted((self.directory / role).glob("*.key")):
                 try:
                     public, _ = zmq.auth.load_certificate(str(cert))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
+from shared.keys import ClientKeys, KeyError_, client_keys
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, MODULES, POOL_DTYPES, STATE_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,7 +41,8 @@ def _emit(value: Any) -> None:
 
 
 def _client(ctx: click.Context) -> ControlClient:
-    return ControlClient(ctx.obj["state"], timeout_s=ctx.obj["timeout"], keys=ctx.obj["keys"])
+    return ControlClient(ctx.obj["state"], timeout_s=ctx.obj["timeout"],
+                         keys=_keys(ctx.obj["key"], ctx.obj["server_key"]))
 
 
 def handles_errors(fn: F) -> F:
@@ -71,15 +72,15 @@ def handles_errors(fn: F) -> F:
 def main(ctx: click.Context, state: str, timeout: float, key: str | None,
          server_key: str | None) -> None:
     """Manage the LoRA adapters served by a loraplane fleet."""
-    from shared.keys import KeyError_, client_keys
+    ctx.obj = {"state": state, "timeout": timeout, "key": key, "server_key": server_key}
+
+
+def _keys(key: str | None, server_key: str | None) -> ClientKeys | None:
+    """CURVE keys for a server from key files; None without either."""
     try:
-        keys_ = client_keys(key, server_key)
+        return client_keys(key, server_key)
     except KeyError_ as exc:
         raise click.UsageError(str(exc)) from None
-    ctx.obj = {"state": state, "timeout": timeout, "keys": keys_,
-               "key_files": (key or os.environ.get("LORAPLANE_KEY"),
-                             server_key or os.environ.get("LORAPLANE_SERVER_KEY"))
-               if keys_ else None}
 
 
 @main.group()
@@ -326,18 +327,24 @@ def _parse_ids(value: str) -> list[int]:
 @click.option("--stop-token-ids", default="", help="Comma-separated ids that end the output.")
 @click.option("--min-seq", type=click.IntRange(0), default=0, show_default=True,
               help="Wait until the replica has applied this seq (read your own load).")
+@click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
+              help="CURVE: the replica's public key file, when it runs with --auth "
+                   "(env LORAPLANE_REPLICA_SERVER_KEY); your key is --key.")
 @JSON_OPT
 @click.pass_context
 @handles_errors
 def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: str,
              max_new_tokens: int, temperature: float, top_p: float, seed: int,
-             stop_token_ids: str, min_seq: int, as_json: bool) -> None:
+             stop_token_ids: str, min_seq: int, replica_server_key: str | None,
+             as_json: bool) -> None:
     """Ask a replica for a completion, on an adapter or on the base model."""
     args = {"adapter": adapter, "input_ids": _parse_ids(input_ids),
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
             "seed": seed, "stop_token_ids": _parse_ids(stop_token_ids) if stop_token_ids else [],
             "min_seq": min_seq}
-    with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0) as c:
+    keys_ = _keys(ctx.obj["key"], replica_server_key) if replica_server_key else None
+    with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0,
+                       keys=keys_) as c:
         res = c.call("generate", args)
     if as_json:
         _emit(res)
@@ -378,8 +385,10 @@ def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
             progress.update(bars[name], completed=seq, total=max(head, 1))
 
         try:
+            keyed = _keys(ctx.obj["key"], ctx.obj["server_key"]) is not None
             report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
-                           key_files=ctx.obj["key_files"]).run(kill)
+                           key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
+                           else None).run(kill)
         except DrillError as exc:
             err.print(f"[bold red]error[/] (drill): {exc}")
             sys.exit(3)

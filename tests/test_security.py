@@ -131,3 +131,37 @@ def test_adapter_paths_must_stay_under_the_roots(rooted: tuple[StateSvc, Path],
         ok = c.call("load", {"event_id": new_event_id(), "name": "x",
                              "path": str(root / "good")})
         assert ok["seq"] == 2
+
+
+def test_inference_socket_with_curve_admits_only_allowed_clients(
+        tmp_path: Path, example: ExampleAssets) -> None:
+    keydir, clients = tmp_path / "replica-keys", tmp_path / "client-keys"
+    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    for name in ("app", "stranger"):
+        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
+    shutil.copy(clients / "app.key", keydir / "clients" / "app.key")
+    svc = StateSvc(tmp_path / "data").start()
+    replica = Computed(example.model_dir, svc, tmp_path / "replicas" / "r", replica_id="r",
+                       extra_args=("--no-warmup", "--max-len", "64", "--auth", str(keydir)))
+    try:
+        with ControlClient(svc.control) as c:
+            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                                 "max_loras": 2, "max_rank": 8, "targets": "all"})
+        replica.start()
+        args = {"adapter": None, "input_ids": [1, 2, 3], "max_new_tokens": 2, "min_seq": 1}
+        for who in (None, "stranger"):
+            k = None if who is None else keys(keydir, clients, who)
+            with ControlClient(replica.listen, timeout_s=1.0, retries=0, keys=k) as c:
+                with pytest.raises(Unavailable):
+                    c.call("generate", args)
+        with ControlClient(replica.listen, timeout_s=60, retries=0,
+                           keys=keys(keydir, clients, "app")) as c:
+            assert len(c.call("generate", args)["output_ids"]) == 2
+        res = run("loractl", "--key", str(clients / "app.key_secret"), "generate", "--replica",
+                  replica.listen, "--replica-server-key", str(keydir / "server.key"),
+                  "--input-ids", "1,2,3", "--max-new-tokens", "2", "--json")
+        assert res.returncode == 0, res.stderr
+        assert len(json.loads(res.stdout)["output_ids"]) == 2
+    finally:
+        replica.stop()
+        svc.stop()
