@@ -28,6 +28,8 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_events
 	$(BIN)/python -m benchmarks.bench_replica
+	$(BIN)/python -m benchmarks.bench_lora
+	$(BIN)/python -m benchmarks.bench_decode
 
 clean:
 	rm -rf $(VENV) var bench-results .pytest_cache
