@@ -314,7 +314,8 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
     base = root / f"prop-{n}"
     base.mkdir(parents=True)
     svc = StateSvc(base / "data")
-    replicas = [Computed(model_dir, svc, base / "replicas" / f"r{i}", replica_id=f"r{i}")
+    replicas = [Computed(model_dir, svc, base / "replicas" / f"r{i}", replica_id=f"r{i}",
+                         extra_args=("--no-inference",))
                 for i in range(n)]
     clients: list[ControlClient] = []
     try:
@@ -399,7 +400,8 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
     base = root / "rss"
     base.mkdir(parents=True)
     svc = StateSvc(base / "data")
-    replica = Computed(model_dir, svc, base / "replicas" / "rss", replica_id="rss")
+    replica = Computed(model_dir, svc, base / "replicas" / "rss", replica_id="rss",
+                       extra_args=("--no-inference",))
     files = adapter_files[:RSS_ADAPTERS]
     try:
         svc.start()

@@ -214,17 +214,20 @@ class Daemon:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         self.sync.start()
+        warming: threading.Thread | None = None
         try:
             while not self._stop and self.sync.is_alive():
-                if self.warmup and self.engine is not None and not self.engine.warm \
+                if self.warmup and self.engine is not None and warming is None \
                         and self.replica.pool is not None:
-                    t0 = time.perf_counter()
-                    self.engine.warmup()
-                    log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
-                busy = self.engine is not None and self.engine.busy
+                    # compile in the background: status keeps answering meanwhile, and
+                    # requests wait in the queue until the engine is warm
+                    warming = threading.Thread(target=self._warm, name="warmup", daemon=True)
+                    warming.start()
+                ready = self.engine is not None and (self.engine.warm or not self.warmup)
+                busy = ready and self.engine is not None and self.engine.busy
                 if self.router.poll(0 if busy else 50):
                     self._serve_clients()
-                if self.engine is not None and self.engine.busy:
+                if busy and self.engine is not None:
                     self._send(self.engine.step())
         finally:
             self.sync.stopping.set()
@@ -234,6 +237,12 @@ class Daemon:
                 self.auth.stop()
         if self.sync.fatal is not None:
             raise self.sync.fatal
+
+    def _warm(self) -> None:
+        assert self.engine is not None
+        t0 = time.perf_counter()
+        self.engine.warmup()
+        log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
 
     def status(self) -> dict[str, Any]:
         r = self.replica

@@ -1,0 +1,647 @@
+"""Decode throughput of 32 sequences on 0, 1, 4 and 16 distinct adapters: ours against PEFT.
+
+One random Llama checkpoint and 16 rank-16 adapters on all seven target
+modules, written as transformers and PEFT write them (statesvc/example.py; no
+downloads), float32:
+
+    vocab 8192, hidden 1024, intermediate 2816, 8 layers, 16 heads, 8 KV heads,
+    head_dim 64 (111 M parameters, 444 MB), adapters r=16, alpha 32.
+
+A batch of 32 sequences, each with its own 32-token prompt, is prefilled, then
+decoded greedily. Row i uses adapter i % k for k distinct adapters (k = 0: every
+row on the base model), so every row of the 16-adapter batch shares its adapter
+with one other row. Three paths, interleaved round by round (a warm-up round
+first, then `--repeats` rounds; medians); ours in this process, PEFT in a
+process of its own, since torch and XLA in one process slow each other down:
+
+* decode:       LlamaRunner.decode in a loop: computed.model.decode as the engine calls it
+                (attention over the smallest bucket of the cache that holds the longest
+                sequence), 32 active rows, the next tokens by argmax of each step's
+                logits; every round restarts at position 32. The pool has `--slots`
+                slots (16 of them filled), the KV cache `--max-len` positions.
+* Engine.step:  computed.engine.Engine with LlamaRunner (max_batch 32, the same
+                max_len), the 32 requests submitted with their adapter names and
+                admitted (prefilled) before timing; a round is `--steps` calls of
+                `step()`, host sampling included. The requests keep running across
+                rounds, so positions go on from 33.
+* PEFT:         transformers' LlamaForCausalLM with the 16 adapters loaded into one
+                PeftModel (`load_adapter`), mixed-batch inference (`adapter_names`
+                per row, "__base__" for the base model), KV cache, greedy, under
+                torch.no_grad() with torch.set_num_threads(`--torch-threads`, by default
+                the CPU count, as XLA uses every core); every round crops the cache back
+                to the prompt. Its process waits on a pipe while ours run, and ours
+                while it runs.
+
+tokens/s = 32 * steps / seconds. Targets (PASS/MISS), on both of our paths: 16
+distinct adapters at least 0.75x our base-model throughput, and at least 3x
+PEFT's on the same 16-adapter batch. Greedy tokens are compared between the
+paths (random weights, float32: a near-tie may flip a token, so this is
+reported, not asserted), and compiles are counted while timing (there must be
+none: the mix of adapters changes no shape). The CPU share the process got
+while timing is recorded, since other load on the machine skews the figures.
+
+Two more figures for where our time goes: the base batch through `decode` with
+no LoRA pool at all (timed in the same rounds), and the base batch once more
+with a `--long-max-len` cache (0 skips it), which should change nothing, since a
+step attends over the bucket that holds the longest sequence, not the cache.
+
+    .venv/bin/python -m benchmarks.bench_decode [--steps 8] [--repeats 5] [--no-write]
+
+The table is printed, written to benchmarks/results/decode.json and, where
+README.md has the `bench:decode` markers, into that section.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.report import machine_info, median, update_readme, write_results
+from computed.engine import Engine, LlamaRunner
+from computed.model import load_model
+from computed.pool import MemoryPool, PoolSpec
+from computed.replica import Phase, Replica
+from computed.weights import slot_weights
+from shared.config import POOL_DTYPES
+from shared.events import AdapterLoaded, lora_scaling
+from shared.reducer import State
+from statesvc.example import ALL_MODULES, AdapterSpec, ModelShape, write_adapter, write_model
+from tests.jaxcount import counting_compiles
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE = ModelShape(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                   max_position_embeddings=4096)
+BATCH = 32
+PROMPT = 32
+ADAPTERS = 16
+RANK = 16
+ALPHA = 32
+MIXES = (0, 1, 4, 16)  # distinct adapters in the batch; 0: the base model
+TARGET_OVER_BASE = 0.75
+TARGET_OVER_PEFT = 3.0
+CONTENDED = 0.10  # a median share of the CPUs used by other processes above this is flagged
+PATHS = ("decode", "engine", "peft")
+LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT"}
+
+console = Console() if sys.stdout.isatty() else Console(width=150)
+
+
+def adapter_names() -> list[str]:
+    return [f"bench-{i:02d}" for i in range(ADAPTERS)]
+
+
+def row_adapters(distinct: int) -> list[int]:
+    """Each row's adapter index, -1 for the base model."""
+    return [-1] * BATCH if distinct == 0 else [i % distinct for i in range(BATCH)]
+
+
+@dataclass
+class Timing:
+    """Per timed round: seconds, the share of the CPUs this process used, and the share others used."""
+
+    seconds: list[float] = field(default_factory=list)
+    cpu_share: list[float] = field(default_factory=list)
+    others_share: list[float] = field(default_factory=list)
+
+    def tokens_per_s(self, steps: int) -> float:
+        return BATCH * steps / median(self.seconds)
+
+    def add(self, other: Timing) -> None:
+        self.seconds += other.seconds
+        self.cpu_share += other.cpu_share
+        self.others_share += other.others_share
+
+    def as_dict(self, steps: int) -> dict[str, Any]:
+        return {"tokens_per_s": self.tokens_per_s(steps), "seconds": self.seconds,
+                "cpu_share": self.cpu_share, "others_share": self.others_share}
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot (every process); NaN off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+@contextmanager
+def timed(timing: Timing | None) -> Iterator[None]:
+    """Time the block; while it runs, the other side of the comparison waits on its pipe, idle."""
+    wall, cpu, busy = time.perf_counter(), time.process_time(), busy_seconds()
+    yield
+    if timing is not None:
+        wall = time.perf_counter() - wall
+        cpu = time.process_time() - cpu
+        capacity = wall * (os.cpu_count() or 1)
+        timing.seconds.append(wall)
+        timing.cpu_share.append(cpu / capacity)
+        timing.others_share.append(max(0.0, busy_seconds() - busy - cpu) / capacity)
+
+
+# --------------------------------------------------------------------------- assets
+
+
+def write_assets(root: Path) -> tuple[Path, dict[str, Path]]:
+    model_dir = write_model(root / "model", SHAPE, seed=0)
+    dirs = {name: write_adapter(root / "adapters" / name,
+                                AdapterSpec(name, r=RANK, lora_alpha=ALPHA, target_modules=ALL_MODULES),
+                                SHAPE, seed=0, base_model_name_or_path=str(model_dir))
+            for name in adapter_names()}
+    return model_dir, dirs
+
+
+def loaded_event(name: str, slot: int, data: bytes) -> AdapterLoaded:
+    return AdapterLoaded(name=name, version=slot + 2, slot=slot, sha256="", size=len(data), rank=RANK,
+                         alpha=float(ALPHA), scaling=lora_scaling(ALPHA, RANK, False), use_rslora=False,
+                         targets=ALL_MODULES, pinned=False)
+
+
+@dataclass
+class Serving:
+    """What Engine reads of a Replica: an ACTIVE replica whose adapters never change."""
+
+    pool: MemoryPool
+    state: State
+    phase: Phase = Phase.ACTIVE
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def applied_seq(self) -> int:
+        return self.state.seq
+
+
+# --------------------------------------------------------------------------- ours
+
+
+class RawDecode:
+    """LlamaRunner.decode in a loop over one prefilled batch; each round restarts at the prompt's end.
+
+    The runner is what the engine calls: computed.model.decode over the
+    smallest attention bucket that holds the longest sequence.
+    """
+
+    def __init__(self, runner: LlamaRunner, pool: MemoryPool | None, prompts: np.ndarray,
+                 slots: np.ndarray) -> None:
+        self.runner, self.slots = runner, slots.astype(np.int32)
+        self.arrays = None if pool is None else pool.arrays  # the pool never changes here
+        self.cache = runner.new_cache()
+        first = np.zeros(BATCH, np.int32)
+        for row in range(BATCH):
+            logits, self.cache = runner.prefill(self.arrays, self.cache, prompts[row], PROMPT, row,
+                                                int(slots[row]))
+            first[row] = int(np.argmax(logits))
+        self.first = first
+        self.active = np.ones(BATCH, np.bool_)
+        self.tokens: list[np.ndarray] = []  # the last round's tokens, [steps][BATCH]
+
+    def round(self, steps: int, timing: Timing | None) -> None:
+        tokens, out = self.first, []
+        with timed(timing):
+            for k in range(steps):
+                positions = np.full(BATCH, PROMPT + k, np.int32)
+                logits, self.cache = self.runner.decode(self.arrays, self.cache, tokens, positions,
+                                                        self.slots, self.active)
+                tokens = logits.argmax(axis=-1).astype(np.int32)
+                out.append(tokens)
+        self.tokens = out
+
+
+class EngineDecode:
+    """Engine.step over 32 running requests, admitted (prefilled) before the first round."""
+
+    def __init__(self, runner: LlamaRunner, serving: Serving, prompts: np.ndarray, rows: list[int],
+                 max_new_tokens: int) -> None:
+        self.engine = Engine(runner, cast(Replica, serving))
+        self.engine.warmup()  # what serving compiles; only the first engine compiles (shared jit caches)
+        names = adapter_names()
+        for i in range(BATCH):
+            done = self.engine.submit(f"r{i}", {
+                "adapter": None if rows[i] < 0 else names[rows[i]],
+                "input_ids": [int(t) for t in prompts[i]], "max_new_tokens": max_new_tokens}, None)
+            assert done is None, done
+        self.engine.step()  # admits every request (32 prefills) and runs the first decode step
+        if sum(r is not None for r in self.engine.rows) != BATCH:
+            raise RuntimeError("the engine did not admit the whole batch")
+
+    def round(self, steps: int, timing: Timing | None) -> None:
+        with timed(timing):
+            for _ in range(steps):
+                done = self.engine.step()
+                if done:
+                    raise RuntimeError(f"{len(done)} requests finished early: raise max_new_tokens")
+
+    def outputs(self) -> list[list[int]]:
+        return [list(r.output) if r is not None else [] for r in self.engine.rows]
+
+
+# --------------------------------------------------------------------------- PEFT
+
+
+class PeftDecode:
+    """PEFT mixed-batch greedy decoding with a KV cache; each round crops the cache back to the prompt."""
+
+    def __init__(self, model: Any, prompts: np.ndarray, rows: list[int]) -> None:
+        import torch
+        self.torch, self.model = torch, model
+        names = adapter_names()
+        self.names = ["__base__" if a < 0 else names[a] for a in rows]
+        with torch.no_grad():
+            out = model(input_ids=torch.as_tensor(prompts, dtype=torch.long), use_cache=True,
+                        adapter_names=self.names, logits_to_keep=1)
+        self.cache = out.cache
+        self.first = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens: list[np.ndarray] = []
+
+    def round(self, steps: int, timing: Timing | None) -> None:
+        torch, model = self.torch, self.model
+        surplus = self.cache.get_seq_length() - PROMPT
+        if surplus:
+            self.cache.crop(-surplus)
+        tokens, out = self.first, []
+        with torch.no_grad(), timed(timing):
+            for _ in range(steps):
+                logits = model(input_ids=tokens, cache=self.cache, use_cache=True,
+                               adapter_names=self.names).logits
+                tokens = logits[:, -1].argmax(-1, keepdim=True)
+                out.append(tokens[:, 0].numpy().astype(np.int32))
+        self.tokens = out
+
+
+def load_peft(model_dir: Path, dirs: dict[str, Path], threads: int) -> Any:
+    import peft
+    import torch
+    import transformers
+    torch.set_num_threads(threads)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    names = adapter_names()
+    model = peft.PeftModel.from_pretrained(base, str(dirs[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(dirs[name]), adapter_name=name)
+    return model.eval()
+
+
+def peft_worker(conn: Connection, model_dir: Path, dirs: dict[str, Path], threads: int,
+                prompts: np.ndarray) -> None:
+    """The PEFT side, in its own process: runs a round when told to and answers its timing and tokens.
+
+    A process of its own because torch and XLA in one process slow each other
+    down: PEFT's steps there took up to 15 times as long as alone.
+    """
+    import peft
+    import torch
+    import transformers
+    model = load_peft(model_dir, dirs, threads)
+    runs = {k: PeftDecode(model, prompts, row_adapters(k)) for k in MIXES}
+    conn.send({"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+               "attn_implementation": model.base_model.model.config._attn_implementation})
+    while True:
+        msg = conn.recv()
+        if msg[0] == "round":
+            _, k, steps, count = msg
+            timing = Timing()
+            runs[k].round(steps, timing if count else None)
+            conn.send((timing, runs[k].tokens))
+        elif msg[0] == "gemm":
+            conn.send(gemm_rate_torch(threads))
+        else:
+            conn.close()
+            return
+
+
+class PeftProcess:
+    """The parent's handle on peft_worker."""
+
+    def __init__(self, model_dir: Path, dirs: dict[str, Path], threads: int, prompts: np.ndarray) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=peft_worker, args=(child, model_dir, dirs, threads, prompts), daemon=True)
+        self.proc.start()
+        child.close()
+        self.info: dict[str, str] = self.conn.recv()
+        self.tokens: dict[int, list[np.ndarray]] = {}
+
+    def round(self, k: int, steps: int, timing: Timing | None) -> None:
+        self.conn.send(("round", k, steps, timing is not None))
+        got, self.tokens[k] = self.conn.recv()
+        if timing is not None:
+            timing.add(got)
+
+    def gemm_rate(self) -> float:
+        self.conn.send(("gemm",))
+        return float(self.conn.recv())
+
+    def stop(self) -> None:
+        self.conn.send(("stop",))
+        self.proc.join(timeout=30)
+
+
+# --------------------------------------------------------------------------- GEMM rates
+
+GEMM = (BATCH, SHAPE.hidden_size, SHAPE.intermediate_size)  # the MLP's up/gate product in a decode step
+
+
+def _rate(call: Callable[[], Any], sync: Callable[[Any], Any], iters: int = 50) -> float:
+    """GFLOP/s of the GEMM product, best of 3 runs of `iters` calls."""
+    n, k, m = GEMM
+    sync(call())
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            y = call()
+        sync(y)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return round(2 * n * k * m / best / 1e9, 1)
+
+
+def _gemm_operands() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    n, k, m = GEMM
+    return rng.standard_normal((n, k), np.float32), rng.standard_normal((k, m), np.float32)
+
+
+def gemm_rate_xla() -> float:
+    x, w = _gemm_operands()
+    f = jax.jit(lambda a, b: a @ b)
+    xj, wj = jnp.asarray(x), jnp.asarray(w)
+    return _rate(lambda: f(xj, wj), jax.block_until_ready)
+
+
+def gemm_rate_torch(threads: int) -> float:
+    import torch
+    torch.set_num_threads(threads)
+    x, w = _gemm_operands()
+    xt, wt = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T))
+    return _rate(lambda: torch.nn.functional.linear(xt, wt), lambda y: y)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """The fraction of (step, row) greedy tokens two paths agree on."""
+    return float(np.mean(np.stack(a) == np.stack(b)))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    steps, repeats, max_len = args.steps, args.repeats, args.max_len
+    # the prefill's token, the admitting step, every round, and one more: nothing finishes while timed
+    max_new = 3 + (repeats + 1) * steps
+    if PROMPT + max_new > max_len:
+        raise SystemExit(f"--max-len {max_len} is too short for {repeats + 1} rounds of {steps} steps "
+                         f"after a {PROMPT}-token prompt; raise --max-len or lower --steps/--repeats")
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, SHAPE.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
+        console.print("writing the checkpoint and adapters ...")
+        model_dir, dirs = write_assets(Path(tmp))
+        console.print(f"loading transformers + PEFT in a process of its own ({args.torch_threads} torch "
+                      "threads) ...")
+        peft_proc = PeftProcess(model_dir, dirs, args.torch_threads, prompts)
+        try:
+            config, params = load_model(model_dir)
+            pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims,
+                                       slots=args.slots, max_rank=RANK, dtype=args.pool_dtype))
+            adapters = {}
+            for slot, name in enumerate(adapter_names()):
+                data = (dirs[name] / "adapter_model.safetensors").read_bytes()
+                adapters[name] = loaded_event(name, slot, data)
+                pool.write_slot(slot, slot_weights(data, adapters[name]))
+            serving = Serving(pool, State(seq=ADAPTERS + 1, adapters=adapters))
+            runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
+            n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+
+            console.print("prefilling (this compiles prefill and decode) ...")
+            raw = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k))) for k in MIXES}
+            engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new) for k in MIXES}
+            no_pool = RawDecode(runner, None, prompts, np.full(BATCH, -1))
+            timings = {p: {k: Timing() for k in MIXES} for p in PATHS}
+            no_pool_timing = Timing()
+
+            def one_round(k: int, count: bool) -> None:
+                if k == 0:
+                    no_pool.round(steps, no_pool_timing if count else None)
+                raw[k].round(steps, timings["decode"][k] if count else None)
+                engines[k].round(steps, timings["engine"][k] if count else None)
+                peft_proc.round(k, steps, timings["peft"][k] if count else None)
+
+            console.print("round 0 (warm-up)")
+            for k in MIXES:
+                one_round(k, False)
+            with counting_compiles() as compiles:
+                for rnd in range(1, repeats + 1):
+                    console.print(f"round {rnd}/{repeats}")
+                    for k in MIXES:
+                        one_round(k, True)
+            tokens_agree = {}
+            for k in MIXES:
+                ours = raw[k].tokens
+                served = engines[k].outputs()
+                engine = [np.array([out[1 + i] for out in served]) for i in range(steps)]
+                tokens_agree[str(k)] = {"decode_vs_peft": agreement(ours, peft_proc.tokens[k]),
+                                        "decode_vs_engine": agreement(ours, engine)}
+            del raw, engines, no_pool
+            gemm = {"xla": gemm_rate_xla(), "torch": peft_proc.gemm_rate()}
+        finally:
+            peft_proc.stop()
+
+        long_base = None
+        if args.long_max_len:
+            console.print(f"base batch with a {args.long_max_len}-position cache ...")
+            long_runner = LlamaRunner(config, params, max_batch=BATCH, max_len=args.long_max_len)
+            long = RawDecode(long_runner, pool, prompts, np.full(BATCH, -1))
+            t = Timing()
+            for rnd in range(args.long_repeats + 1):
+                long.round(steps, t if rnd else None)
+            long_base = {"max_len": args.long_max_len, **t.as_dict(steps)}
+            del long
+
+    table = {}
+    for k in MIXES:
+        row: dict[str, Any] = {}
+        for p in PATHS:
+            row[p] = timings[p][k].as_dict(steps)
+        for p in ("decode", "engine"):
+            row[p]["over_base"] = row[p]["tokens_per_s"] / timings[p][0].tokens_per_s(steps)
+            row[p]["over_peft"] = row[p]["tokens_per_s"] / row["peft"]["tokens_per_s"]
+        table[str(k)] = row
+    targets = []
+    for p in ("decode", "engine"):
+        top = table[str(MIXES[-1])][p]
+        targets += [
+            {"name": f"{LABELS[p]}: {MIXES[-1]} adapters / base model", "measured": round(top["over_base"], 3),
+             "target": f">= {TARGET_OVER_BASE}x", "met": top["over_base"] >= TARGET_OVER_BASE},
+            {"name": f"{LABELS[p]}: {MIXES[-1]} adapters / PEFT, same batch", "measured": round(top["over_peft"], 3),
+             "target": f">= {TARGET_OVER_PEFT}x", "met": top["over_peft"] >= TARGET_OVER_PEFT}]
+    info = peft_proc.info
+    return {
+        "machine": machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "versions": {"jax": jax.__version__, "torch": info["torch"], "transformers": info["transformers"],
+                     "peft": info["peft"]},
+        "model": {**{k: v for k, v in vars(SHAPE).items() if k != "rope_scaling"}, "parameters": n_params,
+                  "dtype": "float32", "attn_implementation": info["attn_implementation"]},
+        "adapters": {"count": ADAPTERS, "rank": RANK, "alpha": ALPHA, "targets": list(ALL_MODULES)},
+        "settings": {"batch": BATCH, "prompt": PROMPT, "steps": steps, "repeats": repeats,
+                     "slots": args.slots, "pool_dtype": args.pool_dtype, "max_len": max_len,
+                     "torch_threads": args.torch_threads,
+                     "xla_threads": os.cpu_count()},
+        "results": table, "targets": targets, "compiles_while_timing": len(compiles),
+        "no_pool_base": no_pool_timing.as_dict(steps),
+        "tokens_agree": tokens_agree, "long_cache_base": long_base, "gemm_gflops": gemm,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mix_label(k: int) -> str:
+    return "base model" if k == 0 else f"{k} adapter" + ("s" if k > 1 else "")
+
+
+def render(result: dict[str, Any]) -> tuple[Table, str]:
+    s, m = result["settings"], result["model"]
+    table = Table(title=f"decode, batch {s['batch']}, tokens/s (median of {s['repeats']} rounds "
+                        f"of {s['steps']} steps)")
+    for col in ("distinct adapters", "decode", "Engine.step", "PEFT", "decode / base",
+                "Engine / base", "decode / PEFT", "Engine / PEFT"):
+        table.add_column(col, justify="right")
+    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | PEFT tok/s "
+             "| ours / base (decode, Engine) | ours / PEFT (decode, Engine) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for k in MIXES:
+        r = result["results"][str(k)]
+        d, e, p = r["decode"], r["engine"], r["peft"]
+        table.add_row(_mix_label(k), f"{d['tokens_per_s']:.0f}", f"{e['tokens_per_s']:.0f}",
+                      f"{p['tokens_per_s']:.0f}", f"{d['over_base']:.2f}", f"{e['over_base']:.2f}",
+                      f"{d['over_peft']:.2f}", f"{e['over_peft']:.2f}")
+        lines.append(f"| {_mix_label(k)} | {d['tokens_per_s']:,.0f} | {e['tokens_per_s']:,.0f} "
+                     f"| {p['tokens_per_s']:,.0f} | {d['over_base']:.2f}, {e['over_base']:.2f} "
+                     f"| {d['over_peft']:.2f}, {e['over_peft']:.2f} |")
+    v = result["versions"]
+    lines += ["",
+              f"Model (random, written by statesvc/example.py): vocab {m['vocab_size']}, hidden "
+              f"{m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
+              f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} KV heads, head_dim {m['head_dim']}, "
+              f"{m['parameters'] / 1e6:.0f} M parameters, float32. {result['adapters']['count']} adapters, "
+              f"r={result['adapters']['rank']}, alpha {result['adapters']['alpha']}, all seven target modules; "
+              f"pool of {s['slots']} slots, {s['pool_dtype']}; KV cache of {s['max_len']} positions. Row i uses "
+              f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. decode: "
+              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it) in a loop; Engine.step: "
+              f"the serving loop with host sampling; PEFT {v['peft']} mixed-batch inference (`adapter_names`) "
+              f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} with {s['torch_threads']} threads.",
+              ""]
+    lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} (target {t['target']})"
+              for t in result["targets"]]
+    lines += ["", notes(result), "", machine_line(result)]
+    return table, "\n".join(lines)
+
+
+def shares(result: dict[str, Any], paths: tuple[str, ...], key: str) -> list[float]:
+    return [x for r in result["results"].values() for p in paths for x in r[p][key]]
+
+
+def machine_line(result: dict[str, Any]) -> str:
+    ours, theirs = shares(result, ("decode", "engine"), "cpu_share"), shares(result, ("peft",), "cpu_share")
+    others = shares(result, PATHS, "others_share")
+    line = (f"{result['machine']['nproc']} CPUs, Python {result['machine']['python']}, jax "
+            f"{result['versions']['jax']}, load average {result['load_average_before'][0]:.2f} before the run, "
+            f"{result['machine']['date']}. While timing, our process used {100 * median(ours):.0f}% of the "
+            f"CPUs (median), PEFT's {100 * median(theirs):.0f}%, other processes {100 * median(others):.0f}% "
+            f"(at most {100 * max(others):.0f}%).")
+    if median(others) > CONTENDED:
+        line += (" **Other processes were using the CPUs during this run: the figures are unreliable, "
+                 "PEFT's above all (torch's threads wait for each other when one is descheduled).**")
+    return (line + f" `python -m benchmarks.bench_decode` reproduces it ({result['seconds']:.0f} s); "
+            "`benchmarks/results/decode.json` has every round.")
+
+
+def adapter_fraction() -> float:
+    """Parameters of the 16 adapters over those of the projections they adapt (all layers)."""
+    dims = [SHAPE.module_dims(m) for m in ALL_MODULES]
+    return ADAPTERS * RANK * sum(i + o for i, o in dims) / sum(i * o for i, o in dims)
+
+
+def notes(result: dict[str, Any]) -> str:
+    base = result["results"]["0"]["decode"]["tokens_per_s"]
+    g, nb = result["gemm_gflops"], result["no_pool_base"]["tokens_per_s"]
+    notes = [f"At this shape the {ADAPTERS} adapters hold {100 * adapter_fraction():.0f}% as many parameters as "
+             "the projections they adapt (about 10% at hidden 4096, intermediate 11008), so the LoRA "
+             "share of a step is large.",
+             f"The base batch through `decode` with no LoRA pool makes {nb:,.0f} tokens/s "
+             f"({nb / base:.2f}x the pooled figure): what the LoRA path costs when no row uses it.",
+             f"One [32, 1024] x [1024, 2816] float32 product (the MLP's) runs at {g['xla']} GFLOP/s in XLA "
+             f"and {g['torch']} in torch here."]
+    lb = result["long_cache_base"]
+    if lb:
+        notes.append(f"With a {lb['max_len']}-position cache, the base batch at the same positions makes "
+                     f"{lb['tokens_per_s']:,.0f} tokens/s, {lb['tokens_per_s'] / base:.2f}x the figure above "
+                     "(a step attends over the bucket that holds the longest sequence).")
+    agree = result["tokens_agree"]
+    notes.append("Greedy tokens agree with PEFT's on "
+                 + ", ".join(f"{100 * agree[str(k)]['decode_vs_peft']:.0f}%" for k in MIXES)
+                 + f" of (step, row) pairs ({', '.join(str(k) for k in MIXES)} adapters); "
+                 f"{result['compiles_while_timing']} compiles while timing.")
+    return " ".join(notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--max-len", type=int, default=256, help="KV-cache positions per row (ours)")
+    ap.add_argument("--slots", type=int, default=32, help="pool slots (max_loras); 16 are filled")
+    ap.add_argument("--pool-dtype", choices=POOL_DTYPES, default="float32",
+                    help="the pool's dtype (`loractl pool init --dtype`); the model is float32")
+    ap.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                    help="torch.set_num_threads for PEFT (XLA uses every core)")
+    ap.add_argument("--long-max-len", type=int, default=1024,
+                    help="time the base batch again with a cache this long (0: skip)")
+    ap.add_argument("--long-repeats", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true",
+                    help="print only: leave benchmarks/results and README.md alone")
+    args = ap.parse_args(argv)
+    if args.slots < ADAPTERS:
+        ap.error(f"--slots must be at least {ADAPTERS}, the adapters the batch mixes")
+    result = run(args)
+    table, markdown = render(result)
+    console.print(table)
+    for t in result["targets"]:
+        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
+        console.print(f"{verdict} {t['name']}: {t['measured']} (target {t['target']})")
+    console.print(notes(result))
+    console.print(machine_line(result))
+    if not args.no_write:
+        path = write_results("decode", result)
+        console.print(f"results written to {path}")
+        if update_readme("decode", markdown):
+            console.print("README.md section bench:decode updated")
+        else:
+            console.print("[dim]README.md has no bench:decode markers; left alone[/dim]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
