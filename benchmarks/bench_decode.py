@@ -120,18 +120,28 @@ class Timing:
     seconds: list[float] = field(default_factory=list)
     cpu_share: list[float] = field(default_factory=list)
     others_share: list[float] = field(default_factory=list)
+    used: list[int] | None = None  # the rounds the figure is taken from; None: all
 
     def tokens_per_s(self, steps: int) -> float:
-        return BATCH * steps / median(self.seconds)
+        rounds = range(len(self.seconds)) if self.used is None else self.used
+        return BATCH * steps / median([self.seconds[i] for i in rounds])
 
     def add(self, other: Timing) -> None:
         self.seconds += other.seconds
         self.cpu_share += other.cpu_share
         self.others_share += other.others_share
 
+    def clean(self, i: int) -> bool:
+        """Whether other processes left the CPUs alone during round i (NaN off Linux counts as clean)."""
+        return not self.others_share[i] > CONTENDED
+
     def as_dict(self, steps: int) -> dict[str, Any]:
         return {"tokens_per_s": self.tokens_per_s(steps), "seconds": self.seconds,
-                "cpu_share": self.cpu_share, "others_share": self.others_share}
+                "cpu_share": self.cpu_share, "others_share": self.others_share, "used_rounds": self.used}
+
+
+def clean_rounds(timings: list[Timing], rounds: int) -> list[int]:
+    return [i for i in range(rounds) if all(t.clean(i) for t in timings)]
 
 
 def busy_seconds() -> float:
@@ -405,11 +415,12 @@ def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     steps, repeats, max_len = args.steps, args.repeats, args.max_len
+    max_rounds = max(repeats, args.max_rounds or 2 * repeats)
     # the prefill's token, the admitting step, every round, and one more: nothing finishes while timed
-    max_new = 3 + (repeats + 1) * steps
+    max_new = 3 + (max_rounds + 1) * steps
     if PROMPT + max_new > max_len:
-        raise SystemExit(f"--max-len {max_len} is too short for {repeats + 1} rounds of {steps} steps "
-                         f"after a {PROMPT}-token prompt; raise --max-len or lower --steps/--repeats")
+        raise SystemExit(f"--max-len {max_len} is too short for {max_rounds + 1} rounds of {steps} steps "
+                         f"after a {PROMPT}-token prompt; raise --max-len or lower --steps/--max-rounds")
     started = time.perf_counter()
     load_before = os.getloadavg()
     rng = np.random.default_rng(0)
@@ -450,11 +461,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             console.print("round 0 (warm-up)")
             for k in MIXES:
                 one_round(k, False)
+            every = [no_pool_timing, *(timings[p][k] for p in PATHS for k in MIXES)]
+            rounds, clean = 0, []
             with counting_compiles() as compiles:
-                for rnd in range(1, repeats + 1):
-                    console.print(f"round {rnd}/{repeats}")
+                while len(clean) < repeats and rounds < max_rounds:  # rounds other processes disturbed don't count
                     for k in MIXES:
                         one_round(k, True)
+                    rounds += 1
+                    clean = clean_rounds(every, rounds)
+                    console.print(f"round {rounds}: {len(clean)} of {repeats} without other load")
+            for t in every:
+                t.used = clean or None
             tokens_agree = {}
             for k in MIXES:
                 ours = raw[k].tokens
@@ -472,9 +489,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             console.print(f"base batch with a {args.long_max_len}-position cache ...")
             long_runner = LlamaRunner(config, params, max_batch=BATCH, max_len=args.long_max_len)
             long = RawDecode(long_runner, pool, prompts, np.full(BATCH, -1))
+            long.round(steps, None)
             t = Timing()
-            for rnd in range(args.long_repeats + 1):
-                long.round(steps, t if rnd else None)
+            while (len(clean_rounds([t], len(t.seconds))) < args.long_repeats
+                   and len(t.seconds) < 3 * args.long_repeats):
+                long.round(steps, t)
+            t.used = clean_rounds([t], len(t.seconds)) or None
             long_base = {"max_len": args.long_max_len, **t.as_dict(steps)}
             del long
 
@@ -504,6 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "dtype": "float32", "attn_implementation": info["attn_implementation"]},
         "adapters": {"count": ADAPTERS, "rank": RANK, "alpha": ALPHA, "targets": list(ALL_MODULES)},
         "settings": {"batch": BATCH, "prompt": PROMPT, "steps": steps, "repeats": repeats,
+                     "rounds_run": rounds, "clean_rounds": clean, "contended_above": CONTENDED,
                      "slots": args.slots, "pool_dtype": args.pool_dtype, "max_len": max_len,
                      "torch_threads": args.torch_threads,
                      "xla_threads": os.cpu_count()},
@@ -551,7 +572,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. decode: "
               f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it) in a loop; Engine.step: "
               f"the serving loop with host sampling; PEFT {v['peft']} mixed-batch inference (`adapter_names`) "
-              f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} with {s['torch_threads']} threads.",
+              f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} "
+              f"with {s['torch_threads']} threads.",
               ""]
     lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} (target {t['target']})"
               for t in result["targets"]]
@@ -560,20 +582,31 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
 
 
 def shares(result: dict[str, Any], paths: tuple[str, ...], key: str) -> list[float]:
-    return [x for r in result["results"].values() for p in paths for x in r[p][key]]
+    """`key` over the rounds the figures are taken from, for every mix and each of `paths`."""
+    out = []
+    for row in result["results"].values():
+        for p in paths:
+            used = row[p]["used_rounds"]
+            out += [x for i, x in enumerate(row[p][key]) if used is None or i in used]
+    return out
 
 
 def machine_line(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    clean = len(s["clean_rounds"])
     ours, theirs = shares(result, ("decode", "engine"), "cpu_share"), shares(result, ("peft",), "cpu_share")
     others = shares(result, PATHS, "others_share")
     line = (f"{result['machine']['nproc']} CPUs, Python {result['machine']['python']}, jax "
             f"{result['versions']['jax']}, load average {result['load_average_before'][0]:.2f} before the run, "
-            f"{result['machine']['date']}. While timing, our process used {100 * median(ours):.0f}% of the "
-            f"CPUs (median), PEFT's {100 * median(theirs):.0f}%, other processes {100 * median(others):.0f}% "
-            f"(at most {100 * max(others):.0f}%).")
-    if median(others) > CONTENDED:
-        line += (" **Other processes were using the CPUs during this run: the figures are unreliable, "
-                 "PEFT's above all (torch's threads wait for each other when one is descheduled).**")
+            f"{result['machine']['date']}. {s['rounds_run']} rounds run; the medians are of "
+            + (f"the {clean} that ran without other load (other processes under {100 * CONTENDED:.0f}% of "
+               "the CPUs in every measurement)" if clean else "all of them: none ran without other load")
+            + f". In those, our process used {100 * median(ours):.0f}% of the CPUs (median), PEFT's "
+            f"{100 * median(theirs):.0f}%, other processes {100 * median(others):.0f}% (at most "
+            f"{100 * max(others):.0f}%).")
+    if clean < s["repeats"]:
+        line += (f" **Fewer than {s['repeats']} undisturbed rounds: the figures are unreliable, PEFT's above "
+                 "all (torch's threads wait for each other when one is descheduled).**")
     return (line + f" `python -m benchmarks.bench_decode` reproduces it ({result['seconds']:.0f} s); "
             "`benchmarks/results/decode.json` has every round.")
 
@@ -595,7 +628,9 @@ def notes(result: dict[str, Any]) -> str:
              f"One [32, 1024] x [1024, 2816] float32 product (the MLP's) runs at {g['xla']} GFLOP/s in XLA "
              f"and {g['torch']} in torch here."]
     lb = result["long_cache_base"]
-    if lb:
+    if lb and lb["used_rounds"] is None:
+        notes.append(f"With a {lb['max_len']}-position cache: not measured without other load.")
+    elif lb:
         notes.append(f"With a {lb['max_len']}-position cache, the base batch at the same positions makes "
                      f"{lb['tokens_per_s']:,.0f} tokens/s, {lb['tokens_per_s'] / base:.2f}x the figure above "
                      "(a step attends over the bucket that holds the longest sequence).")
@@ -610,7 +645,10 @@ def notes(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
-    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed rounds without other load wanted (after one warm-up round)")
+    ap.add_argument("--max-rounds", type=int, default=0,
+                    help="give up waiting for undisturbed rounds after this many (default: 2 x --repeats)")
     ap.add_argument("--max-len", type=int, default=256, help="KV-cache positions per row (ours)")
     ap.add_argument("--slots", type=int, default=32, help="pool slots (max_loras); 16 are filled")
     ap.add_argument("--pool-dtype", choices=POOL_DTYPES, default="float32",
