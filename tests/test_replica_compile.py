@@ -3,55 +3,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from computed.replica import Replica
-from shared.client import ControlClient, new_event_id
-from shared.fingerprint import read_model
 from statesvc.example import ExampleAssets
 from tests.jaxcount import buffer_pointers, counting_compiles
-from tests.procs import StateSvc
+from tests.livereplica import live_replica
 
 
 def test_200_diffs_compile_nothing_and_keep_the_buffers(tmp_path: Path,
                                                         example: ExampleAssets) -> None:
-    svc = StateSvc(tmp_path / "data").start()
-    try:
-        with ControlClient(svc.control) as c:
-            def cmd(command: str, **args: object) -> None:
-                c.call(command, {"event_id": new_event_id(), **args})
-
-            cmd("pool.init", model=str(example.model_dir), max_loras=8, max_rank=32,
-                targets="all")
-            replica = Replica(read_model(example.model_dir), c, tmp_path / "replica")
-            replica.bootstrap()
-            adapters = sorted(example.adapter_dirs)
-            # warm-up, one diff at a time: the write, the clear and the slot read that the
-            # digest uses compile here (a load and its unload applied together would cancel
-            # out and touch nothing)
-            cmd("load", name="warm", path=str(example.adapter_dirs[adapters[0]]))
-            replica.catch_up()
-            replica.pool_digest()
-            cmd("unload", name="warm")
-            replica.catch_up()
-            assert replica.pool is not None
-            pointers = buffer_pointers(replica.pool)
-            digests = set()
-            kinds = []
-            with counting_compiles() as compiles:
-                for i in range(200):  # loads and unloads over every slot and rank
-                    loaded = sorted(replica.state.adapters)
-                    if len(loaded) < 3 or (i % 3 and len(loaded) < 7):
-                        name = next(f"a{j}" for j in range(i, i + 8) if f"a{j}" not in loaded)
-                        cmd("load", name=name, path=str(example.adapter_dirs[adapters[i % 5]]))
-                        kinds.append("load")
-                    else:
-                        cmd("unload", name=loaded[(i * 7) % len(loaded)])
-                        kinds.append("unload")
-                    assert replica.catch_up() == 1
-                    digests.add(replica.pool_digest())
-            assert compiles == []
-            assert buffer_pointers(replica.pool) == pointers
-            assert replica.applied_seq == 1 + 2 + 200
-            assert len(digests) > 100  # the pool really changed
-            assert kinds.count("load") > 50 and kinds.count("unload") > 50
-    finally:
-        svc.stop()
+    with live_replica(tmp_path, example, max_loras=8) as (cmd, replica):
+        adapters = sorted(example.adapter_dirs)
+        assert replica.pool is not None
+        pointers = buffer_pointers(replica.pool)
+        digests = set()
+        kinds = []
+        with counting_compiles() as compiles:
+            for i in range(200):  # loads and unloads over every slot and rank
+                loaded = sorted(replica.state.adapters)
+                if len(loaded) < 3 or (i % 3 and len(loaded) < 7):
+                    name = next(f"a{j}" for j in range(i, i + 8) if f"a{j}" not in loaded)
+                    cmd("load", name=name, path=str(example.adapter_dirs[adapters[i % 5]]))
+                    kinds.append("load")
+                else:
+                    cmd("unload", name=loaded[(i * 7) % len(loaded)])
+                    kinds.append("unload")
+                assert replica.catch_up() == 1
+                digests.add(replica.pool_digest())
+        assert compiles == []
+        assert buffer_pointers(replica.pool) == pointers
+        assert replica.applied_seq == 1 + 2 + 200
+        assert len(digests) > 100  # the pool really changed
+        assert kinds.count("load") > 50 and kinds.count("unload") > 50

@@ -5,59 +5,40 @@ from pathlib import Path
 
 from computed.engine import Engine, LlamaRunner
 from computed.model import load_model
-from computed.replica import Replica
-from shared.client import ControlClient, new_event_id
-from shared.fingerprint import read_model
 from statesvc.example import ExampleAssets
 from tests.jaxcount import buffer_pointers, counting_compiles
-from tests.procs import StateSvc
+from tests.livereplica import live_replica
 
 
 def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path,
                                                             example: ExampleAssets) -> None:
-    svc = StateSvc(tmp_path / "data").start()
-    try:
-        with ControlClient(svc.control) as c:
-            def cmd(command: str, **args: object) -> None:
-                c.call(command, {"event_id": new_event_id(), **args})
+    with live_replica(tmp_path, example, max_loras=4) as (cmd, replica):
+        config, params = load_model(example.model_dir)
+        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
+        engine.warmup()
+        adapters = sorted(example.adapter_dirs)
+        assert replica.pool is not None
+        pointers = buffer_pointers(replica.pool)
 
-            cmd("pool.init", model=str(example.model_dir), max_loras=4, max_rank=32,
-                targets="all")
-            replica = Replica(read_model(example.model_dir), c, tmp_path / "replica")
-            replica.bootstrap()
-            config, params = load_model(example.model_dir)
-            engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
-            engine.warmup()
-            adapters = sorted(example.adapter_dirs)
-            cmd("load", name="warm", path=str(example.adapter_dirs[adapters[0]]))
-            replica.catch_up()
-            replica.pool_digest()
-            cmd("unload", name="warm")
-            replica.catch_up()
-            assert replica.pool is not None
-            pointers = buffer_pointers(replica.pool)
-
-            served = []
-            with counting_compiles() as compiles:
-                for round_ in range(6):
-                    name = f"a{round_}"
-                    cmd("load", name=name, path=str(example.adapter_dirs[adapters[round_ % 5]]))
+        served = []
+        with counting_compiles() as compiles:
+            for round_ in range(6):
+                name = f"a{round_}"
+                cmd("load", name=name, path=str(example.adapter_dirs[adapters[round_ % 5]]))
+                replica.catch_up()
+                for i, length in enumerate([1, 5, 16, 17, 33, 60]):  # every bucket
+                    adapter = [None, name, *sorted(replica.state.adapters)][i % 3]
+                    assert engine.submit(f"{round_}-{i}", {
+                        "adapter": adapter, "input_ids": [(7 * i + j) % 256
+                                                          for j in range(length)],
+                        "max_new_tokens": 64 - length if i == 5 else 3}, None) is None
+                while engine.busy:
+                    served += engine.step()
+                if len(replica.state.adapters) > 2:
+                    cmd("unload", name=sorted(replica.state.adapters)[0])
                     replica.catch_up()
-                    for i, length in enumerate([1, 5, 16, 17, 33, 60]):  # every bucket
-                        adapter = [None, name, *sorted(replica.state.adapters)][i % 3]
-                        assert engine.submit(f"{round_}-{i}", {
-                            "adapter": adapter, "input_ids": [(7 * i + j) % 256
-                                                              for j in range(length)],
-                            "max_new_tokens": 64 - length if i == 5 else 3}, None) is None
-                    while engine.busy:
-                        served += engine.step()
-                    if len(replica.state.adapters) > 2:
-                        cmd("unload", name=sorted(replica.state.adapters)[0])
-                        replica.catch_up()
-            assert compiles == []
-            assert buffer_pointers(replica.pool) == pointers
-            assert len(served) == 36 and all(d.error is None for d in served)
-            assert {d.result["adapter"]["name"] for d in served if d.result["adapter"]} >= \
-                {f"a{r}" for r in range(6)}
-    finally:
-        svc.stop()
+        assert compiles == []
+        assert buffer_pointers(replica.pool) == pointers
+        assert len(served) == 36 and all(d.error is None for d in served)
+        assert {d.result["adapter"]["name"] for d in served if d.result["adapter"]} >= \
+            {f"a{r}" for r in range(6)}
