@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 BASE = -1  # the slot id of a row that uses the base model
-WINDOW = 8  # rows per window of `segmented`
+WINDOW = 4  # rows per window of `segmented`
 
 
 @functools.partial(jax.tree_util.register_dataclass,
