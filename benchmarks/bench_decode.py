@@ -10,9 +10,11 @@ downloads), float32:
 A batch of 32 sequences, each with its own 32-token prompt, is prefilled, then
 decoded greedily. Row i uses adapter i % k for k distinct adapters (k = 0: every
 row on the base model), so every row of the 16-adapter batch shares its adapter
-with one other row. Three paths, interleaved round by round (a warm-up round
-first, then `--repeats` rounds; medians); ours in this process, PEFT in a
-process of its own, since torch and XLA in one process slow each other down:
+with one other row. Three paths, interleaved round by round: a warm-up round,
+then rounds until `--repeats` of them ran without other load on the machine
+(at most `--max-rounds`), and the medians of those. Ours run in this process,
+PEFT in a process of its own, since torch and XLA in one process slow each
+other down:
 
 * decode:       LlamaRunner.decode in a loop: computed.model.decode as the engine calls it
                 (attention over the smallest bucket of the cache that holds the longest
@@ -37,8 +39,11 @@ distinct adapters at least 0.75x our base-model throughput, and at least 3x
 PEFT's on the same 16-adapter batch. Greedy tokens are compared between the
 paths (random weights, float32: a near-tie may flip a token, so this is
 reported, not asserted), and compiles are counted while timing (there must be
-none: the mix of adapters changes no shape). The CPU share the process got
-while timing is recorded, since other load on the machine skews the figures.
+none: the mix of adapters changes no shape). Every measurement records the
+share of the CPUs the process used and the share other processes used
+(/proc/stat); a round where others used over 10% in any measurement does not
+count, since torch's threads in particular slow down many times over when one
+of them is descheduled.
 
 Two more figures for where our time goes: the base batch through `decode` with
 no LoRA pool at all (timed in the same rounds), and the base batch once more
