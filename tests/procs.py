@@ -15,8 +15,23 @@ BIN = Path(sys.executable).parent
 __all__ = ["BIN", "Computed", "StateSvc", "free_port", "loractl", "stop_pid", "wait_for"]
 
 
+class _Process:
+    """Stop (SIGTERM, then SIGKILL) or kill a started service, always by its pid."""
+
+    proc: subprocess.Popen[Any] | None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
 @dataclass
-class StateSvc:
+class StateSvc(_Process):
     data_dir: Path
     control: str = field(default_factory=loopback)
     publish: str = field(default_factory=loopback)
@@ -35,14 +50,6 @@ class StateSvc:
             log=self.log, env=self.env)
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_pid(self.proc)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
 
 
 def loractl(state: StateSvc, *args: str, check: bool = True,
@@ -56,7 +63,7 @@ def loractl(state: StateSvc, *args: str, check: bool = True,
 
 
 @dataclass
-class Computed:
+class Computed(_Process):
     """A `computed serve` subprocess following `state`."""
 
     model_dir: Path
@@ -83,14 +90,6 @@ class Computed:
             log=self.log, env=self.env)
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_pid(self.proc)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
 
     def call(self, cmd: str, **args: Any) -> Any:
         from shared.client import ControlClient
