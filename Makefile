@@ -25,11 +25,9 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m statesvc.demo
 
+# every benchmark, then benchmarks/results/latest.json, the plots and the README tables
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.bench_events
-	$(BIN)/python -m benchmarks.bench_replica
-	$(BIN)/python -m benchmarks.bench_lora
-	$(BIN)/python -m benchmarks.bench_decode
+	$(BIN)/python -m benchmarks
 
 clean:
 	rm -rf $(VENV) var bench-results .pytest_cache

@@ -38,7 +38,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, update_readme, write_results
+from benchmarks.report import machine_info, may_write, median, update_readme, write_results
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, encode_body
 from shared.processes import loopback, start_ready, stop_pid
@@ -399,18 +399,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-events", type=int, default=20000)
     ap.add_argument("--max-seconds", type=float, default=15.0,
                     help="a measurement stops after this long, with the events done so far")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one short repeat")
     ap.add_argument("--no-write", action="store_true",
                     help="print only: leave benchmarks/results and README.md alone")
     a = ap.parse_args(argv)
     settings = Settings(a.repeats, a.clients, a.concurrent_events, a.single_events,
                         a.raw_events, a.max_seconds)
+    if a.quick:
+        settings = Settings(1, a.clients, 64 * a.clients, 64, 500, 5.0)
     result = run(settings)
     table, markdown = render(result)
     console.print(table)
     for t in result["targets"]:
         verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
         console.print(f"{verdict} {t['name']}: {t['measured']:,} (target {t['target']})")
-    if not a.no_write:
+    if not a.no_write and may_write(a.quick):
         path = write_results("events", result)
         console.print(f"results written to {path}")
         if update_readme("events", markdown):

@@ -44,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, update_readme, write_results
+from benchmarks.report import machine_info, may_write, median, spread, update_readme, write_results
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
 from computed.weights import slot_weights
@@ -54,6 +54,7 @@ from shared.fingerprint import read_model
 from shared.peft import parse_lora_name
 from shared.tensorfile import parse_bytes, to_float32
 from statesvc.example import ALL_MODULES, AdapterSpec, ModelShape, make_example
+from tests.jaxcount import counting_compiles
 from tests.procs import Computed, StateSvc
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
@@ -108,6 +109,15 @@ def weights_of(path: Path, scaling: float) -> SlotWeights:
                        pairs={k: (ab["A"], ab["B"]) for k, ab in halves.items()})
 
 
+def formula_bytes(spec: PoolSpec) -> int:
+    """What the pool should hold from its shapes alone: per layer, slot and module an A of
+    [max_rank, in] and a B of [out, max_rank] in the pool's dtype, plus a float32 scaling
+    and an int32 rank per slot."""
+    item = np.dtype(spec.dtype).itemsize if spec.dtype != "bfloat16" else 2
+    per_slot = sum(spec.num_layers * spec.max_rank * (i + o) for i, o in spec.module_dims.values())
+    return spec.slots * (per_slot * item + 4 + 4)
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
@@ -143,12 +153,13 @@ def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) 
     ready(pool)
     before = pointers(pool)
     writes, clears, pads = [], [], []
-    for i in range(settings.write_iters):
-        slot = (i * 7) % MAX_LORAS
-        w = weights[i % len(weights)]
-        writes.append(timed(lambda: (pool.write_slot(slot, w), ready(pool))))
-        clears.append(timed(lambda: (pool.clear_slot((slot + 32) % MAX_LORAS), ready(pool))))
-        pads.append(timed(lambda: pool._padded(w)))  # the host half of write_slot
+    with counting_compiles() as compiles:
+        for i in range(settings.write_iters):
+            slot = (i * 7) % MAX_LORAS
+            w = weights[i % len(weights)]
+            writes.append(timed(lambda: (pool.write_slot(slot, w), ready(pool))))
+            clears.append(timed(lambda: (pool.clear_slot((slot + 32) % MAX_LORAS), ready(pool))))
+            pads.append(timed(lambda: pool._padded(w)))  # the host half of write_slot
     in_place = pointers(pool) == before
     digests = [timed(pool.digest) for _ in range(3)]
 
@@ -172,7 +183,13 @@ def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) 
         allocs.append(time.perf_counter() - t0)
         del p
     write_med, rebuild_med = median(writes), median(rebuilds)
+    # each rebuild against the median write: the spread of the ratio over the rebuilds
+    per_rebuild = [write_med / r for r in rebuilds]
     return {"pool_mb": round(pool_bytes / 1e6, 1),
+            "pool_bytes": pool_bytes, "formula_bytes": formula_bytes(spec),
+            "bytes_over_formula": pool_bytes / formula_bytes(spec),
+            "compiles_during_writes": len(compiles),
+            "write_over_rebuild_spread": [round(v, 5) for v in spread(per_rebuild)],
             "slot_mb": round(pool_bytes / MAX_LORAS / 1e6, 3),
             "write_iters": settings.write_iters, "rebuild_iters": settings.rebuild_iters,
             "write_ms_p50": ms(write_med), "write_ms_p99": ms(pct(writes, 99)),
@@ -634,12 +651,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="loads applied in-process through Replica.apply_events (each twice)")
     ap.add_argument("--loads", type=int, default=60, help="loads per propagation measurement")
     ap.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
-    ap.add_argument("--cycles", type=int, default=2000, help="load/unload cycles for the RSS")
+    ap.add_argument("--cycles", type=int, default=10000, help="load/unload cycles for the RSS")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: a few iterations of everything, one replica")
     ap.add_argument("--no-write", action="store_true",
                     help="print only: leave benchmarks/results and README.md alone")
     a = ap.parse_args(argv)
     settings = Settings(a.write_iters, a.rebuild_iters, a.replica_loads, a.loads,
                         tuple(int(x) for x in a.replicas.split(",")), a.cycles)
+    if a.quick:
+        settings = Settings(write_iters=10, rebuild_iters=2, replica_loads=3, loads=5,
+                            replica_counts=(1,), cycles=40)
     t0 = time.perf_counter()
     result = run(settings)
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -658,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
         console.print(f"{verdict} {t['name']}: {t['measured']} (target {t['target']})")
     console.print(f"[dim]{result['seconds']} s in all[/dim]")
-    if not a.no_write:
+    if not a.no_write and may_write(a.quick):
         path = write_results("replica", result)
         console.print(f"results written to {path}")
         if update_readme("replica", markdown):

@@ -19,6 +19,23 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 RESULTS_DIR = REPO / "benchmarks" / "results"
+# set by `python -m benchmarks --out DIR`: results and the README copy go to DIR instead
+OUT_ENV = "LORAPLANE_BENCH_OUT"
+
+
+def results_dir() -> Path:
+    out = os.environ.get(OUT_ENV)
+    return Path(out) if out else RESULTS_DIR
+
+
+def readme_path() -> Path:
+    out = os.environ.get(OUT_ENV)
+    return Path(out) / "README.md" if out else README
+
+
+def may_write(quick: bool) -> bool:
+    """A quick (smoke) run writes only where the suite pointed it, never over the repo's figures."""
+    return not quick or OUT_ENV in os.environ
 
 
 def machine_info() -> dict[str, Any]:
@@ -35,16 +52,23 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def spread(values: list[float]) -> list[float]:
+    """[min, max] of the runs behind a median: how far apart the repeats landed."""
+    return [float(min(values)), float(max(values))]
+
+
 def write_results(name: str, data: dict[str, Any]) -> Path:
-    """Write `data` as benchmarks/results/NAME.json; returns the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    """Write `data` as NAME.json in the results dir; returns the path."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
 
 
-def update_readme(marker: str, markdown: str, *, readme: Path = README) -> bool:
+def update_readme(marker: str, markdown: str, *, readme: Path | None = None) -> bool:
     """Replace the text between the `bench:MARKER` markers; False when the markers are absent."""
+    readme = readme or readme_path()
     start, end = f"<!-- bench:{marker}:start -->", f"<!-- bench:{marker}:end -->"
     if not readme.is_file():
         return False

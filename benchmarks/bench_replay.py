@@ -1,0 +1,304 @@
+"""Cold replica rebuilds by replay, for logs of 1k, 10k and 100k events, next to loading directly.
+
+The log is written by the state service itself (`StateService.handle` in-process,
+over a real SQLite file and blob store, with its group commit): a pool, then
+`--live` adapters loaded, then load/unload churn of a few small adapters until the
+log holds the size to measure; the churn is unloaded again, so the live set at the
+head is always the same `--live` adapters. The log grows in place from one size to
+the next.
+
+At each size a `statesvc serve` subprocess serves that data dir, and a fresh
+`computed.replica.Replica` with an empty blob cache rebuilds itself:
+
+* with snapshots: from the service's latest snapshot and the events after it
+  (a snapshot every 100 events, the service's default);
+* without: from seq 0, every event of the log (`Replica(from_zero=True)`).
+
+The clock runs from the replica's first request to its pool being ready
+(`block_until_ready`); every rebuilt pool must have the same digest.
+
+"Direct" is the same cold replica loading the live adapters with no history
+behind them: a second service whose log holds only the pool and the live
+loads. It pays what any replica pays for those adapters (fetching the blobs,
+checking their hashes, caching and parsing them, writing the pool) and nothing
+for the log's length, so "replay / direct" is the price of the history. Beside
+it, the floor: the same files read, parsed and written into a fresh pool
+in-process, with no service at all. Target: a replay of 100k events, with
+snapshots (the default), at most 1.5x the direct load; without snapshots the
+replica reads every event, reported beside it.
+
+    .venv/bin/python -m benchmarks.bench_replay [--sizes 1000,10000,100000] [--repeats 3] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.bench_replica import SHAPE, weights_of
+from benchmarks.report import (machine_info, may_write, median, spread, update_readme,
+                               write_results)
+from computed.pool import MemoryPool
+from computed.replica import Replica, pool_spec
+from shared.client import ControlClient
+from shared.config import DEFAULT_SNAPSHOT_EVERY
+from shared.events import PoolConfigured
+from shared.fingerprint import read_model
+from statesvc.example import ALL_MODULES, AdapterSpec, make_example
+from tests.inproc import init_pool, open_service, request
+from tests.procs import StateSvc
+
+TARGET_RATIO = 1.5
+TARGET_SIZE = 100_000
+CHURN = 8            # small adapters loaded and unloaded to grow the log
+BATCH = 64           # commands per StateService.handle call while writing the log
+MAX_RANK = 16
+MODES = ("snapshot", "from_zero", "direct", "files")
+
+console = Console() if sys.stdout.isatty() else Console(width=110)
+
+
+@dataclass(frozen=True)
+class Settings:
+    sizes: tuple[int, ...]
+    live: int
+    repeats: int
+
+
+def specs(live: int) -> tuple[list[AdapterSpec], list[AdapterSpec]]:
+    live_specs = [AdapterSpec(f"live-{i:03d}", r=MAX_RANK, lora_alpha=32, target_modules=ALL_MODULES)
+                  for i in range(live)]
+    churn = [AdapterSpec(f"churn-{i}", r=2, lora_alpha=4, target_modules=("q_proj",))
+             for i in range(CHURN)]
+    return live_specs, churn
+
+
+class LogWriter:
+    """Grows one log through the real StateService, keeping the live set fixed at the head."""
+
+    def __init__(self, data_dir: Path, model_dir: Path, live: dict[str, Path],
+                 churn: dict[str, Path]) -> None:
+        self.data_dir, self.live, self.churn = data_dir, live, churn
+        service = open_service(data_dir, snapshot_every=DEFAULT_SNAPSHOT_EVERY)
+        try:
+            init_pool(service, model_dir, max_loras=len(live) + CHURN, max_rank=MAX_RANK)
+            self._run(service, [request("load", name=n, path=str(p)) for n, p in live.items()])
+        finally:
+            service.store.close()
+        self.i = 0
+
+    def _run(self, service: Any, requests: list[Any]) -> int:
+        for start in range(0, len(requests), BATCH):
+            answers, _ = service.handle([(r, "bench") for r in requests[start:start + BATCH]])
+            for a in answers:
+                if a.error is not None:
+                    raise RuntimeError(f"building the log failed: {a.error}")
+        return int(service.store.head())
+
+    def grow_to(self, size: int) -> int:
+        """Append churn until the log holds at least `size` events; returns the head."""
+        service = open_service(self.data_dir, snapshot_every=DEFAULT_SNAPSHOT_EVERY)
+        try:
+            head = int(service.store.head())
+            names = list(self.churn)
+            while head < size:
+                # one round: load every churn adapter, then unload them all (2 x CHURN events)
+                rounds = max(1, min(64, (size - head) // (2 * CHURN)))
+                reqs = []
+                for _ in range(rounds):
+                    reqs += [request("load", name=n, path=str(self.churn[n])) for n in names]
+                    reqs += [request("unload", name=n) for n in names]
+                head = self._run(service, reqs)
+            return head
+        finally:
+            service.store.close()
+
+
+def rebuild(control: str, model_dir: Path, cache: Path, *, from_zero: bool) -> tuple[float, str]:
+    """A fresh replica with an empty cache reaches the head; returns (seconds, pool digest)."""
+    shutil.rmtree(cache, ignore_errors=True)
+    model = read_model(model_dir)
+    with ControlClient(control, timeout_s=120) as client:
+        t0 = time.perf_counter()
+        replica = Replica(model, client, cache, from_zero=from_zero)
+        replica.bootstrap()
+        assert replica.pool is not None
+        jax.block_until_ready(replica.pool.arrays)
+        elapsed = time.perf_counter() - t0
+        return elapsed, replica.pool_digest()
+
+
+def from_files(pool: PoolConfigured, live: dict[str, Path], scalings: dict[str, float]) -> float:
+    """The floor: the live adapters read, parsed and written into a fresh pool, in-process."""
+    t0 = time.perf_counter()
+    p = MemoryPool(pool_spec(pool))
+    for slot, (name, path) in enumerate(live.items()):
+        p.write_slot(slot, weights_of(path / "adapter_model.safetensors", scalings[name]))
+    jax.block_until_ready(p.arrays)
+    return time.perf_counter() - t0
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="loraplane-bench-replay-"))
+    load_before = os.getloadavg()[0]
+    try:
+        live_specs, churn_specs = specs(settings.live)
+        example = make_example(root / "example", seed=0, shape=SHAPE,
+                               adapters=tuple(live_specs + churn_specs))
+        live = {s.name: example.adapter_dirs[s.name] for s in live_specs}
+        churn = {s.name: example.adapter_dirs[s.name] for s in churn_specs}
+        scalings = {s.name: s.scaling for s in live_specs}
+        data_dir = root / "data"
+        t0 = time.perf_counter()
+        writer = LogWriter(data_dir, example.model_dir, live, churn)
+        build_s = time.perf_counter() - t0
+        # the direct load's log: the pool and the live loads, nothing else
+        LogWriter(root / "data-direct", example.model_dir, live, churn)
+        direct_svc = StateSvc(root / "data-direct").start()
+        try:
+            sizes = measure_sizes(settings, root, example.model_dir, writer, direct_svc,
+                                  live, scalings)
+        finally:
+            direct_svc.stop()
+        build_s += sum(row.pop("build_s") for row in sizes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    largest = sizes[-1]
+    targets = []
+    if largest["events"] >= TARGET_SIZE:
+        value = largest["snapshot_over_direct"]
+        targets.append({"name": f"replay of {largest['events']:,} events (with snapshots) / "
+                                "direct load of the live set",
+                        "target": f"<= {TARGET_RATIO}x", "measured": round(value, 3),
+                        "met": value <= TARGET_RATIO})
+    return {"benchmark": "replay",
+            "machine": {**machine_info(), "jax": jax.__version__,
+                        "loadavg_1m_before": round(load_before, 2),
+                        "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+            "settings": {"sizes": list(settings.sizes), "live": settings.live,
+                         "repeats": settings.repeats, "churn_adapters": CHURN,
+                         "snapshot_every": DEFAULT_SNAPSHOT_EVERY,
+                         "model": {"hidden": SHAPE.hidden_size, "layers": SHAPE.num_hidden_layers,
+                                   "intermediate": SHAPE.intermediate_size},
+                         "live_rank": MAX_RANK, "targets": "all"},
+            "log_build_s": round(build_s, 2),
+            "sizes": sizes,
+            "targets": targets}
+
+
+def measure_sizes(settings: Settings, root: Path, model_dir: Path, writer: LogWriter,
+                  direct_svc: StateSvc, live: dict[str, Path],
+                  scalings: dict[str, float]) -> list[dict[str, Any]]:
+    pool = _pool_of(writer.data_dir)
+    from_files(pool, live, scalings)  # warm-up: compiles the pool writes
+    sizes = []
+    for size in settings.sizes:
+        t0 = time.perf_counter()
+        head = writer.grow_to(size)
+        build_s = time.perf_counter() - t0
+        svc = StateSvc(writer.data_dir).start()
+        try:
+            runs: dict[str, list[float]] = {m: [] for m in MODES}
+            digests: set[str] = set()
+            for r in range(settings.repeats):  # interleaved, so drift hits every mode alike
+                for mode in ("snapshot", "from_zero", "direct"):
+                    control = direct_svc.control if mode == "direct" else svc.control
+                    seconds, digest = rebuild(control, model_dir, root / f"cache-{r}",
+                                              from_zero=mode == "from_zero")
+                    runs[mode].append(seconds)
+                    digests.add(digest)
+                runs["files"].append(from_files(pool, live, scalings))
+        finally:
+            svc.stop()
+        if len(digests) != 1:
+            raise RuntimeError(f"rebuilds at {head} events made different pools: {digests}")
+        row: dict[str, Any] = {"events": head, "build_s": build_s, "seconds": runs,
+                               **{f"{m}_s": median(v) for m, v in runs.items()}}
+        for mode in ("snapshot", "from_zero", "files"):
+            ratios = [a / b for a, b in zip(runs[mode], runs["direct"])]
+            row[f"{mode}_over_direct"] = median(ratios)
+            row[f"{mode}_over_direct_spread"] = spread(ratios)
+        sizes.append(row)
+        console.print(f"[dim]{head:,} events: snapshot {row['snapshot_s'] * 1e3:.0f} ms, "
+                      f"from zero {row['from_zero_s'] * 1e3:.0f} ms, direct "
+                      f"{row['direct_s'] * 1e3:.0f} ms, files {row['files_s'] * 1e3:.0f} ms[/dim]")
+    return sizes
+
+
+def _pool_of(data_dir: Path) -> PoolConfigured:
+    service = open_service(data_dir)
+    try:
+        state = service.rebuild()
+    finally:
+        service.store.close()
+    assert state.pool is not None
+    return state.pool
+
+
+def render(result: dict[str, Any]) -> tuple[Table, str]:
+    cols = ("events in log", "with snapshots ms", "x direct", "without snapshots ms", "x direct",
+            "direct load ms", "floor: files to pool ms")
+    table = Table(title="cold replica rebuild (empty blob cache)")
+    for col in cols:
+        table.add_column(col, justify="right")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
+    for row in result["sizes"]:
+        cells = (f"{row['events']:,}", f"{row['snapshot_s'] * 1e3:.0f}",
+                 f"{row['snapshot_over_direct']:.2f}", f"{row['from_zero_s'] * 1e3:.0f}",
+                 f"{row['from_zero_over_direct']:.2f}", f"{row['direct_s'] * 1e3:.0f}",
+                 f"{row['files_s'] * 1e3:.0f}")
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    s = result["settings"]
+    lines += ["", f"{s['live']} live rank-{s['live_rank']} adapters on every target module "
+              f"(hidden {s['model']['hidden']}, {s['model']['layers']} layers); the rest of the "
+              f"log is load/unload churn of {s['churn_adapters']} small adapters, written by the "
+              f"state service ({result['log_build_s']:.0f} s for the largest log); a snapshot "
+              f"every {s['snapshot_every']} events. Each rebuild is a fresh replica with an empty "
+              "blob cache against a `statesvc serve` subprocess, from its first request to a "
+              "ready pool. Direct: the same replica against a log that holds only the pool and "
+              "the live loads (it fetches, checks, caches and writes the same adapters; the "
+              "ratio is the price of the history). Floor: the adapter files read and written "
+              f"into a fresh pool in-process, no service. Medians of {s['repeats']} interleaved "
+              "runs; `benchmarks/results/replay.json` has every run.", ""]
+    for t in result["targets"]:
+        verdict = "PASS" if t["met"] else "MISS"
+        lines.append(f"- {verdict}: {t['name']} {t['measured']} (target {t['target']})")
+    return table, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--sizes", default="1000,10000,100000",
+                    help="log lengths to measure, ascending, comma-separated")
+    ap.add_argument("--live", type=int, default=32, help="adapters live at the head")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: small logs, one repeat")
+    ap.add_argument("--no-write", action="store_true",
+                    help="print only: leave benchmarks/results and the README alone")
+    args = ap.parse_args(argv)
+    settings = Settings(tuple(int(s) for s in args.sizes.split(",")), args.live, args.repeats)
+    if args.quick:
+        settings = Settings((200, 600), 4, 1)
+    result = run(settings)
+    table, markdown = render(result)
+    console.print(table)
+    console.print(markdown)
+    if not args.no_write and may_write(args.quick):
+        write_results("replay", result)
+        update_readme("replay", markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""`make bench`: every benchmark, then one figures file, plots and the README's results table.
+
+Runs each benchmark as its own process (so one's JAX threads, caches and
+memory never colour the next), in the order of BENCHES. Each writes its full
+results to `RESULTS/NAME.json` and its README section; this module then reads
+those files and writes
+
+* `RESULTS/latest.json`: `{machine, date, figures: [{name, value, unit,
+  target, meets, spread, runs, bench}]}`, one figure per headline ratio or
+  rate, each the median of the benchmark's repeated runs with `spread`
+  = [min, max] over them (null where the benchmark ran it once);
+* `RESULTS/plots/*.png` (matplotlib);
+* the table between the README's `bench:summary` markers.
+
+`--quick` is a smoke run of the whole pipeline (tiny settings, one repeat); it
+writes into `--out` (default: a fresh temp dir) and a copy of the README there,
+never into the repository. `make test` runs it once so the suite cannot rot.
+
+    .venv/bin/python -m benchmarks [--quick] [--only events,replay] [--out DIR] [--collect-only]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks import plots
+from benchmarks.report import OUT_ENV, README, RESULTS_DIR, machine_info, update_readme
+
+Figure = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    module: str
+    quick: tuple[str, ...]  # arguments for a smoke run
+
+
+BENCHES = (
+    Bench("events", "benchmarks.bench_events", ("--quick",)),
+    Bench("replica", "benchmarks.bench_replica", ("--quick",)),
+    Bench("replay", "benchmarks.bench_replay", ("--quick",)),
+    Bench("decode", "benchmarks.bench_decode", ("--quick",)),
+)
+
+
+# ---- figures from each benchmark's results --------------------------------------------
+
+def figure(bench: str, name: str, value: float, unit: str, *, target: str | None = None,
+           meets: bool | None = None, spread: list[float] | None = None,
+           runs: int = 1) -> Figure:
+    return {"name": name, "value": round(float(value), 4), "unit": unit, "target": target,
+            "meets": meets, "spread": None if spread is None else [round(v, 4) for v in spread],
+            "runs": runs, "bench": bench}
+
+
+def _minmax(values: list[float]) -> list[float]:
+    return [min(values), max(values)]
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def events_figures(r: dict[str, Any]) -> list[Figure]:
+    runs = r["runs"]
+    rate = {k: [x["events_per_s"] for x in runs[k]] for k in ("raw", "concurrent", "single")}
+    clients = r["settings"]["clients"]
+    out = []
+    for kind, label in (("concurrent", f"{clients} clients"), ("single", "1 client")):
+        ratios = [a / b for a, b in zip(rate[kind], rate["raw"])]
+        meets_rate = _median(rate[kind]) >= 1000 if kind == "concurrent" else None
+        out.append(figure("events", f"event append, {label}", _median(rate[kind]), "events/s",
+                          target=">= 1,000" if kind == "concurrent" else None, meets=meets_rate,
+                          spread=_minmax(rate[kind]), runs=len(rate[kind])))
+        out.append(figure("events", f"event append, {label} / raw sqlite3", _median(ratios), "x",
+                          target=">= 0.5x" if kind == "concurrent" else None,
+                          meets=_median(ratios) >= 0.5 if kind == "concurrent" else None,
+                          spread=_minmax(ratios), runs=len(ratios)))
+    return out
+
+
+def replica_figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    floor = r["read_sha256"]["read_sha256_ms_p50"]
+    for p in r["propagation"]:
+        n = p["replicas"]
+        for q in ("p50", "p99"):
+            value = p[f"from_ack_ms_{q}"] / floor
+            target = "<= 2x" if q == "p99" else None
+            out.append(figure("replica", f"propagation to {n} replica(s), ack to applied {q} / "
+                                         "read+sha256 of the file", value, "x", target=target,
+                              meets=value <= 2 if target else None, runs=p["loads"]))
+    pool = r["pool"]
+    ratio = pool["write_over_rebuild"]
+    out.append(figure("replica", "one slot write / pool rebuild", ratio, "x", target="<= 0.05x",
+                      meets=ratio <= 0.05, spread=pool.get("write_over_rebuild_spread"),
+                      runs=pool["rebuild_iters"]))
+    if "compiles_during_writes" in pool:
+        n = pool["compiles_during_writes"]
+        out.append(figure("replica", "compilations during slot writes and clears", n, "compiles",
+                          target="0", meets=n == 0, runs=pool["write_iters"]))
+    if "bytes_over_formula" in pool:
+        out.append(figure("replica", "pool bytes / formula from its shapes",
+                          pool["bytes_over_formula"], "x", target="1.0x",
+                          meets=abs(pool["bytes_over_formula"] - 1) < 1e-9))
+    rss = r["rss"]
+    out.append(figure("replica", f"RSS after {rss['cycles']:,} load/unload cycles / after warm-up",
+                      rss["rss_ratio"], "x", target="<= 1.05x", meets=rss["rss_ratio"] <= 1.05,
+                      spread=_minmax([s / rss["rss_mb_after_warmup"]
+                                      for s in rss["rss_mb_samples_after_cycles"]]),
+                      runs=len(rss["rss_mb_samples_after_cycles"])))
+    return out
+
+
+def replay_figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    for row in r["sizes"]:
+        n = row["events"]
+        big = n >= 100_000
+        for mode, label in (("snapshot", "with snapshots"), ("from_zero", "without snapshots")):
+            value = row[f"{mode}_over_direct"]
+            target = "<= 1.5x" if big and mode == "snapshot" else None
+            out.append(figure("replay", f"replay of {n:,} events {label} / direct load of "
+                                        f"{r['settings']['live']} adapters", value, "x",
+                              target=target, meets=value <= 1.5 if target else None,
+                              spread=row[f"{mode}_over_direct_spread"],
+                              runs=len(row["seconds"][mode])))
+    return out
+
+
+def decode_figures(r: dict[str, Any]) -> list[Figure]:
+    results = r["results"]
+    steps, batch = r["settings"]["steps"], r["settings"]["batch"]
+
+    def rates(k: str, impl: str) -> list[float]:
+        cell = results[k][impl]
+        used = cell.get("used_rounds", range(len(cell["seconds"])))
+        return [batch * steps / cell["seconds"][i] for i in used]
+
+    out = []
+    base = rates("0", "decode")
+    out.append(figure("decode", "decode, base model, batch 32", _median(base), "tokens/s",
+                      spread=_minmax(base), runs=len(base)))
+    for k in sorted(results, key=int):
+        if k == "0":
+            continue
+        ours = rates(k, "decode")
+        label = f"{k} distinct adapter{'s' if k != '1' else ''}"
+        pairs = list(zip(ours, base))
+        over_base = [a / b for a, b in pairs]
+        target = ">= 0.75x" if k == "16" else None
+        out.append(figure("decode", f"decode, {label} / base model", _median(over_base), "x",
+                          target=target, meets=_median(over_base) >= 0.75 if target else None,
+                          spread=_minmax(over_base), runs=len(over_base)))
+        for impl, what, tgt in (("peft", "PEFT mixed batch", ">= 3x"),
+                                ("gather", "per-token gather (BGMV-style)", None)):
+            if impl not in results[k]:
+                continue
+            theirs = rates(k, impl)
+            ratios = [a / b for a, b in zip(ours, theirs)]
+            t = tgt if k == "16" else None
+            out.append(figure("decode", f"decode, {label}: ours / {what}", _median(ratios), "x",
+                              target=t, meets=_median(ratios) >= 3 if t else None,
+                              spread=_minmax(ratios), runs=len(ratios)))
+    return out
+
+
+FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
+    "events": events_figures, "replica": replica_figures, "replay": replay_figures,
+    "decode": decode_figures}
+
+
+# ---- the README table -------------------------------------------------------------------
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def verdict(f: Figure) -> str:
+    if f["meets"] is None:
+        return ""
+    if f["meets"]:
+        return "PASS"
+    return f"MISS ({shortfall(f)})"
+
+
+def shortfall(f: Figure) -> str:
+    """How far a missed figure is from its target, in the target's own terms."""
+    target = str(f["target"]).replace(",", "").rstrip("x")
+    op, _, bound = target.rpartition(" ")
+    try:
+        goal = float(bound)
+    except ValueError:
+        return f"measured {_num(f['value'])}, target {f['target']}"
+    if goal == 0:
+        return f"{_num(f['value'])} instead of 0"
+    if op == ">=":
+        return f"{f['value'] / goal:.0%} of the target"
+    return f"{f['value'] / goal:.1f}x the limit"
+
+
+def summary_table(latest: dict[str, Any]) -> str:
+    lines = ["| figure | value | spread (min-max) | runs | target | verdict |",
+             "|---|---:|---:|---:|---|---|"]
+    for f in latest["figures"]:
+        unit = "" if f["unit"] == "x" else f" {f['unit']}"
+        value = f"{_num(f['value'])}{'x' if f['unit'] == 'x' else unit}"
+        spread = "" if not f["spread"] else f"{_num(f['spread'][0])}-{_num(f['spread'][1])}"
+        lines.append(f"| {f['name']} | {value} | {spread} | {f['runs']} | {f['target'] or ''} "
+                     f"| {verdict(f)} |")
+    m = latest["machine"]
+    missed = [f for f in latest["figures"] if f["meets"] is False]
+    lines += ["", f"{len(latest['figures'])} figures, {len(missed)} targets missed. "
+              f"{m.get('nproc')} CPUs, {m.get('platform')}, Python {m.get('python')}, "
+              f"{latest['date']}. Written by `make bench` from `benchmarks/results/latest.json`; "
+              "the sections below give each benchmark's detail."]
+    if latest["plots"]:
+        lines += ["", " ".join(f"![{Path(p).stem}](benchmarks/results/plots/{Path(p).name})"
+                                for p in latest["plots"])]
+    failed = [name for name, run in latest["runs"].items() if run["rc"] != 0]
+    if failed:
+        lines += ["", f"Failed in this run (no figures): {', '.join(failed)}."]
+    return "\n".join(lines)
+
+
+# ---- running ----------------------------------------------------------------------------
+
+def run_bench(bench: Bench, quick: bool, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", bench.module, *(bench.quick if quick else ())]
+    print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, env=env).returncode
+    return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "args": cmd[3:]}
+
+
+def collect(out: Path, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    figures: list[Figure] = []
+    for name, extract in FIGURES.items():
+        path = out / f"{name}.json"
+        if name not in runs or runs[name]["rc"] != 0 or not path.is_file():
+            continue
+        figures += extract(json.loads(path.read_text()))
+    machine = machine_info()
+    return {"machine": machine, "date": machine["date"], "figures": figures, "runs": runs,
+            "plots": []}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tiny settings, results in --out (default a temp dir)")
+    ap.add_argument("--only", default="", help="comma-separated benchmark names (default all)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where results, plots and (for --quick) the README copy go")
+    ap.add_argument("--collect-only", action="store_true",
+                    help="run nothing: rebuild latest.json, plots and table from the results")
+    a = ap.parse_args(argv)
+    chosen = [b for b in BENCHES if not a.only or b.name in a.only.split(",")]
+    out = a.out or (Path(tempfile.mkdtemp(prefix="loraplane-bench-")) if a.quick else RESULTS_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    readme = README
+    if out.resolve() != RESULTS_DIR.resolve():
+        env[OUT_ENV] = str(out)
+        readme = out / "README.md"
+        if not readme.exists():
+            shutil.copyfile(README, readme)
+    runs: dict[str, dict[str, Any]] = {}
+    previous = out / "latest.json"
+    if a.collect_only or a.only:  # keep what this run does not redo
+        if previous.is_file():
+            runs = json.loads(previous.read_text()).get("runs", {})
+        for b in BENCHES:
+            runs.setdefault(b.name, {"rc": 0, "seconds": None, "args": []})
+    if not a.collect_only:
+        for bench in chosen:
+            runs[bench.name] = run_bench(bench, a.quick, env)
+    latest = collect(out, runs)
+    latest["quick"] = a.quick
+    latest["plots"] = [str(p.relative_to(out)) for p in plots.draw(out, out / "plots")]
+    previous.write_text(json.dumps(latest, indent=2) + "\n")
+    update_readme("summary", summary_table(latest), readme=readme)
+    for f in latest["figures"]:
+        mark = verdict(f) or "-"
+        print(f"{mark:>5.4}  {f['name']}: {_num(f['value'])} {f['unit']}"
+              + (f" (target {f['target']})" if f["target"] else ""))
+    print(f"wrote {previous}, {len(latest['plots'])} plots and the table in {readme}")
+    failed = [n for n, r in runs.items() if r["rc"] != 0]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""`make bench` end to end in its quick mode, so the suite cannot rot; and its verdict logic."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import RESULTS_DIR
+from benchmarks.suite import BENCHES, figure, shortfall, verdict
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.json"))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_suite_writes_figures_plots_and_the_readme_table(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    committed = _snapshot(RESULTS_DIR)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own group: every child stops with it
+    try:
+        log, _ = proc.communicate(timeout=840)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, log[-4000:]
+
+    latest = json.loads((out / "latest.json").read_text())
+    assert {"machine", "date", "figures"} <= set(latest)
+    assert {f["bench"] for f in latest["figures"]} == {b.name for b in BENCHES}
+    for f in latest["figures"]:
+        assert {"name", "value", "unit", "target", "meets"} <= set(f), f
+        assert isinstance(f["value"], float) and f["value"] >= 0, f
+        # a figure with a target carries a verdict; one without has none
+        assert (f["meets"] is None) == (f["target"] is None), f
+        if f["spread"] is not None:
+            low, high = f["spread"]
+            assert low <= high, f
+    named = {f["name"] for f in latest["figures"]}
+    assert any("/ raw sqlite3" in n for n in named)
+    assert any("per-token gather" in n for n in named)
+    assert any("PEFT" in n for n in named)
+
+    assert latest["plots"], "no plots were drawn"
+    for plot in latest["plots"]:
+        assert (out / plot).read_bytes().startswith(PNG_MAGIC), plot
+
+    readme = (out / "README.md").read_text()
+    table = readme.split("<!-- bench:summary:start -->")[1].split("<!-- bench:summary:end -->")[0]
+    for f in latest["figures"]:
+        assert f"| {f['name']} |" in table, f["name"]
+    # a smoke run never writes over the repository's figures
+    assert _snapshot(RESULTS_DIR) == committed
+
+
+def test_verdicts_say_how_far_a_missed_target_is() -> None:
+    low = figure("x", "ratio", 0.3, "x", target=">= 0.5x", meets=False)
+    high = figure("x", "p99", 12.0, "x", target="<= 2x", meets=False)
+    rate = figure("x", "rate", 800.0, "events/s", target=">= 1,000", meets=False)
+    compiles = figure("x", "compiles", 3.0, "compiles", target="0", meets=False)
+    assert shortfall(low) == "60% of the target"
+    assert shortfall(high) == "6.0x the limit"
+    assert shortfall(rate) == "80% of the target"
+    assert "instead of 0" in shortfall(compiles)
+    assert verdict(figure("x", "ok", 1.0, "x", target=">= 0.5x", meets=True)) == "PASS"
+    assert verdict(figure("x", "info", 1.0, "x")) == ""
