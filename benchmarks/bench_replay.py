@@ -210,8 +210,9 @@ def measure_sizes(settings: Settings, root: Path, model_dir: Path, writer: LogWr
         try:
             runs: dict[str, list[float]] = {m: [] for m in MODES}
             digests: set[str] = set()
-            for r in range(settings.repeats):  # interleaved, so drift hits every mode alike
-                for mode in ("snapshot", "from_zero", "direct"):
+            for r in range(settings.repeats):  # interleaved and rotated: drift hits all alike
+                order = ("snapshot", "from_zero", "direct")
+                for mode in order[r % 3:] + order[:r % 3]:
                     control = direct_svc.control if mode == "direct" else svc.control
                     seconds, digest = rebuild(control, model_dir, root / f"cache-{r}",
                                               from_zero=mode == "from_zero")
