@@ -1,6 +1,6 @@
-"""Decode throughput of 32 sequences on 0, 1, 4 and 16 distinct adapters: ours against PEFT.
+"""Decode throughput of 32 sequences on 0, 1, 4, 16 and 32 distinct adapters: ours against PEFT.
 
-One random Llama checkpoint and 16 rank-16 adapters on all seven target
+One random Llama checkpoint and 32 rank-16 adapters on all seven target
 modules, written as transformers and PEFT write them (statesvc/example.py; no
 downloads), float32:
 
@@ -10,7 +10,8 @@ downloads), float32:
 A batch of 32 sequences, each with its own 32-token prompt, is prefilled, then
 decoded greedily. Row i uses adapter i % k for k distinct adapters (k = 0: every
 row on the base model), so every row of the 16-adapter batch shares its adapter
-with one other row. Three paths, interleaved round by round: a warm-up round,
+with one other row, and every row of the 32-adapter batch has its own. Four
+paths, interleaved round by round: a warm-up round,
 then rounds until `--repeats` of them ran without other load on the machine
 (at most `--max-rounds`), and the medians of those. Ours run in this process,
 PEFT in a process of its own, since torch and XLA in one process slow each
@@ -20,13 +21,18 @@ other down:
                 (attention over the smallest bucket of the cache that holds the longest
                 sequence), 32 active rows, the next tokens by argmax of each step's
                 logits; every round restarts at position 32. The pool has `--slots`
-                slots (16 of them filled), the KV cache `--max-len` positions.
+                slots (32 of them filled), the KV cache `--max-len` positions. Each
+                step's mix picks its LoRA window (computed.lora.choose_window).
+* gather:       the same loop with the same LoRA arithmetic done by a per-token gather
+                (BGMV-style: every row gathers its own adapter's A and B;
+                computed.model.decode with lora_impl="gather", which serving never
+                uses), on the batches with adapters.
 * Engine.step:  computed.engine.Engine with LlamaRunner (max_batch 32, the same
                 max_len), the 32 requests submitted with their adapter names and
                 admitted (prefilled) before timing; a round is `--steps` calls of
                 `step()`, host sampling included. The requests keep running across
                 rounds, so positions go on from 33.
-* PEFT:         transformers' LlamaForCausalLM with the 16 adapters loaded into one
+* PEFT:         transformers' LlamaForCausalLM with the 32 adapters loaded into one
                 PeftModel (`load_adapter`), mixed-batch inference (`adapter_names`
                 per row, "__base__" for the base model), KV cache, greedy, under
                 torch.no_grad() with torch.set_num_threads(`--torch-threads`, by default
@@ -34,9 +40,10 @@ other down:
                 to the prompt. Its process waits on a pipe while ours run, and ours
                 while it runs.
 
-tokens/s = 32 * steps / seconds. Targets (PASS/MISS), on both of our paths: 16
-distinct adapters at least 0.75x our base-model throughput, and at least 3x
-PEFT's on the same 16-adapter batch. Greedy tokens are compared between the
+tokens/s = 32 * steps / seconds, the median over the rounds, with the spread
+(min, max) beside it; ratios pair the figures of one round. Targets (PASS/MISS),
+on both of our paths: 16 distinct adapters at least 0.75x our base-model
+throughput, and at least 3x PEFT's on the same 16-adapter batch. Greedy tokens are compared between the
 paths (random weights, float32: a near-tie may flip a token, so this is
 reported, not asserted), and compiles are counted while timing (there must be
 none: the mix of adapters changes no shape). Every measurement records the
@@ -50,10 +57,12 @@ no LoRA pool at all (timed in the same rounds), and the base batch once more
 with a `--long-max-len` cache (0 skips it), which should change nothing, since a
 step attends over the bucket that holds the longest sequence, not the cache.
 
-    .venv/bin/python -m benchmarks.bench_decode [--steps 8] [--repeats 5] [--no-write]
+    .venv/bin/python -m benchmarks.bench_decode [--steps 8] [--repeats 5] [--no-write] [--quick]
 
 The table is printed, written to benchmarks/results/decode.json and, where
-README.md has the `bench:decode` markers, into that section.
+README.md has the `bench:decode` markers, into that section. `--quick` is a
+smoke run (a tiny model, one round of 4 steps, no long-cache figure) that
+writes nothing unless `python -m benchmarks --quick` points it elsewhere.
 """
 from __future__ import annotations
 
@@ -77,9 +86,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, update_readme, write_results
+from benchmarks.report import machine_info, may_write, median, spread, update_readme, write_results
 from computed.engine import Engine, LlamaRunner
-from computed.model import load_model
+from computed.model import decode, load_model
 from computed.pool import MemoryPool, PoolSpec
 from computed.replica import Phase, Replica
 from computed.weights import slot_weights
@@ -94,17 +103,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SHAPE = ModelShape(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8, head_dim=64,
                    max_position_embeddings=4096)
+QUICK_SHAPE = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=256)
 BATCH = 32
 PROMPT = 32
-ADAPTERS = 16
+ADAPTERS = 32
 RANK = 16
 ALPHA = 32
-MIXES = (0, 1, 4, 16)  # distinct adapters in the batch; 0: the base model
+MIXES = (0, 1, 4, 16, 32)  # distinct adapters in the batch; 0: the base model
+TARGET_MIX = 16  # the mix the targets are about
 TARGET_OVER_BASE = 0.75
 TARGET_OVER_PEFT = 3.0
 CONTENDED = 0.10  # a median share of the CPUs used by other processes above this is flagged
 PATHS = ("decode", "engine", "peft")
-LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT"}
+GATHER = "gather"  # timed on the mixes with adapters only
+LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT", GATHER: "per-token gather"}
 
 console = Console() if sys.stdout.isatty() else Console(width=150)
 
@@ -127,9 +141,15 @@ class Timing:
     others_share: list[float] = field(default_factory=list)
     used: list[int] | None = None  # the rounds the figure is taken from; None: all
 
+    def rounds(self) -> list[int]:
+        return list(range(len(self.seconds))) if self.used is None else self.used
+
+    def rates(self, steps: int) -> list[float]:
+        """tokens/s of each round the figure is taken from."""
+        return [BATCH * steps / self.seconds[i] for i in self.rounds()]
+
     def tokens_per_s(self, steps: int) -> float:
-        rounds = range(len(self.seconds)) if self.used is None else self.used
-        return BATCH * steps / median([self.seconds[i] for i in rounds])
+        return BATCH * steps / median([self.seconds[i] for i in self.rounds()])
 
     def add(self, other: Timing) -> None:
         self.seconds += other.seconds
@@ -141,7 +161,8 @@ class Timing:
         return not self.others_share[i] > CONTENDED
 
     def as_dict(self, steps: int) -> dict[str, Any]:
-        return {"tokens_per_s": self.tokens_per_s(steps), "seconds": self.seconds,
+        return {"tokens_per_s": self.tokens_per_s(steps), "tokens_per_s_spread": spread(self.rates(steps)),
+                "seconds": self.seconds,
                 "cpu_share": self.cpu_share, "others_share": self.others_share, "used_rounds": self.used}
 
 
@@ -176,11 +197,11 @@ def timed(timing: Timing | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- assets
 
 
-def write_assets(root: Path) -> tuple[Path, dict[str, Path]]:
-    model_dir = write_model(root / "model", SHAPE, seed=0)
+def write_assets(root: Path, shape: ModelShape) -> tuple[Path, dict[str, Path]]:
+    model_dir = write_model(root / "model", shape, seed=0)
     dirs = {name: write_adapter(root / "adapters" / name,
                                 AdapterSpec(name, r=RANK, lora_alpha=ALPHA, target_modules=ALL_MODULES),
-                                SHAPE, seed=0, base_model_name_or_path=str(model_dir))
+                                shape, seed=0, base_model_name_or_path=str(model_dir))
             for name in adapter_names()}
     return model_dir, dirs
 
@@ -212,12 +233,14 @@ class RawDecode:
     """LlamaRunner.decode in a loop over one prefilled batch; each round restarts at the prompt's end.
 
     The runner is what the engine calls: computed.model.decode over the
-    smallest attention bucket that holds the longest sequence.
+    smallest attention bucket that holds the longest sequence. With
+    `lora_impl="gather"`, computed.model.decode over the same bucket with the
+    per-token gather instead of the runner's segmented LoRA.
     """
 
     def __init__(self, runner: LlamaRunner, pool: MemoryPool | None, prompts: np.ndarray,
-                 slots: np.ndarray) -> None:
-        self.runner, self.slots = runner, slots.astype(np.int32)
+                 slots: np.ndarray, lora_impl: str = "segmented") -> None:
+        self.runner, self.slots, self.lora_impl = runner, slots.astype(np.int32), lora_impl
         self.arrays = None if pool is None else pool.arrays  # the pool never changes here
         self.cache = runner.new_cache()
         first = np.zeros(BATCH, np.int32)
@@ -234,11 +257,18 @@ class RawDecode:
         with timed(timing):
             for k in range(steps):
                 positions = np.full(BATCH, PROMPT + k, np.int32)
-                logits, self.cache = self.runner.decode(self.arrays, self.cache, tokens, positions,
-                                                        self.slots, self.active)
+                logits, self.cache = self._step(tokens, positions)
                 tokens = logits.argmax(axis=-1).astype(np.int32)
                 out.append(tokens)
         self.tokens = out
+
+    def _step(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, Any]:
+        if self.lora_impl == "segmented":
+            return self.runner.decode(self.arrays, self.cache, tokens, positions, self.slots, self.active)
+        logits, cache = decode(self.runner.params, self.arrays, self.cache, tokens, positions, self.slots,
+                               self.active, self.runner.bucket(int(positions.max()) + 1),
+                               lora_impl=self.lora_impl)
+        return np.asarray(logits), cache
 
 
 class EngineDecode:
@@ -426,13 +456,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if PROMPT + max_new > max_len:
         raise SystemExit(f"--max-len {max_len} is too short for {max_rounds + 1} rounds of {steps} steps "
                          f"after a {PROMPT}-token prompt; raise --max-len or lower --steps/--max-rounds")
+    shape = QUICK_SHAPE if args.quick else SHAPE
     started = time.perf_counter()
     load_before = os.getloadavg()
     rng = np.random.default_rng(0)
-    prompts = rng.integers(3, SHAPE.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    prompts = rng.integers(3, shape.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
         console.print("writing the checkpoint and adapters ...")
-        model_dir, dirs = write_assets(Path(tmp))
+        model_dir, dirs = write_assets(Path(tmp), shape)
         console.print(f"loading transformers + PEFT in a process of its own ({args.torch_threads} torch "
                       "threads) ...")
         peft_proc = PeftProcess(model_dir, dirs, args.torch_threads, prompts)
@@ -451,22 +482,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             console.print("prefilling (this compiles prefill and decode) ...")
             raw = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k))) for k in MIXES}
+            gathered = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k)), lora_impl="gather")
+                        for k in MIXES if k}
             engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new) for k in MIXES}
             no_pool = RawDecode(runner, None, prompts, np.full(BATCH, -1))
             timings = {p: {k: Timing() for k in MIXES} for p in PATHS}
+            timings[GATHER] = {k: Timing() for k in gathered}
             no_pool_timing = Timing()
 
             def one_round(k: int, count: bool) -> None:
                 if k == 0:
                     no_pool.round(steps, no_pool_timing if count else None)
                 raw[k].round(steps, timings["decode"][k] if count else None)
+                if k in gathered:
+                    gathered[k].round(steps, timings[GATHER][k] if count else None)
                 engines[k].round(steps, timings["engine"][k] if count else None)
                 peft_proc.round(k, steps, timings["peft"][k] if count else None)
 
             console.print("round 0 (warm-up)")
             for k in MIXES:
                 one_round(k, False)
-            every = [no_pool_timing, *(timings[p][k] for p in PATHS for k in MIXES)]
+            every = [no_pool_timing, *(t for by_mix in timings.values() for t in by_mix.values())]
             rounds, clean = 0, []
             with counting_compiles() as compiles:
                 while len(clean) < repeats and rounds < max_rounds:  # rounds other processes disturbed don't count
@@ -484,7 +520,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine = [np.array([out[1 + i] for out in served]) for i in range(steps)]
                 tokens_agree[str(k)] = {"decode_vs_peft": agreement(ours, peft_proc.tokens[k]),
                                         "decode_vs_engine": agreement(ours, engine)}
-            del raw, engines, no_pool
+                if k in gathered:
+                    tokens_agree[str(k)]["decode_vs_gather"] = agreement(ours, gathered[k].tokens)
+            del raw, gathered, engines, no_pool
             gemm = {"xla": gemm_rate_xla(), "torch": peft_proc.gemm_rate()}
         finally:
             peft_proc.stop()
@@ -503,35 +541,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             long_base = {"max_len": args.long_max_len, **t.as_dict(steps)}
             del long
 
+    def ratio(a: Timing, b: Timing) -> tuple[float, list[float]]:
+        """a's figure over b's, and the spread of the per-round ratios (rounds both count)."""
+        both = [i for i in a.rounds() if i in b.rounds()]
+        return (a.tokens_per_s(steps) / b.tokens_per_s(steps),
+                spread([b.seconds[i] / a.seconds[i] for i in both]))
+
     table = {}
     for k in MIXES:
-        row: dict[str, Any] = {}
-        for p in PATHS:
-            row[p] = timings[p][k].as_dict(steps)
+        row: dict[str, Any] = {p: timings[p][k].as_dict(steps) for p in (*PATHS, GATHER) if k in timings[p]}
+        versus = {"base": lambda p: timings[p][0], "peft": lambda p: timings["peft"][k]}
+        if k in timings[GATHER]:
+            versus["gather"] = lambda p: timings[GATHER][k]
         for p in ("decode", "engine"):
-            row[p]["over_base"] = row[p]["tokens_per_s"] / timings[p][0].tokens_per_s(steps)
-            row[p]["over_peft"] = row[p]["tokens_per_s"] / row["peft"]["tokens_per_s"]
+            for name, other in versus.items():
+                row[p][f"over_{name}"], row[p][f"over_{name}_spread"] = ratio(timings[p][k], other(p))
+        if k in timings[GATHER]:
+            row[GATHER]["over_base"], row[GATHER]["over_base_spread"] = ratio(timings[GATHER][k],
+                                                                              timings["decode"][0])
         table[str(k)] = row
     targets = []
     for p in ("decode", "engine"):
-        top = table[str(MIXES[-1])][p]
+        top = table[str(TARGET_MIX)][p]
         targets += [
-            {"name": f"{LABELS[p]}: {MIXES[-1]} adapters / base model", "measured": round(top["over_base"], 3),
+            {"name": f"{LABELS[p]}: {TARGET_MIX} adapters / base model", "measured": round(top["over_base"], 3),
              "target": f">= {TARGET_OVER_BASE}x", "met": top["over_base"] >= TARGET_OVER_BASE},
-            {"name": f"{LABELS[p]}: {MIXES[-1]} adapters / PEFT, same batch", "measured": round(top["over_peft"], 3),
+            {"name": f"{LABELS[p]}: {TARGET_MIX} adapters / PEFT, same batch", "measured": round(top["over_peft"], 3),
              "target": f">= {TARGET_OVER_PEFT}x", "met": top["over_peft"] >= TARGET_OVER_PEFT}]
     info = peft_proc.info
     return {
         "machine": machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "versions": {"jax": jax.__version__, "torch": info["torch"], "transformers": info["transformers"],
                      "peft": info["peft"]},
-        "model": {**{k: v for k, v in vars(SHAPE).items() if k != "rope_scaling"}, "parameters": n_params,
+        "model": {**{k: v for k, v in vars(shape).items() if k != "rope_scaling"}, "parameters": n_params,
                   "dtype": "float32", "attn_implementation": info["attn_implementation"]},
-        "adapters": {"count": ADAPTERS, "rank": RANK, "alpha": ALPHA, "targets": list(ALL_MODULES)},
+        "adapters": {"count": ADAPTERS, "rank": RANK, "alpha": ALPHA, "targets": list(ALL_MODULES),
+                     "fraction_of_projections": adapter_fraction(shape, TARGET_MIX)},
         "settings": {"batch": BATCH, "prompt": PROMPT, "steps": steps, "repeats": repeats,
                      "rounds_run": rounds, "clean_rounds": clean, "contended_above": CONTENDED,
                      "slots": args.slots, "pool_dtype": args.pool_dtype, "max_len": max_len,
-                     "torch_threads": args.torch_threads,
+                     "torch_threads": args.torch_threads, "quick": args.quick,
                      "xla_threads": os.cpu_count()},
         "results": table, "targets": targets, "compiles_while_timing": len(compiles),
         "no_pool_base": no_pool_timing.as_dict(steps),
@@ -551,20 +600,28 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
     s, m = result["settings"], result["model"]
     table = Table(title=f"decode, batch {s['batch']}, tokens/s (median of {s['repeats']} rounds "
                         f"of {s['steps']} steps)")
-    for col in ("distinct adapters", "decode", "Engine.step", "PEFT", "decode / base",
-                "Engine / base", "decode / PEFT", "Engine / PEFT"):
+    for col in ("distinct adapters", "decode", "Engine.step", "gather", "PEFT", "decode / base",
+                "Engine / base", "decode / gather", "decode / PEFT", "Engine / PEFT"):
         table.add_column(col, justify="right")
-    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | PEFT tok/s "
-             "| ours / base (decode, Engine) | ours / PEFT (decode, Engine) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | per-token gather tok/s "
+             "| PEFT tok/s | ours / base (decode, Engine) | decode / gather | ours / PEFT (decode, Engine) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def rate(cell: dict[str, Any]) -> str:  # the median and the spread of the rounds
+        lo, hi = cell["tokens_per_s_spread"]
+        return f"{cell['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f})"
+
     for k in MIXES:
         r = result["results"][str(k)]
         d, e, p = r["decode"], r["engine"], r["peft"]
-        table.add_row(_mix_label(k), f"{d['tokens_per_s']:.0f}", f"{e['tokens_per_s']:.0f}",
-                      f"{p['tokens_per_s']:.0f}", f"{d['over_base']:.2f}", f"{e['over_base']:.2f}",
-                      f"{d['over_peft']:.2f}", f"{e['over_peft']:.2f}")
-        lines.append(f"| {_mix_label(k)} | {d['tokens_per_s']:,.0f} | {e['tokens_per_s']:,.0f} "
-                     f"| {p['tokens_per_s']:,.0f} | {d['over_base']:.2f}, {e['over_base']:.2f} "
+        g = rate(r[GATHER]) if GATHER in r else "-"
+        over_g = f"{d['over_gather']:.2f}" if "over_gather" in d else "-"
+        short = {n: f"{c['tokens_per_s']:,.0f}" for n, c in r.items()}  # the console: medians only
+        table.add_row(_mix_label(k), short["decode"], short["engine"], short.get(GATHER, "-"), short["peft"],
+                      f"{d['over_base']:.2f}",
+                      f"{e['over_base']:.2f}", over_g, f"{d['over_peft']:.2f}", f"{e['over_peft']:.2f}")
+        lines.append(f"| {_mix_label(k)} | {rate(d)} | {rate(e)} | {g} | {rate(p)} "
+                     f"| {d['over_base']:.2f}, {e['over_base']:.2f} | {over_g} "
                      f"| {d['over_peft']:.2f}, {e['over_peft']:.2f} |")
     v = result["versions"]
     lines += ["",
@@ -574,8 +631,11 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"{m['parameters'] / 1e6:.0f} M parameters, float32. {result['adapters']['count']} adapters, "
               f"r={result['adapters']['rank']}, alpha {result['adapters']['alpha']}, all seven target modules; "
               f"pool of {s['slots']} slots, {s['pool_dtype']}; KV cache of {s['max_len']} positions. Row i uses "
-              f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. decode: "
-              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it) in a loop; Engine.step: "
+              f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
+              f"of the rounds (their range in brackets). decode: "
+              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it) in a loop; per-token "
+              f"gather: the same loop with the LoRA terms from A and B gathered for every row "
+              f"(BGMV-style, `lora_impl=\"gather\"`, never used in serving); Engine.step: "
               f"the serving loop with host sampling; PEFT {v['peft']} mixed-batch inference (`adapter_names`) "
               f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} "
               f"with {s['torch_threads']} threads.",
@@ -616,16 +676,17 @@ def machine_line(result: dict[str, Any]) -> str:
             "`benchmarks/results/decode.json` has every round.")
 
 
-def adapter_fraction() -> float:
-    """Parameters of the 16 adapters over those of the projections they adapt (all layers)."""
-    dims = [SHAPE.module_dims(m) for m in ALL_MODULES]
-    return ADAPTERS * RANK * sum(i + o for i, o in dims) / sum(i * o for i, o in dims)
+def adapter_fraction(shape: ModelShape, adapters: int) -> float:
+    """Parameters of `adapters` adapters over those of the projections they adapt (all layers)."""
+    dims = [shape.module_dims(m) for m in ALL_MODULES]
+    return adapters * RANK * sum(i + o for i, o in dims) / sum(i * o for i, o in dims)
 
 
 def notes(result: dict[str, Any]) -> str:
     base = result["results"]["0"]["decode"]["tokens_per_s"]
     g, nb = result["gemm_gflops"], result["no_pool_base"]["tokens_per_s"]
-    notes = [f"At this shape the {ADAPTERS} adapters hold {100 * adapter_fraction():.0f}% as many parameters as "
+    notes = [f"At this shape {TARGET_MIX} adapters hold "
+             f"{100 * result['adapters']['fraction_of_projections']:.0f}% as many parameters as "
              "the projections they adapt (about 10% at hidden 4096, intermediate 11008), so the LoRA "
              "share of a step is large.",
              f"The base batch through `decode` with no LoRA pool makes {nb:,.0f} tokens/s "
@@ -642,8 +703,10 @@ def notes(result: dict[str, Any]) -> str:
     agree = result["tokens_agree"]
     notes.append("Greedy tokens agree with PEFT's on "
                  + ", ".join(f"{100 * agree[str(k)]['decode_vs_peft']:.0f}%" for k in MIXES)
-                 + f" of (step, row) pairs ({', '.join(str(k) for k in MIXES)} adapters); "
-                 f"{result['compiles_while_timing']} compiles while timing.")
+                 + f" of (step, row) pairs ({', '.join(str(k) for k in MIXES)} adapters), the per-token "
+                 "gather's with ours on "
+                 + ", ".join(f"{100 * agree[str(k)]['decode_vs_gather']:.0f}%" for k in MIXES if k)
+                 + f"; {result['compiles_while_timing']} compiles while timing.")
     return " ".join(notes)
 
 
@@ -655,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-rounds", type=int, default=0,
                     help="give up waiting for undisturbed rounds after this many (default: 2 x --repeats)")
     ap.add_argument("--max-len", type=int, default=256, help="KV-cache positions per row (ours)")
-    ap.add_argument("--slots", type=int, default=32, help="pool slots (max_loras); 16 are filled")
+    ap.add_argument("--slots", type=int, default=64, help=f"pool slots (max_loras); {ADAPTERS} are filled")
     ap.add_argument("--pool-dtype", choices=POOL_DTYPES, default="float32",
                     help="the pool's dtype (`loractl pool init --dtype`); the model is float32")
     ap.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
@@ -665,7 +728,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-repeats", type=int, default=2)
     ap.add_argument("--no-write", action="store_true",
                     help="print only: leave benchmarks/results and README.md alone")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: a tiny model, one round of 4 steps, no long cache; writes nothing "
+                         "unless `python -m benchmarks --quick` points it elsewhere")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
     if args.slots < ADAPTERS:
         ap.error(f"--slots must be at least {ADAPTERS}, the adapters the batch mixes")
     result = run(args)
@@ -676,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{verdict} {t['name']}: {t['measured']} (target {t['target']})")
     console.print(notes(result))
     console.print(machine_line(result))
-    if not args.no_write:
+    if not args.no_write and may_write(args.quick):
         path = write_results("decode", result)
         console.print(f"results written to {path}")
         if update_readme("decode", markdown):

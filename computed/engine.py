@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from computed.lora import windows_for
 from computed.model import decode, init_cache, prefill
 from computed.pool import Lease, LoraPool, SlotDraining
 from computed.replica import Phase, Replica
@@ -309,8 +310,9 @@ class LlamaRunner:
 
     Prompts are padded to power-of-two buckets (from 16 up to max_len), and a
     decode step attends over the bucket that holds its longest sequence, so
-    prefill and decode compile once per bucket; `warmup` compiles them all up
-    front, so nothing compiles while serving.
+    prefill compiles once per bucket and decode once per bucket and LoRA window
+    (`lora.windows_for(max_batch)`; each step's mix picks its window); `warmup`
+    compiles them all up front, so nothing compiles while serving.
     """
 
     def __init__(self, config: Any, params: Any, *, max_batch: int, max_len: int) -> None:
@@ -344,14 +346,16 @@ class LlamaRunner:
         return np.asarray(logits), cache
 
     def warmup(self, pool: LoraPool, cache: Any) -> Any:
-        """Compile prefill for every bucket and decode once (row 0, the base model)."""
+        """Compile prefill for every bucket and decode for every bucket and LoRA window (row 0, the base model)."""
         for b in self.buckets:
             _, cache = self.prefill(pool, cache, np.zeros(b, np.int32), 1, 0, -1)
         zeros = np.zeros(self.max_batch, np.int32)
         base = np.full(self.max_batch, -1, np.int32)
-        for b in self.buckets:  # one decode compile per attention-length bucket
+        active = np.zeros(self.max_batch, bool)
+        active[0] = True
+        for b in self.buckets:  # one decode compile per attention-length bucket and window
             positions = np.full(self.max_batch, b - 1, np.int32)
-            active = np.zeros(self.max_batch, bool)
-            active[0] = True
-            _, cache = self.decode(pool, cache, zeros, positions, base, active)
+            for w in windows_for(self.max_batch):
+                _, cache = decode(self.params, pool, cache, zeros, positions, base, active, attend_len=b,
+                                  window=w)
         return cache

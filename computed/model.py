@@ -37,7 +37,8 @@ donating the cache so it is updated in place:
 - `decode(params, lora_pool, cache, tokens[B], positions[B], slots[B], active[B])`:
   one step for every row; row b writes its K/V at positions[b] and attends to
   [0, positions[b]]. Inactive rows write nothing (their write index is pushed
-  out of range and dropped) and their logits are meaningless. One compile.
+  out of range and dropped) and their logits are meaningless. One compile per
+  attention length and LoRA window (computed/lora.py).
 - `forward_full(params, lora_pool, tokens[B, T], slots[B])`: every position's
   logits, no cache (for tests and scoring).
 
@@ -385,24 +386,34 @@ def _softmax(scores: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 class _Lora:
-    """How one forward pass adds LoRA: one slot for all tokens, or rows grouped by slot."""
+    """How one forward pass adds LoRA: one slot for all tokens, rows grouped by slot, or (benchmarks
+    only) a per-row gather."""
 
     def __init__(self, pool: LoraPool | None, config: LlamaConfig, *, slot: jax.Array | None = None,
-                 seg: lora.Segments | None = None) -> None:
+                 seg: lora.Segments | None = None, gather: jax.Array | None = None) -> None:
         if pool is not None:
             _check_pool(pool, config)
-        self.pool, self.slot, self.seg = pool, slot, seg
+        self.pool, self.slot, self.seg, self.gather = pool, slot, seg, gather
 
-    def delta(self, x: jax.Array, layer: int, module: str) -> jax.Array | None:
-        if self.pool is None or module not in self.pool.A:
-            return None
-        A, B = self.pool.A[module], self.pool.B[module]  # all layers: sliced inside, see lora._take
+    def deltas(self, x: jax.Array, layer: int, modules: tuple[str, ...]) -> dict[str, jax.Array]:
+        """The LoRA terms of `modules`, which all read `x`, for those the pool has."""
+        if self.pool is None:
+            return {}
+        pool = self.pool
+        present = [m for m in modules if m in pool.A]  # all layers: sliced inside, see lora._take
+        if not present:
+            return {}
+        if self.seg is None and self.gather is None:
+            assert self.slot is not None
+            return {m: lora.single(x, pool.A[m], pool.B[m], pool.scaling, self.slot, layer) for m in present}
+        flat = x.reshape(-1, x.shape[-1])
         if self.seg is not None:
-            flat = x.reshape(-1, x.shape[-1])
-            return lora.segmented(flat, A, B, self.pool.scaling, self.seg,
-                                  layer).reshape(*x.shape[:-1], -1)
-        assert self.slot is not None
-        return lora.single(x, A, B, self.pool.scaling, self.slot, layer)
+            ys = lora.segmented_group(flat, [(pool.A[m], pool.B[m]) for m in present], pool.scaling,
+                                      self.seg, layer)
+        else:
+            assert self.gather is not None
+            ys = [lora.gather(flat, pool.A[m], pool.B[m], pool.scaling, self.gather, layer) for m in present]
+        return {m: y.reshape(*x.shape[:-1], -1) for m, y in zip(present, ys)}
 
 
 def _check_pool(pool: LoraPool, config: LlamaConfig) -> None:
@@ -416,29 +427,33 @@ def _check_pool(pool: LoraPool, config: LlamaConfig) -> None:
                              f"[{config.num_layers}, slots, {n_out}, rank]: configure the pool for this model")
 
 
-def _linear(x: jax.Array, layer: LayerParams, index: int, module: str, adapters: _Lora) -> jax.Array:
-    y = x @ layer.weights[module]
-    if module in layer.biases:
-        y = y + layer.biases[module]
-    d = adapters.delta(x, index, module)
-    return y if d is None else (y + d).astype(x.dtype)
+def _project(x: jax.Array, layer: LayerParams, index: int, modules: tuple[str, ...],
+             adapters: _Lora) -> list[jax.Array]:
+    """`x W (+ bias) (+ LoRA)` for each of `modules`, which all read `x` (their LoRA terms share a loop)."""
+    deltas = adapters.deltas(x, index, modules)
+    out = []
+    for m in modules:
+        y = x @ layer.weights[m]
+        if m in layer.biases:
+            y = y + layer.biases[m]
+        d = deltas.get(m)
+        out.append(y if d is None else (y + d).astype(x.dtype))
+    return out
 
 
 def _mlp(x: jax.Array, layer: LayerParams, index: int, adapters: _Lora) -> jax.Array:
-    gate = _linear(x, layer, index, "gate_proj", adapters)
-    up = _linear(x, layer, index, "up_proj", adapters)
-    return _linear(jax.nn.silu(gate) * up, layer, index, "down_proj", adapters)
+    gate, up = _project(x, layer, index, ("gate_proj", "up_proj"), adapters)
+    return _project(jax.nn.silu(gate) * up, layer, index, ("down_proj",), adapters)[0]
 
 
 def _qkv(x: jax.Array, positions: jax.Array, layer: LayerParams, index: int, adapters: _Lora,
          config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], RoPE applied."""
     lead, hd, kvh = x.shape[:-1], config.head_dim, config.num_kv_heads
-    q = _linear(x, layer, index, "q_proj", adapters).reshape(*lead, config.num_heads, hd)
-    k = _linear(x, layer, index, "k_proj", adapters).reshape(*lead, kvh, hd)
-    v = _linear(x, layer, index, "v_proj", adapters).reshape(*lead, kvh, hd)
+    q, k, v = _project(x, layer, index, ("q_proj", "k_proj", "v_proj"), adapters)
+    q, k = q.reshape(*lead, config.num_heads, hd), k.reshape(*lead, kvh, hd)
     q, k = rope(q, positions, config), rope(k, positions, config)
-    return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v
+    return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v.reshape(*lead, kvh, hd)
 
 
 def _heads_first(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -474,7 +489,7 @@ def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, adapt
     h = params.embed[tokens]
     for i, layer in enumerate(params.layers):
         q, k, v = _qkv(rms_norm(h, layer.input_norm, config.rms_norm_eps), positions, layer, i, adapters, config)
-        h = h + _linear(attend(i, q, k, v), layer, i, "o_proj", adapters)
+        h = h + _project(attend(i, q, k, v), layer, i, ("o_proj",), adapters)[0]
         h = h + _mlp(rms_norm(h, layer.post_attention_norm, config.rms_norm_eps), layer, i, adapters)
     return rms_norm(h, params.norm, config.rms_norm_eps)
 
@@ -498,11 +513,12 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
 
 
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
-            positions: jax.Array, slots: jax.Array, active: jax.Array,
-            attend_len: int) -> tuple[jax.Array, KVCache]:
+            positions: jax.Array, slots: jax.Array, active: jax.Array, attend_len: int, window: int,
+            lora_impl: str = "segmented") -> tuple[jax.Array, KVCache]:
     """One decode step; attention reads only the first `attend_len` cache positions (static:
     one compile per length bucket), so a step costs what the longest running sequence needs,
-    not what the cache could hold."""
+    not what the cache could hold. `window` (static) is the LoRA window (lora.choose_window);
+    `lora_impl` "gather" swaps in the per-token gather, for benchmarks."""
     config = params.config
     n_rows, max_len = tokens.shape[0], cache.max_len
     rows = jnp.arange(n_rows)
@@ -521,8 +537,14 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         probs = _softmax(scores, visible, q.dtype)
         return jnp.einsum("bkgs,bksd->bkgd", probs, values).reshape(n_rows, -1)
 
-    seg = None if lora_pool is None else lora.segments(slots, lora_pool.scaling.shape[0])
-    h = _decoder(params, tokens, positions, _Lora(lora_pool, config, seg=seg), attend)
+    if lora_pool is None:
+        adapters = _Lora(None, config)
+    elif lora_impl == "gather":
+        adapters = _Lora(lora_pool, config, gather=slots)
+    else:
+        adapters = _Lora(lora_pool, config, seg=lora.segments(slots, lora_pool.scaling.shape[0], window=window,
+                                                              rows=2 * n_rows))
+    h = _decoder(params, tokens, positions, adapters, attend)
     return _logits(params, h), KVCache(k_cache, v_cache)
 
 
@@ -539,7 +561,7 @@ def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.A
 
 
 prefill_jit = jax.jit(_prefill, donate_argnames="cache")
-decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames="attend_len")
+decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames=("attend_len", "window", "lora_impl"))
 forward_full_jit = jax.jit(_forward_full)
 
 
@@ -589,13 +611,17 @@ def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
 
 
 def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
-           slots: Any, active: Any, attend_len: int | None = None) -> tuple[jax.Array, KVCache]:
+           slots: Any, active: Any, attend_len: int | None = None, *, window: int | None = None,
+           lora_impl: str = "segmented") -> tuple[jax.Array, KVCache]:
     """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
 
     Row b appends `tokens[b]` at `positions[b]` (< max_len) and attends to
     [0, positions[b]] with LoRA slot `slots[b]` (-1: base). Rows with
     `active[b]` False write nothing to the cache and their other entries are
-    ignored. `cache` is donated.
+    ignored. `cache` is donated. `window` is the LoRA window, one compile per
+    size: by default `lora.choose_window` picks one of `lora.windows_for(max_batch)`
+    for this mix. `lora_impl="gather"` gathers A and B per row instead (BGMV-style,
+    for benchmarks; serving never does).
     """
     tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
                                 _host_i32(slots, "slots"))
@@ -618,8 +644,17 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     if not (live.size == 0 or live.max() < attend_len <= cache.max_len):
         raise ValueError(f"attend_len {attend_len} must exceed every active position and be at "
                          f"most the cache's max_len {cache.max_len}")
+    if lora_impl not in ("segmented", "gather"):
+        raise ValueError(f"lora_impl must be 'segmented' or 'gather', got {lora_impl!r}")
+    if lora_pool is None or lora_impl == "gather":
+        window = 0  # unused: one compile whatever the caller passed
+    elif window is None:
+        window = lora.choose_window(slots, lora.windows_for(b))
+    elif not 1 <= window <= b or lora.padded_rows(slots, window) > 2 * b:
+        raise ValueError(f"window {window} does not fit this mix of slots in {2 * b} rows (twice max_batch); "
+                         "leave window unset to have lora.choose_window pick one")
     return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
-                      attend_len=attend_len)
+                      attend_len=attend_len, window=window, lora_impl=lora_impl)
 
 
 def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:

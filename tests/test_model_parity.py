@@ -373,6 +373,36 @@ def test_segmented_lora_matches_a_per_row_reference(window: int) -> None:
     assert compiles == []
 
 
+def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms() -> None:
+    """Each window decode may pick, with q/k/v-style modules sharing one loop, and the benchmark's gather."""
+    rng = np.random.default_rng(7)
+    S, r, n_in, n = 6, 4, 12, 8
+    outs = (10, 5)  # two modules reading the same input, as q and k do
+    A = [rng.standard_normal((S, r, n_in)).astype(np.float32) for _ in outs]
+    B = [rng.standard_normal((S, o, r)).astype(np.float32) for o in outs]
+    scaling = rng.uniform(0.5, 2.0, S).astype(np.float32)
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    pairs = [(jnp.asarray(a), jnp.asarray(b)) for a, b in zip(A, B)]
+    mixes = [np.full(n, lora.BASE), np.full(n, 3), np.arange(n) % 4, np.arange(n) % S, rng.integers(-1, S, n),
+             np.array([5, 5, 5, 5, 5, 0, lora.BASE, 2])]
+    for slots in (m.astype(np.int32) for m in mixes):
+        want = [np.stack([np.zeros(b.shape[1], np.float32) if s < 0 else scaling[s] * (b[s] @ (a[s] @ row))
+                          for row, s in zip(x, slots)]) for a, b in zip(A, B)]
+        fits = [w for w in lora.windows_for(n) if lora.padded_rows(slots, w) <= 2 * n]
+        assert lora.choose_window(slots, lora.windows_for(n)) in fits
+        for w in fits:
+            got = lora.segmented_group(jnp.asarray(x), pairs, jnp.asarray(scaling),
+                                       lora.segments(slots, S, window=w, rows=2 * n))
+            for g, wnt in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), wnt, rtol=1e-5, atol=1e-5)
+        for (a, b), wnt in zip(pairs, want):
+            got = lora.gather(jnp.asarray(x), a, b, jnp.asarray(scaling), jnp.asarray(slots))
+            np.testing.assert_allclose(np.asarray(got), wnt, rtol=1e-5, atol=1e-5)
+    # a batch on one adapter takes one window of the whole batch; pairs of rows on 4 adapters, windows of 2
+    assert lora.choose_window(np.full(n, 3, np.int32), lora.windows_for(n)) == n
+    assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.windows_for(n)) == 2
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -458,8 +488,9 @@ def test_no_recompiles_across_slots_rows_lengths_and_mixes(example_setup: Setup)
     arrays = s.pool.arrays
     tokens16 = np.arange(16, dtype=np.int32)
     _, cache = prefill(s.params, arrays, cache, tokens16, 5, 0, lora.BASE)  # warm: one compile
-    _, cache = decode(s.params, arrays, cache, np.zeros(MAX_BATCH, int), np.zeros(MAX_BATCH, int),
-                      np.full(MAX_BATCH, lora.BASE), np.zeros(MAX_BATCH, bool))
+    for window in lora.windows_for(MAX_BATCH):  # warm: one compile per LoRA window
+        _, cache = decode(s.params, arrays, cache, np.zeros(MAX_BATCH, int), np.zeros(MAX_BATCH, int),
+                          np.full(MAX_BATCH, lora.BASE), np.zeros(MAX_BATCH, bool), window=window)
     rng = np.random.default_rng(0)
     with counting_compiles() as compiles:
         for length, row, slot in [(16, 5, 1), (1, 3, 4), (9, 0, lora.BASE), (12, 2, 5)]:
@@ -468,7 +499,7 @@ def test_no_recompiles_across_slots_rows_lengths_and_mixes(example_setup: Setup)
         for mix in ([lora.BASE] * MAX_BATCH, [1] * MAX_BATCH, [1, 2, 3, 4, 5, lora.BASE], [5, 5, 1, 1, 0, 0]):
             _, cache = decode(s.params, arrays, cache, rng.integers(0, 256, MAX_BATCH),
                               rng.integers(0, MAX_LEN, MAX_BATCH), mix, rng.random(MAX_BATCH) < 0.7)
-    assert compiles == [], f"{len(compiles)} compiles within one bucket and one decode shape"
+    assert compiles == [], f"{len(compiles)} compiles within one bucket and the warmed-up LoRA windows"
     with counting_compiles() as compiles:
         _, cache = prefill(s.params, arrays, cache, np.arange(24), 20, 1, 1)  # a length no other test uses
     assert len(compiles) == 1, "a new bucket length compiles prefill once"
