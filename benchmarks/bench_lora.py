@@ -8,11 +8,11 @@ Timed side by side in one run, interleaved, best of `--repeats` rounds:
 * base:            `x @ W` alone, the floor.
 * gather:          base + the naive per-row gather: `A[slots]`, `B[slots]` ([N, r, in] and
                    [N, out, r] copies), then batched matvecs. What the model must not do.
-* windows8:        base + computed.lora.segmented, the model's choice: rows sorted by slot,
-                   each slot's run cut into windows of 8 rows; a loop over the windows in
-                   use takes the window's slot's A and B by dynamic index and multiplies
-                   the window's rows (SGMV-style).
-* windows16:       the same with windows of 16 rows.
+* windows2/8/16:   base + computed.lora.segmented with windows of 2, 8 and 16 rows: each
+                   slot's rows padded to whole windows; a loop over the windows in use takes
+                   the window's slot's A and B by dynamic index and multiplies the window's
+                   rows (SGMV-style). The model picks the window per decode step from the
+                   batch's mix (`lora.choose_window`, among `lora.windows_for(batch)`).
 * slot_loop:       a loop over the distinct slots in use, each applied to every row, masked
                    to its own: reads each slot's weights once but does N * distinct rows of work.
 * ragged_pool:     base + `jax.lax.ragged_dot` over rows sorted by slot, one group per pool slot.
@@ -31,7 +31,7 @@ per hidden size: changing the mix of slots must not recompile (counted).
 The table is printed, written to benchmarks/results/lora.json and, when
 README.md has `<!-- bench:lora:start -->` / `<!-- bench:lora:end -->` markers,
 into that section. The fastest grouped variant (geometric mean over the cases)
-is named at the end; computed/lora.py uses windows of 8 rows.
+is named at the end, beside the window the model would choose for each case.
 """
 from __future__ import annotations
 
@@ -148,6 +148,7 @@ def dense_distinct(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array,
 
 VARIANTS: dict[str, Variant] = {
     "gather": gather,
+    "windows2": partial(windows, window=2),
     "windows8": partial(windows, window=8),
     "windows16": partial(windows, window=16),
     "slot_loop": slot_loop,
@@ -157,7 +158,7 @@ VARIANTS: dict[str, Variant] = {
     "dense_distinct": dense_distinct,
 }
 GROUPED = [k for k in VARIANTS if k != "gather"]
-MODEL_CHOICE = f"windows{lora.WINDOW}"
+MODEL_CHOICE = "windows" + "/".join(str(w) for w in lora.WINDOWS) + " (chosen per step)"
 
 
 def _layer(variant: Variant | None) -> Callable[..., jax.Array]:
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     console.print("geometric mean ms: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))
     console.print(f"fastest grouped variant: [bold]{choice}[/bold]; the model uses {MODEL_CHOICE}"
-                  + ("" if choice == MODEL_CHOICE else " (a different one won this run)"))
+                  + ("" if choice in {f"windows{w}" for w in lora.WINDOWS}
+                     else " (a different one won this run)"))
 
     if not args.no_write:
         settings = {"rows": args.rows, "rank": args.rank, "slots": args.slots, "repeats": args.repeats,
