@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import matplotlib
 
+from benchmarks.report import decode_rates
+
 matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
@@ -78,7 +80,7 @@ def decode(r: dict[str, Any], ax: Axes) -> None:
         have = [k for k in ks if impl in results[k]]
         if not have:
             continue
-        runs = [[batch * steps / s for s in results[k][impl]["seconds"]] for k in have]
+        runs = [decode_rates(results[k][impl], batch * steps) for k in have]
         meds = [sorted(v)[len(v) // 2] for v in runs]
         ax.errorbar([int(k) for k in have], meds, yerr=_errs(meds, runs), fmt=style, capsize=3,
                     label=label)

@@ -79,3 +79,9 @@ def update_readme(marker: str, markdown: str, *, readme: Path | None = None) -> 
     section = f"{start}\n{markdown.strip()}\n{end}"
     readme.write_text(pattern.sub(lambda _: section, text, count=1))
     return True
+
+
+def decode_rates(cell: dict[str, Any], tokens: int) -> list[float]:
+    """tokens/s of the rounds a decode figure is taken from (`used_rounds`; None: all)."""
+    used = cell.get("used_rounds")
+    return [tokens / cell["seconds"][i] for i in (range(len(cell["seconds"])) if used is None else used)]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import plots
-from benchmarks.report import OUT_ENV, README, RESULTS_DIR, machine_info, update_readme
+from benchmarks.report import OUT_ENV, README, RESULTS_DIR, decode_rates, machine_info, update_readme
 
 Figure = dict[str, Any]
 
@@ -145,9 +145,7 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
     steps, batch = r["settings"]["steps"], r["settings"]["batch"]
 
     def rates(k: str, impl: str) -> list[float]:
-        cell = results[k][impl]
-        used = cell.get("used_rounds", range(len(cell["seconds"])))
-        return [batch * steps / cell["seconds"][i] for i in used]
+        return decode_rates(results[k][impl], batch * steps)
 
     out = []
     base = rates("0", "decode")
