@@ -6,7 +6,7 @@ actor) around one of the typed bodies below; `payload` is the body as JSON.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
 from shared.config import MODULES
@@ -87,7 +87,9 @@ class Event:
         return decode_body(self.type, self.payload)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        # asdict(self) without its deep copy: the payload dict is shared, not copied
+        return {"seq": self.seq, "event_id": self.event_id, "type": self.type,
+                "payload": self.payload, "recorded_at": self.recorded_at, "actor": self.actor}
 
 
 def encode_body(body: Body) -> dict[str, Any]:

@@ -49,9 +49,9 @@ def choose_slot(state: State, replacing: AdapterLoaded | None = None) -> int | N
     """
     pool = require_pool(state)
     used = {a.slot for a in state.adapters.values()}
-    free = [s for s in range(pool.max_loras) if s not in used]
-    if free:
-        return free[0]
+    free = next((s for s in range(pool.max_loras) if s not in used), None)
+    if free is not None:
+        return free
     return replacing.slot if replacing is not None else None
 
 
@@ -99,7 +99,7 @@ def apply(state: State, seq: int, body: Body) -> State:
     if isinstance(body, AdapterLoaded):
         _check_loaded(state, seq, body)
         adapters = dict(state.adapters)
-        adapters[body.name] = replace(body, replaces=None)
+        adapters[body.name] = body if body.replaces is None else replace(body, replaces=None)
         return State(seq, state.pool, adapters)
     if isinstance(body, AdapterUnloaded):
         require_pool(state)
@@ -155,6 +155,16 @@ def diff_of(seq: int, body: Body) -> dict[str, Any]:
 
 _OP_TYPES = {"configure": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
              "unload": AdapterUnloaded.TYPE}
+_TYPE_OPS = {t: op for op, t in _OP_TYPES.items()}
+
+
+def diff_of_payload(seq: int, type_: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """`diff_of(seq, body)` from the body's payload as `encode_body` made it (every field, in
+    order), without decoding it: for events the state service has just appended."""
+    op = _TYPE_OPS[type_]
+    if op == "configure":
+        return {"seq": seq, "op": op, "pool": payload}
+    return {"seq": seq, "op": op, **payload}
 
 
 def body_of_diff(diff: dict[str, Any]) -> tuple[int, Body]:

@@ -5,10 +5,11 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES
 from shared.events import PoolConfigured, lora_scaling
@@ -30,10 +31,14 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class Candidate:
-    """A validated adapter: its weights' bytes and the settings the event records."""
+    """A validated adapter: its weights' bytes and the settings the event records.
 
-    weights: bytes
+    `weights` is None only when `inspect_adapter` answered from its cache of unchanged
+    directories, which it does only for weights the caller said are already stored."""
+
+    weights: bytes | None
     sha256: str
+    size: int
     rank: int
     alpha: float
     use_rslora: bool
@@ -172,10 +177,33 @@ def _check_tensors(path: Path, data: bytes, pool: PoolConfigured, rank: int) -> 
     return tuple(m for m in MODULES if any(k.module == m for k in keys))
 
 
-def inspect_adapter(path: Path, pool: PoolConfigured, *,
-                    max_bytes: int = MAX_ADAPTER_BYTES) -> Candidate:
-    """Validate a PEFT LoRA directory for `pool`; raises AdapterError saying what to fix."""
+def inspect_adapter(path: Path, pool: PoolConfigured, *, max_bytes: int = MAX_ADAPTER_BYTES,
+                    stored: Callable[[str], bool] | None = None) -> Candidate:
+    """Validate a PEFT LoRA directory for `pool`; raises AdapterError saying what to fix.
+
+    With `stored` (is a blob with this sha256 already kept?), a directory inspected before
+    and unchanged since, whose weights are stored, is answered without reading it again
+    (the rule is at `_SEEN`)."""
     path = Path(path)
+    if stored is None:
+        return _inspect(path, pool, max_bytes)
+    key = (str(path), pool.fingerprint, pool.targets, pool.num_layers, pool.max_rank, max_bytes)
+    started = time.time_ns()
+    stats = _stats(path)
+    seen = _SEEN.get(key)
+    if seen is not None and stats is not None and seen[0] == stats and stored(seen[1].sha256):
+        _SEEN.move_to_end(key)
+        return seen[1]
+    cand = _inspect(path, pool, max_bytes)
+    if stats is not None and _settled(stats, started):
+        _SEEN[key] = (stats, replace(cand, weights=None))
+        _SEEN.move_to_end(key)
+        if len(_SEEN) > _SEEN_MAX:
+            _SEEN.popitem(last=False)
+    return cand
+
+
+def _inspect(path: Path, pool: PoolConfigured, max_bytes: int) -> Candidate:
     if not os.path.isdir(path):  # Path.is_dir raises on ENAMETOOLONG and EACCES (3.11)
         raise _invalid(path, "no such directory")
     cfg = _read_config(path)
@@ -197,7 +225,41 @@ def inspect_adapter(path: Path, pool: PoolConfigured, *,
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(path, f"use_rslora must be true or false, got {use_rslora!r}")
-    return Candidate(data, sha256, rank, alpha, use_rslora, targets)
+    return Candidate(data, sha256, len(data), rank, alpha, use_rslora, targets)
+
+
+# Directories inspected before, by path and pool: the stat of the directory and of its two
+# files taken before that inspection read them, and its verdict (without the bytes).
+#
+# The rule: an answer is reused only while all three stats are identical (device, inode,
+# size, mtime, ctime, mode) and were already settled when they were taken: every ctime and
+# mtime at least RACY_NS older than the inspection that read them. Any later change to a
+# file (a write, truncate, rename over it, chmod, touch) sets its ctime to the time of the
+# change, which then differs from the settled one, so a changed file is read and hashed
+# again, never served under its old sha256; the settling rules out a change within the
+# filesystem's timestamp granularity of the one before ("racy git"). Adding a file such as
+# added_tokens.json changes the directory's mtime. The rule trusts the clock and the
+# filesystem's ctime: a clock set back by more than RACY_NS, or a network mount that serves
+# stale attributes or stamps times by a clock behind this host's, can defeat it.
+RACY_NS = 2_000_000_000
+_Stats = tuple[tuple[int, ...], ...]
+_SEEN: OrderedDict[tuple[Any, ...], tuple[_Stats, Candidate]] = OrderedDict()
+_SEEN_MAX = 4096
+
+
+def _stats(path: Path) -> _Stats | None:
+    try:
+        base = str(path)
+        sts = [os.stat(base), os.stat(os.path.join(base, CONFIG_FILE)),
+               os.stat(os.path.join(base, WEIGHTS_FILE))]
+    except (OSError, ValueError):
+        return None
+    return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+                 for st in sts)
+
+
+def _settled(stats: _Stats, started_ns: int) -> bool:
+    return all(st[4] < started_ns - RACY_NS and st[3] < started_ns - RACY_NS for st in stats)
 
 
 # Verdicts of _check_tensors for weights already checked, by content: the same bytes

@@ -21,6 +21,7 @@ class BlobStore:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._root = str(self.root)
         self.tmp = self.root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
 
@@ -28,7 +29,8 @@ class BlobStore:
         return self.root / sha256[:2] / sha256
 
     def has(self, sha256: str) -> bool:
-        return self.path(sha256).is_file()
+        # once per load: plain os.path, without building a Path
+        return os.path.isfile(os.path.join(self._root, sha256[:2], sha256))
 
     def put(self, data: bytes, sha256: str | None = None, *,
             overwrite: bool = False) -> tuple[str, bool]:

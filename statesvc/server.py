@@ -2,8 +2,10 @@
 
 One thread. Each wake-up drains every request already queued (up to
 MAX_BATCH) and hands them to `StateService.handle` together, so concurrent
-commands share one durable commit. Diffs are published after the commit and
-before the replies; a heartbeat with the head seq goes out every second.
+commands share one durable commit; requests that arrive while the batch's
+writes are being validated join it before that commit. Diffs are published
+after the commit and before the replies; a heartbeat with the head seq goes
+out every second.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
                              ok_reply, pack, request_id_of, unpack)
-from shared.reducer import diff_of
+from shared.reducer import diff_of_payload
 from statesvc.service import StateService
 
 log = logging.getLogger("statesvc")
@@ -97,6 +99,32 @@ class Server:
 
     def _serve_batch(self) -> None:
         batch: list[tuple[list[bytes], Request, str]] = []
+
+        def more() -> list[tuple[Request, str]]:
+            # requests that arrived while the batch was being validated join its commit
+            start = len(batch)
+            self._receive(batch)
+            return [(req, actor) for _, req, actor in batch[start:]]
+
+        self._receive(batch)
+        if not batch:
+            return
+        answers, committed = self.service.handle([(req, actor) for _, req, actor in batch],
+                                                 more=more)
+        for ev in committed:
+            if ev.seq in self.drop_diffs:
+                log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
+                continue
+            self.pub.send_multipart([b"diff", pack(diff_of_payload(ev.seq, ev.type, ev.payload))])
+        for (envelope, req, _), ans in zip(batch, answers):
+            if ans.error is not None:
+                frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)
+            else:
+                frame = ok_reply(req.id, ans.result)
+            self.router.send_multipart(envelope + [frame])
+
+    def _receive(self, batch: list[tuple[list[bytes], Request, str]]) -> None:
+        """Append the requests already queued to `batch`, up to MAX_BATCH; answer bad frames."""
         while len(batch) < MAX_BATCH:
             try:
                 raw = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -123,20 +151,6 @@ class Server:
                 self.router.send_multipart(envelope + [error_reply(
                     None, "internal_error", f"internal error ({type(exc).__name__}); please "
                     "report it")])
-        if not batch:
-            return
-        answers, committed = self.service.handle([(req, actor) for _, req, actor in batch])
-        for ev in committed:
-            if ev.seq in self.drop_diffs:
-                log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
-                continue
-            self.pub.send_multipart([b"diff", pack(diff_of(ev.seq, ev.body))])
-        for (envelope, req, _), ans in zip(batch, answers):
-            if ans.error is not None:
-                frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)
-            else:
-                frame = ok_reply(req.id, ans.result)
-            self.router.send_multipart(envelope + [frame])
 
 
 def _safe_id(body: bytes) -> str | None:

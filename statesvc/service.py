@@ -24,7 +24,7 @@ from shared.fingerprint import ModelError, read_model
 from shared.protocol import Request
 from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, from_canonical,
                             logical_digest, require_pool, snapshot_bytes)
-from statesvc.adapters import AdapterError, inspect_adapter
+from statesvc.adapters import AdapterError, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
 
@@ -136,16 +136,23 @@ class StateService:
 
     # ---- the batch -----------------------------------------------------------
 
-    def handle(self, requests: list[tuple[Request, str]]) -> tuple[list[Answer], list[Event]]:
-        """Answer a batch of (request, actor); returns the answers and the committed events."""
+    def handle(self, requests: list[tuple[Request, str]], *,
+               more: Callable[[], list[tuple[Request, str]]] | None = None,
+               ) -> tuple[list[Answer], list[Event]]:
+        """Answer a batch of (request, actor); returns the answers and the committed events.
+
+        `more`, when given, is asked for requests that arrived meanwhile before writes are
+        committed; they join the batch (and its commit) and are answered after the others."""
+        requests = list(requests)
         answers = [Answer() for _ in requests]
         committed: list[Event] = []
-        # event_ids already recorded: one lookup for the whole batch
-        ids = [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
-        known = {eid: (ev.type, _result_of(ev.type, ev.seq, ev.body))
-                 for eid, ev in self.store.by_event_ids(ids).items()} if ids else {}
+        known: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._recorded(requests, known)  # event_ids already recorded: one lookup per arrival
         batch = _Batch(self.state, by_event_id=known)
-        for i, (req, actor) in enumerate(requests):
+        i = 0
+        while i < len(requests) or (more is not None and batch.events
+                                    and self._extend(requests, answers, known, more)):
+            req, actor = requests[i]
             try:
                 if req.cmd in _EVENT_OF_CMD:
                     self._write(batch, i, req, actor, answers)
@@ -163,9 +170,29 @@ class StateService:
                 answers[i].error = CommandError("internal_error", f"internal error "
                                                 f"({type(exc).__name__}: {exc}); nothing was "
                                                 "recorded for this command; please report it")
+            i += 1
         if batch.events:
             committed += self._commit(batch, answers)
         return answers, committed
+
+    def _recorded(self, requests: list[tuple[Request, str]],
+                  known: dict[str, tuple[str, dict[str, Any]]]) -> None:
+        """Add the recorded events of these requests' event_ids to `known`."""
+        ids = [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
+        for eid, ev in (self.store.by_event_ids(ids).items() if ids else ()):
+            known.setdefault(eid, (ev.type, _result_of(ev.type, ev.seq, ev.body)))
+
+    def _extend(self, requests: list[tuple[Request, str]], answers: list[Answer],
+                known: dict[str, tuple[str, dict[str, Any]]],
+                more: Callable[[], list[tuple[Request, str]]]) -> bool:
+        """Append the requests `more` has now to the batch; False when it has none."""
+        extra = more()
+        if not extra:
+            return False
+        self._recorded(extra, known)
+        requests += extra
+        answers += [Answer() for _ in extra]
+        return True
 
     def _commit(self, batch: _Batch, answers: list[Answer]) -> list[Event]:
         try:
@@ -214,12 +241,12 @@ class StateService:
             return
         body, blob = decided
         new_state = apply(state, seq, body)
-        if blob is not None:
-            assert isinstance(body, AdapterLoaded)
-            sha, created = self.blobs.put(blob, body.sha256)
-            if created:
-                batch.new_blob_files.append(sha)
-            batch.blobs.append(NewBlob(sha, len(blob), seq))
+        if isinstance(body, AdapterLoaded):
+            if blob is not None:  # None: the blob store already holds these bytes
+                sha, created = self.blobs.put(blob, body.sha256)
+                if created:
+                    batch.new_blob_files.append(sha)
+            batch.blobs.append(NewBlob(body.sha256, body.size, seq))
         batch.state = new_state
         batch.events.append(NewEvent(seq, event_id, body.TYPE, encode_body(body), actor))
         result = _result_of(body.TYPE, seq, body)
@@ -253,7 +280,7 @@ class StateService:
         return body, None
 
     def _load(self, state: State, seq: int,
-              args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes]:
+              args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | None]:
         pool = require_pool(state)
         name = args["name"]
         if not ADAPTER_NAME_RE.fullmatch(name):
@@ -263,15 +290,19 @@ class StateService:
         path = _absolute(args["path"], "args.path")
         if self.adapter_roots:
             contained(path, self.adapter_roots)
-        cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes)
+        # an unchanged directory whose weights are stored is not read again (adapters.py)
+        cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes,
+                               stored=self.blobs.has)
         old = state.adapters.get(name)
-        if old is not None and (old.sha256, old.rank, old.alpha, old.use_rslora, old.targets,
-                                old.pinned) == (cand.sha256, cand.rank, cand.alpha,
-                                                cand.use_rslora, cand.targets, args["pin"]):
-            if not self.blobs.verify(old.sha256):  # a damaged stored copy: this load repairs it
+        if old is not None and _same(old, cand, args["pin"]) and not self.blobs.verify(old.sha256):
+            # a damaged stored copy: this load repairs it, with the bytes read now
+            if cand.weights is None:
+                cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes)
+            if cand.weights is not None and _same(old, cand, args["pin"]):
                 log.warning("blob %s of %s was damaged; rewritten from %s", old.sha256[:12],
                             name, args["path"])
                 self.blobs.put(cand.weights, cand.sha256, overwrite=True)
+        if old is not None and _same(old, cand, args["pin"]):
             return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
                     "created": False}
         if old is not None and not args["replace"]:
@@ -287,7 +318,7 @@ class StateService:
             raise CommandError("pool_full", f"all {pool.max_loras} slots are in use; unload an "
                                "adapter first (loractl unload NAME), or configure a new pool "
                                "with a larger --max-loras")
-        body = AdapterLoaded(name, seq, slot, cand.sha256, len(cand.weights), cand.rank,
+        body = AdapterLoaded(name, seq, slot, cand.sha256, cand.size, cand.rank,
                              cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
                              args["pin"], None if old is None else Replaced(old.version, old.slot))
         return body, cand.weights
@@ -363,6 +394,12 @@ class StateService:
                              "pool_digest": hb["pool_digest"], "agrees": agrees})
         return {"head_seq": self.state.seq, "digest": self.digest_at(self.state.seq),
                 "replicas": replicas}
+
+
+def _same(old: AdapterLoaded, cand: Candidate, pin: bool) -> bool:
+    """Loading `cand` (pinned or not) would record nothing new over `old`."""
+    return ((old.sha256, old.rank, old.alpha, old.use_rslora, old.targets, old.pinned)
+            == (cand.sha256, cand.rank, cand.alpha, cand.use_rslora, cand.targets, pin))
 
 
 def _absolute(path: str, field: str) -> Path:

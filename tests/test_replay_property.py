@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from shared.reducer import logical_digest
 from statesvc.example import ExampleAssets
-from tests.inproc import CommandError, call, init_pool, open_service
+from tests.inproc import CommandError, call, init_pool, open_service, request
 
 NAMES = ("a", "b", "c", "d")
 ADAPTERS = ("attn-qv-r8", "attn-all-r4", "mlp-only-r16", "all-r2")
@@ -62,3 +62,26 @@ def test_replay_equals_incremental(example: ExampleAssets, commands: list[tuple[
                                                                        use_snapshot=False))
         finally:
             restarted.store.close()
+
+
+def test_requests_that_arrive_meanwhile_join_the_commit(example: ExampleAssets,
+                                                       tmp_path: Path) -> None:
+    """`handle(..., more=...)`: requests handed over before the commit are validated after
+    the batch's, committed with it, and answered in order; a retry among them is idempotent."""
+    svc = open_service(tmp_path)
+    try:
+        init_pool(svc, example.model_dir, max_loras=3, max_rank=16)
+        load_a = request("load", name="a", path=str(example.adapter_dirs["attn-qv-r8"]))
+        late = [[request("load", name="b", path=str(example.adapter_dirs["all-r2"])), load_a],
+                [request("list"), request("unload", name="a")], []]
+        answers, committed = svc.handle([(load_a, "t")],
+                                        more=lambda: [(r, "t") for r in late.pop(0)])
+        assert [a.error for a in answers] == [None] * 5
+        assert [a.result["seq"] for a in answers[:3]] == [2, 3, 2]  # the retry: the original
+        assert answers[3].result["head_seq"] == 3  # a read commits the writes before it
+        assert answers[4].result == {"seq": 4, "name": "a", "version": 2, "slot": 0}
+        assert [e.seq for e in committed] == [2, 3, 4] and svc.store.head() == 4
+        assert len({e.recorded_at for e in committed}) == 2  # seqs 2-3, then 4
+        assert late == []
+    finally:
+        svc.store.close()

@@ -1,15 +1,19 @@
 """Every refusal of `load`: a message that says what is wrong, and nothing stored."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save, save_file
 
+from statesvc import adapters
 from statesvc.example import ExampleAssets, encode_safetensors
 from statesvc.service import StateService
 from tests.inproc import CommandError, call, init_pool, open_service
@@ -329,3 +333,33 @@ def test_reloading_same_content_repairs_a_damaged_blob(svc: StateService,
     again = call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
     assert again["created"] is False and svc.store.head() == head
     assert svc.blobs.verify(sha)
+
+
+def test_an_adapter_rewritten_in_place_is_read_again(svc: StateService, example: ExampleAssets,
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load of a directory unchanged since an earlier load may skip reading it; one whose
+    weights were rewritten (same size, mtime put back) is hashed again, at once."""
+    monkeypatch.setattr(adapters, "RACY_NS", 50_000_000)  # settled after 50 ms, not 2 s
+    reads: list[Path] = []
+    inspect = adapters._inspect
+    monkeypatch.setattr(adapters, "_inspect", lambda p, *a: reads.append(p) or inspect(p, *a))
+    d = variant(example, tmp_path)
+    time.sleep(0.1)
+    call(svc, "load", name="a", path=str(d))
+    call(svc, "load", name="b", path=str(d))
+    assert len(reads) == 1  # unchanged and stored: not read again
+    weights = d / "adapter_model.safetensors"
+    before = weights.stat()
+    t = load_file(str(weights))
+    t[A_NAME] = t[A_NAME] * 2
+    with weights.open("r+b") as f:  # in place: same inode, same size, mtime put back
+        f.write(save(t, metadata={"format": "pt"}))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size,
+                                                                before.st_mtime_ns)
+    call(svc, "load", name="c", path=str(d))
+    a, b, c = (svc.state.adapters[n] for n in "abc")
+    assert a.sha256 == b.sha256 != c.sha256 == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert svc.blobs.verify(c.sha256) and len(reads) == 2
