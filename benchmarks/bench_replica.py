@@ -72,6 +72,7 @@ RSS_WARMUP_CYCLES = 100
 SETTLE_S = 2.5          # after the replica reaches the head: its heartbeat digest has run
 RSS_SAMPLES = 5         # RSS is the median of this many reads (it moves by a few MB at rest)
 RSS_EVERY_S = 0.5
+PROPAGATION_BLOCKS = 3  # the propagation figures are medians over this many blocks of loads
 
 console = Console()
 
@@ -380,6 +381,15 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
         svc.stop()
     every_send = [x for xs in from_send for x in xs]
     every_ack = [x for xs in from_ack for x in xs]
+    # the loads in PROPAGATION_BLOCKS consecutive blocks: each block's percentiles, so a figure
+    # is the median over blocks with their spread (every load is a new adapter, so blocks
+    # cannot be rerun without the replicas' caches answering)
+    size = -(-loads // PROPAGATION_BLOCKS)
+    blocks = []
+    for b in range(0, loads, size):
+        xs = [x for per_replica in from_ack for x in per_replica[b:b + size]]
+        blocks.append({"loads": len(xs) // n, "from_ack_ms_p50": ms(median(xs)),
+                       "from_ack_ms_p99": ms(pct(xs, 99))})
     slowest_send = [max(xs) for xs in zip(*from_send)]  # per load: when the last replica had it
     return {"replicas": n, "loads": loads, "blob_fetches_per_replica": fetches,
             "load_ack_ms_p50": ms(median(acks)), "load_ack_ms_p99": ms(pct(acks, 99)),
@@ -390,6 +400,7 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
             "all_replicas_from_send_ms_p99": ms(pct(slowest_send, 99)),
             "unload_from_ack_ms_p50": ms(median(unload_from_ack)),
             "per_replica_from_ack_ms_p50": [ms(median(xs)) for xs in from_ack],
+            "blocks": blocks,
             "samples_ms": {"load_ack": [ms(x) for x in acks],
                            "from_ack": [[ms(x) for x in xs] for xs in from_ack]}}
 
