@@ -130,8 +130,21 @@ def segments(slots: jax.Array, num_slots: int, *, window: int = WINDOW, rows: in
                     count=jnp.minimum(ends[-1], rows // window), window=window)
 
 
+def pool_dtype(a: jax.Array) -> jnp.dtype:
+    """The dtype a pool array holds: bfloat16 pools keep their bits as uint16 (computed/pool.py)."""
+    return jnp.dtype(jnp.bfloat16) if a.dtype == jnp.uint16 else a.dtype
+
+
+def widen(a: jax.Array, dt: jnp.dtype) -> jax.Array:
+    """A slice of a pool array as `dt`. A bfloat16 pool's uint16 bits become float32 by a shift,
+    which is exact; XLA then never sees a bfloat16 array it would widen whole, outside the loop."""
+    if a.dtype == jnp.uint16:
+        a = jax.lax.bitcast_convert_type(a.astype(jnp.uint32) << 16, jnp.float32)
+    return a.astype(dt)
+
+
 def _compute_dtype(x: jax.Array, A: jax.Array) -> jnp.dtype:
-    return jnp.promote_types(x.dtype, A.dtype)
+    return jnp.promote_types(x.dtype, pool_dtype(A))
 
 
 def _slot_scale(scaling: jax.Array, slot: jax.Array) -> jax.Array:
@@ -155,8 +168,8 @@ def single(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, slot: j
     `A` and `B` are one layer's `[slots, ...]`, or with `layer` the whole `[layers, slots, ...]`."""
     dt = _compute_dtype(x, A)
     s = jnp.maximum(slot, 0)
-    a = _take(A, layer, s).astype(dt)  # [r, in]
-    b = _take(B, layer, s).astype(dt)  # [out, r]
+    a = widen(_take(A, layer, s), dt)  # [r, in]
+    b = widen(_take(B, layer, s), dt)  # [out, r]
     y = (x.astype(dt) @ a.T) @ b.T
     return jnp.where(slot >= 0, y * _slot_scale(scaling, slot).astype(dt), jnp.zeros((), dt))
 
@@ -167,7 +180,7 @@ def segmented_group(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], 
     (`seg.slots`), in one loop over the windows: `[N, out]` per (A, B) pair of `pairs`.
 
     Each `A` and `B` is one layer's `[slots, ...]`, or with `layer` the whole `[layers, slots, ...]`."""
-    dt = functools.reduce(jnp.promote_types, [A.dtype for A, _ in pairs], x.dtype)
+    dt = functools.reduce(jnp.promote_types, [pool_dtype(A) for A, _ in pairs], x.dtype)
     w, rows = seg.window, seg.source.shape[0]
     # the padded layout, and one zero row past it for the padding's source
     xs = jnp.concatenate([x.astype(dt), jnp.zeros((1, x.shape[1]), dt)])[seg.source]
@@ -177,8 +190,8 @@ def segmented_group(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], 
         xw = jax.lax.dynamic_slice_in_dim(xs, start, w)
         out = []
         for (A, B), y in zip(pairs, ys):
-            t = xw @ _take(A, layer, u).astype(dt).T  # [w, r]
-            out.append(jax.lax.dynamic_update_slice_in_dim(y, t @ _take(B, layer, u).astype(dt).T, start, 0))
+            t = xw @ widen(_take(A, layer, u), dt).T  # [w, r]
+            out.append(jax.lax.dynamic_update_slice_in_dim(y, t @ widen(_take(B, layer, u), dt).T, start, 0))
         return tuple(out)
 
     # one more row than the layout: base rows read it, and no window writes it
@@ -202,7 +215,7 @@ def gather(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, slots: 
     slot's A and B. For benchmarks only: it reads one matrix pair per row, not per slot."""
     dt = _compute_dtype(x, A)
     s = jnp.maximum(slots, 0)
-    a = (A[s] if layer is None else A[layer, s]).astype(dt)  # [N, r, in]
-    b = (B[s] if layer is None else B[layer, s]).astype(dt)  # [N, out, r]
+    a = widen(A[s] if layer is None else A[layer, s], dt)  # [N, r, in]
+    b = widen(B[s] if layer is None else B[layer, s], dt)  # [N, out, r]
     t = jnp.einsum("ni,nri->nr", x.astype(dt), a)
     return jnp.einsum("nr,nor->no", t, b) * _slot_scale(scaling, slots).astype(dt)[:, None]

@@ -8,6 +8,14 @@ axis per target module keeps the pytree small (2 arrays per module):
     scaling    [slots]                                       float32
     rank       [slots]                                       int32
 
+A bfloat16 pool holds its A and B as uint16 arrays of the bfloat16 bit patterns
+(`storage_dtype`): XLA on CPU computes bfloat16 array ops in float32, so any
+slice of a bfloat16 pool inside the model's window loop made it widen the
+whole pool array to float32 before the loop, on every step (decode ran 3-4x
+slower with a bfloat16 pool than with a float32 one). `lora.widen` turns a
+slot's bits into float32 exactly. The bytes, and so the digests, are the
+bfloat16 bytes either way; `read_slot` returns bfloat16 arrays.
+
 An adapter of rank r occupies A[..., :r, :] and B[..., :r] of its slot; the
 padding, and every module or layer the adapter lacks, is zero, so it adds
 nothing to the LoRA term.
@@ -192,12 +200,17 @@ def _clear(pool: LoraPool, slot: jax.Array) -> LoraPool:
 _Op = tuple[Callable[..., LoraPool], tuple[Any, ...]]
 
 
+def storage_dtype(dtype: str) -> np.dtype:
+    """The dtype of a pool's A and B arrays for a pool dtype: bfloat16 as its uint16 bits."""
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(jnp.dtype(dtype))
+
+
 class MemoryPool:
     """Owner of the device pool: the only mutable state, changed by its methods."""
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
-        dtype = jnp.dtype(spec.dtype)
+        dtype = storage_dtype(spec.dtype)
         lead = (spec.num_layers, spec.slots)
         self._arrays = LoraPool(
             A={m: jnp.zeros(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
@@ -320,15 +333,17 @@ class MemoryPool:
                 )
             A[module][layer, :r] = a
             B[module][layer, :, :r] = b
-        return A, B
+        stored = storage_dtype(spec.dtype)
+        return ({m: a.view(stored) for m, a in A.items()}, {m: b.view(stored) for m, b in B.items()})
 
     def read_slot(self, slot: int) -> SlotContents:
         """A host copy of `slot`, extracted on the device (one compile for every slot)."""
         self._check_slot(slot)
         with self.reading() as pool:
             A, B, scaling, rank = jax.device_get(_slot_of(pool, np.int32(slot)))
-        return SlotContents(A={m: np.asarray(a) for m, a in A.items()},
-                            B={m: np.asarray(b) for m, b in B.items()},
+        dtype = jnp.dtype(self.spec.dtype)  # a bfloat16 pool's uint16 bits, viewed as bfloat16
+        return SlotContents(A={m: np.asarray(a).view(dtype) for m, a in A.items()},
+                            B={m: np.asarray(b).view(dtype) for m, b in B.items()},
                             scaling=float(scaling), rank=int(rank))
 
     def slot_digest(self, slot: int) -> str:

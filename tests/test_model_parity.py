@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from computed.model import (  # noqa: E402
     load_model,
     prefill,
 )
-from computed.pool import MemoryPool, PoolSpec  # noqa: E402
+from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from computed.weights import slot_weights  # noqa: E402
 from shared.events import AdapterLoaded  # noqa: E402
 from statesvc.example import (  # noqa: E402
@@ -401,6 +401,36 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
     # a batch on one adapter takes one window of the whole batch; pairs of rows on 4 adapters, windows of 2
     assert lora.choose_window(np.full(n, 3, np.int32), lora.windows_for(n)) == n
     assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.windows_for(n)) == 2
+
+
+def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -> None:
+    """A bfloat16 pool keeps uint16 bits (computed/pool.py); every LoRA path widens them exactly."""
+    rng = np.random.default_rng(11)
+    dims = {"q_proj": (12, 10)}
+    spec = PoolSpec(num_layers=2, module_dims=dims, slots=3, max_rank=4, dtype="bfloat16")
+    pool16 = MemoryPool(spec)
+    pool32 = MemoryPool(replace(spec, dtype="float32"))
+    for slot in range(3):
+        pairs = {(layer, "q_proj"): (rng.standard_normal((4, 12)).astype(np.float32),
+                                     rng.standard_normal((10, 4)).astype(np.float32)) for layer in (0, 1)}
+        rounded = {k: tuple(np.asarray(jnp.asarray(m).astype(jnp.bfloat16).astype(jnp.float32)) for m in ab)
+                   for k, ab in pairs.items()}
+        pool16.write_slot(slot, SlotWeights(scaling=0.5 + slot, rank=4, pairs=pairs))
+        pool32.write_slot(slot, SlotWeights(scaling=0.5 + slot, rank=4, pairs=rounded))
+    assert pool16.arrays.A["q_proj"].dtype == jnp.uint16
+    assert pool16.read_slot(1).A["q_proj"].dtype == jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((6, 12)).astype(np.float32))
+    slots = np.array([0, 2, lora.BASE, 1, 1, 2], np.int32)
+    for layer in (0, 1):
+        got, want = ([lora.segmented(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
+                                     lora.segments(slots, 3, window=2), layer),
+                      lora.gather(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
+                                  jnp.asarray(slots), layer),
+                      lora.single(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
+                                  jnp.int32(2), layer)]
+                     for p in (pool16, pool32))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 # --------------------------------------------------------------------------- loading
