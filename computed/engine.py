@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from computed.lora import windows_for
-from computed.model import decode, init_cache, prefill
+from computed.model import compile_serving, decode, init_cache, prefill
 from computed.pool import Lease, LoraPool, SlotDraining
 from computed.replica import Phase, Replica
 from shared.protocol import Field, ProtocolError, int_range, str_len, validate
@@ -43,7 +43,7 @@ class Model(Protocol):
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
-    def warmup(self, pool: LoraPool, cache: Any) -> Any: ...
+    def warmup(self, pool: LoraPool, cache: Any) -> None: ...
 
 
 def _token_list(limit: int) -> Callable[[Any], str | None]:
@@ -163,8 +163,9 @@ class Engine:
         pool = self.replica.pool
         if self.warm or pool is None:
             return
-        with pool.reading() as arrays:
-            self.cache = self.model.warmup(arrays, self.cache)
+        # from the pool's shapes alone, without holding it: diffs keep applying while it
+        # compiles (seconds per bucket and window)
+        self.model.warmup(pool.shapes(), self.cache)
         self.warm = True
 
     # ---- intake ----------------------------------------------------------------
@@ -345,17 +346,8 @@ class LlamaRunner:
                                attend_len=self.bucket(longest))
         return np.asarray(logits), cache
 
-    def warmup(self, pool: LoraPool, cache: Any) -> Any:
-        """Compile prefill for every bucket and decode for every bucket and LoRA window (row 0, the base model)."""
-        for b in self.buckets:
-            _, cache = self.prefill(pool, cache, np.zeros(b, np.int32), 1, 0, -1)
-        zeros = np.zeros(self.max_batch, np.int32)
-        base = np.full(self.max_batch, -1, np.int32)
-        active = np.zeros(self.max_batch, bool)
-        active[0] = True
-        for b in self.buckets:  # one decode compile per attention-length bucket and window
-            positions = np.full(self.max_batch, b - 1, np.int32)
-            for w in windows_for(self.max_batch):
-                _, cache = decode(self.params, pool, cache, zeros, positions, base, active, attend_len=b,
-                                  window=w)
-        return cache
+    def warmup(self, pool: LoraPool, cache: Any) -> None:
+        """Compile prefill for every bucket and decode for every bucket and LoRA window; only the
+        shapes of `pool` and `cache` are used."""
+        compile_serving(self.params, pool, cache, prompt_lengths=self.buckets, attend_lens=self.buckets,
+                        windows=windows_for(self.max_batch))

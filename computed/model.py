@@ -657,6 +657,27 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
                       attend_len=attend_len, window=window, lora_impl=lora_impl)
 
 
+def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
+                    prompt_lengths: tuple[int, ...], attend_lens: tuple[int, ...],
+                    windows: tuple[int, ...]) -> None:
+    """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
+    one per prompt length, and one per attention length and LoRA window. Only the shapes and
+    dtypes of `lora_pool` and `cache` are used (nothing is read or donated), so a replica can
+    warm up while diffs keep writing its pool."""
+    def shapes(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+    pool_s, cache_s = shapes(lora_pool), shapes(cache)
+    scalar = np.zeros((), np.int32)
+    for p in prompt_lengths:  # as `prefill` calls it
+        prefill_jit.lower(params, pool_s, cache_s, np.zeros(p, np.int32), scalar, scalar, scalar).compile()
+    rows = np.zeros(cache.max_batch, np.int32)
+    for attend_len in attend_lens:  # as `decode` calls it
+        for window in (windows if lora_pool is not None else (0,)):
+            decode_jit.lower(params, pool_s, cache_s, rows, rows, rows, np.zeros(cache.max_batch, np.bool_),
+                             attend_len=attend_len, window=window, lora_impl="segmented").compile()
+
+
 def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
     """Logits [B, T, vocab] float32 for `tokens [B, T]`, row b with LoRA slot `slots[b]`; no cache."""
     tokens, slots = _host_i32(tokens, "tokens"), _host_i32(slots, "slots")

@@ -210,19 +210,24 @@ class MemoryPool:
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
-        dtype = storage_dtype(spec.dtype)
-        lead = (spec.num_layers, spec.slots)
-        self._arrays = LoraPool(
-            A={m: jnp.zeros(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
-            B={m: jnp.zeros(lead + (o, spec.max_rank), dtype) for m, (_, o) in self._dims()},
-            scaling=jnp.zeros((spec.slots,), jnp.float32),
-            rank=jnp.zeros((spec.slots,), jnp.int32),
-        )
+        self._arrays: LoraPool = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.shapes())
         self._lock = threading.RLock()
         self._readers = [0] * spec.slots
         self._pending: dict[int, _Op] = {}
         self._reading_depth = 0
         self._slot_digests: list[str | None] = [None] * spec.slots
+
+    def shapes(self) -> LoraPool:
+        """The pool's arrays as shapes and dtypes only (`jax.ShapeDtypeStruct`), from the spec:
+        what compiling needs, without the lock or the buffers."""
+        spec, dtype = self.spec, storage_dtype(self.spec.dtype)
+        lead = (spec.num_layers, spec.slots)
+        return LoraPool(
+            A={m: jax.ShapeDtypeStruct(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
+            B={m: jax.ShapeDtypeStruct(lead + (o, spec.max_rank), dtype) for m, (_, o) in self._dims()},
+            scaling=jax.ShapeDtypeStruct((spec.slots,), jnp.float32),
+            rank=jax.ShapeDtypeStruct((spec.slots,), jnp.int32),
+        )
 
     def _dims(self) -> list[tuple[str, tuple[int, int]]]:
         return [(m, self.spec.module_dims[m]) for m in self.spec.modules]

@@ -1,6 +1,7 @@
 """Serving compiles nothing after warm-up, whatever the prompts, adapters, loads and unloads."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from computed.engine import Engine, LlamaRunner
@@ -15,7 +16,25 @@ def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path,
     with live_replica(tmp_path, example, max_loras=4) as (cmd, replica):
         config, params = load_model(example.model_dir)
         engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
-        engine.warmup()
+        assert replica.pool is not None
+        # warm-up compiles from the pool's shapes, so it never waits for the pool: a replica
+        # keeps applying diffs while it warms up (here a writer holds the pool throughout)
+        held, release = threading.Event(), threading.Event()
+
+        def writer_holds_the_pool() -> None:
+            with replica.pool._lock:  # type: ignore[union-attr]
+                held.set()
+                release.wait()
+
+        writer = threading.Thread(target=writer_holds_the_pool)
+        writer.start()
+        held.wait()
+        try:
+            engine.warmup()
+        finally:
+            release.set()
+            writer.join()
+        assert engine.warm
         adapters = sorted(example.adapter_dirs)
         assert replica.pool is not None
         pointers = buffer_pointers(replica.pool)
