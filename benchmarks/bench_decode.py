@@ -542,10 +542,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del long
 
     def ratio(a: Timing, b: Timing) -> tuple[float, list[float]]:
-        """a's figure over b's, and the spread of the per-round ratios (rounds both count)."""
+        """a over b: the median and the spread of the per-round ratios (rounds both count; each
+        round times every path side by side), as benchmarks/suite.py reports it."""
         both = [i for i in a.rounds() if i in b.rounds()]
-        return (a.tokens_per_s(steps) / b.tokens_per_s(steps),
-                spread([b.seconds[i] / a.seconds[i] for i in both]))
+        per_round = [b.seconds[i] / a.seconds[i] for i in both]
+        return median(per_round), spread(per_round)
 
     table = {}
     for k in MIXES:
