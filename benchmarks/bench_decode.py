@@ -86,7 +86,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, may_write, median, spread, update_readme, write_results
+from benchmarks.report import machine_info, median, print_targets, publish, spread
 from computed.engine import Engine, LlamaRunner
 from computed.model import decode, load_model
 from computed.pool import MemoryPool, PoolSpec
@@ -740,18 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     table, markdown = render(result)
     console.print(table)
-    for t in result["targets"]:
-        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
-        console.print(f"{verdict} {t['name']}: {t['measured']} (target {t['target']})")
+    print_targets(result, console.print)
     console.print(notes(result))
     console.print(machine_line(result))
-    if not args.no_write and may_write(args.quick):
-        path = write_results("decode", result)
-        console.print(f"results written to {path}")
-        if update_readme("decode", markdown):
-            console.print("README.md section bench:decode updated")
-        else:
-            console.print("[dim]README.md has no bench:decode markers; left alone[/dim]")
+    publish("decode", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
 
 

@@ -38,7 +38,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, may_write, median, update_readme, write_results
+from benchmarks.report import machine_info, median, print_targets, publish
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, encode_body
 from shared.processes import loopback, start_ready, stop_pid
@@ -414,16 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(settings)
     table, markdown = render(result)
     console.print(table)
-    for t in result["targets"]:
-        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
-        console.print(f"{verdict} {t['name']}: {t['measured']:,} (target {t['target']})")
-    if not a.no_write and may_write(a.quick):
-        path = write_results("events", result)
-        console.print(f"results written to {path}")
-        if update_readme("events", markdown):
-            console.print("README.md section bench:events updated")
-        else:
-            console.print("[dim]README.md has no bench:events markers; left alone[/dim]")
+    print_targets(result, console.print)
+    publish("events", result, markdown, quick=a.quick, no_write=a.no_write, say=console.print)
     return 0
 
 

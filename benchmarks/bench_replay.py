@@ -46,8 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
-from benchmarks.report import (machine_info, may_write, median, spread, update_readme,
-                               write_results)
+from benchmarks.report import machine_info, median, publish, spread
 from computed.pool import MemoryPool
 from computed.replica import Replica, pool_spec
 from shared.client import ControlClient
@@ -295,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     table, markdown = render(result)
     console.print(table)
     console.print(markdown)
-    if not args.no_write and may_write(args.quick):
-        write_results("replay", result)
-        update_readme("replay", markdown)
+    publish("replay", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
 
 

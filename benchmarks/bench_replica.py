@@ -44,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, may_write, median, spread, update_readme, write_results
+from benchmarks.report import machine_info, median, print_targets, publish, spread
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
 from computed.weights import slot_weights
@@ -687,17 +687,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{rss['rss_mb_after_cycles']} MB after {rss['events']:,} events "
                   f"(peak {rss['peak_rss_mb']} MB; {rss['events_per_s_applied']:,} events/s "
                   f"applied); every 250 cycles: {[t['rss_mb'] for t in rss['rss_mb_trace']]}")
-    for t in result["targets"]:
-        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
-        console.print(f"{verdict} {t['name']}: {t['measured']} (target {t['target']})")
+    print_targets(result, console.print)
     console.print(f"[dim]{result['seconds']} s in all[/dim]")
-    if not a.no_write and may_write(a.quick):
-        path = write_results("replica", result)
-        console.print(f"results written to {path}")
-        if update_readme("replica", markdown):
-            console.print("README.md section bench:replica updated")
-        else:
-            console.print("[dim]README.md has no bench:replica markers; left alone[/dim]")
+    publish("replica", result, markdown, quick=a.quick, no_write=a.no_write, say=console.print)
     return 0
 
 

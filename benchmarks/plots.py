@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import matplotlib
 
-from benchmarks.report import decode_rates
+from benchmarks.report import decode_rates, median
 
 matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
@@ -26,7 +26,7 @@ def _errs(medians: list[float], runs: list[list[float]]) -> list[list[float]]:
 def events(r: dict[str, Any], ax: Axes) -> None:
     runs = {k: [x["events_per_s"] for x in r["runs"][k]] for k in ("raw", "single", "concurrent")}
     labels = ["raw sqlite3", "statesvc, 1 client", f"statesvc, {r['settings']['clients']} clients"]
-    meds = [sorted(v)[len(v) // 2] for v in runs.values()]
+    meds = [median(v) for v in runs.values()]
     ax.bar(labels, meds, yerr=_errs(meds, list(runs.values())), capsize=4,
            color=["#999999", "#4c72b0", "#4c72b0"])
     ax.axhline(1000, color="#c44e52", linestyle=":", label="target 1,000/s")
@@ -81,7 +81,7 @@ def decode(r: dict[str, Any], ax: Axes) -> None:
         if not have:
             continue
         runs = [decode_rates(results[k][impl], batch * steps) for k in have]
-        meds = [sorted(v)[len(v) // 2] for v in runs]
+        meds = [median(v) for v in runs]
         ax.errorbar([int(k) for k in have], meds, yerr=_errs(meds, runs), fmt=style, capsize=3,
                     label=label)
     ax.set_xscale("symlog", linthresh=1)

@@ -14,7 +14,7 @@ import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -85,3 +85,24 @@ def decode_rates(cell: dict[str, Any], tokens: int) -> list[float]:
     """tokens/s of the rounds a decode figure is taken from (`used_rounds`; None: all)."""
     used = cell.get("used_rounds")
     return [tokens / cell["seconds"][i] for i in (range(len(cell["seconds"])) if used is None else used)]
+
+
+def print_targets(result: dict[str, Any], say: Callable[[str], None]) -> None:
+    """One PASS/MISS line (rich markup) per entry of `result["targets"]`."""
+    for t in result["targets"]:
+        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
+        measured = f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else t["measured"]
+        say(f"{verdict} {t['name']}: {measured} (target {t['target']})")
+
+
+def publish(name: str, result: dict[str, Any], markdown: str, *, quick: bool, no_write: bool,
+            say: Callable[[str], None]) -> None:
+    """Write NAME.json and the README's bench:NAME section, unless told not to or a quick
+    run has nowhere but the repository to write (`may_write`)."""
+    if no_write or not may_write(quick):
+        return
+    say(f"results written to {write_results(name, result)}")
+    if update_readme(name, markdown):
+        say(f"README.md section bench:{name} updated")
+    else:
+        say(f"[dim]README.md has no bench:{name} markers; left alone[/dim]")

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import plots
-from benchmarks.report import OUT_ENV, README, RESULTS_DIR, decode_rates, machine_info, update_readme
+from benchmarks.report import (OUT_ENV, README, RESULTS_DIR, decode_rates, machine_info, median, spread,
+                               update_readme)
 
 Figure = dict[str, Any]
 
@@ -63,16 +64,6 @@ def figure(bench: str, name: str, value: float, unit: str, *, target: str | None
             "runs": runs, "bench": bench}
 
 
-def _minmax(values: list[float]) -> list[float]:
-    return [min(values), max(values)]
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def events_figures(r: dict[str, Any]) -> list[Figure]:
     runs = r["runs"]
     rate = {k: [x["events_per_s"] for x in runs[k]] for k in ("raw", "concurrent", "single")}
@@ -80,14 +71,14 @@ def events_figures(r: dict[str, Any]) -> list[Figure]:
     out = []
     for kind, label in (("concurrent", f"{clients} clients"), ("single", "1 client")):
         ratios = [a / b for a, b in zip(rate[kind], rate["raw"])]
-        meets_rate = _median(rate[kind]) >= 1000 if kind == "concurrent" else None
-        out.append(figure("events", f"event append, {label}", _median(rate[kind]), "events/s",
+        meets_rate = median(rate[kind]) >= 1000 if kind == "concurrent" else None
+        out.append(figure("events", f"event append, {label}", median(rate[kind]), "events/s",
                           target=">= 1,000" if kind == "concurrent" else None, meets=meets_rate,
-                          spread=_minmax(rate[kind]), runs=len(rate[kind])))
-        out.append(figure("events", f"event append, {label} / raw sqlite3", _median(ratios), "x",
+                          spread=spread(rate[kind]), runs=len(rate[kind])))
+        out.append(figure("events", f"event append, {label} / raw sqlite3", median(ratios), "x",
                           target=">= 0.5x" if kind == "concurrent" else None,
-                          meets=_median(ratios) >= 0.5 if kind == "concurrent" else None,
-                          spread=_minmax(ratios), runs=len(ratios)))
+                          meets=median(ratios) >= 0.5 if kind == "concurrent" else None,
+                          spread=spread(ratios), runs=len(ratios)))
     return out
 
 
@@ -99,12 +90,12 @@ def replica_figures(r: dict[str, Any]) -> list[Figure]:
         for q in ("p50", "p99"):
             # per block of loads where the results have blocks (one run of all loads otherwise)
             per_block = [b[f"from_ack_ms_{q}"] / floor for b in p.get("blocks", [])]
-            value = _median(per_block) if per_block else p[f"from_ack_ms_{q}"] / floor
+            value = median(per_block) if per_block else p[f"from_ack_ms_{q}"] / floor
             target = "<= 2x" if q == "p99" else None
             out.append(figure("replica", f"propagation to {n} replica(s), ack to applied {q} / "
                                          "read+sha256 of the file", value, "x", target=target,
                               meets=value <= 2 if target else None,
-                              spread=_minmax(per_block) if per_block else None,
+                              spread=spread(per_block) if per_block else None,
                               runs=len(per_block) or 1))
     pool = r["pool"]
     ratio = pool["write_over_rebuild"]
@@ -122,7 +113,7 @@ def replica_figures(r: dict[str, Any]) -> list[Figure]:
     rss = r["rss"]
     out.append(figure("replica", f"RSS after {rss['cycles']:,} load/unload cycles / after warm-up",
                       rss["rss_ratio"], "x", target="<= 1.05x", meets=rss["rss_ratio"] <= 1.05,
-                      spread=_minmax([s / rss["rss_mb_after_warmup"]
+                      spread=spread([s / rss["rss_mb_after_warmup"]
                                       for s in rss["rss_mb_samples_after_cycles"]]),
                       runs=len(rss["rss_mb_samples_after_cycles"])))
     return out
@@ -150,8 +141,8 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
     results = r["results"]
     steps, batch = r["settings"]["steps"], r["settings"]["batch"]
     base = decode_rates(results["0"]["decode"], batch * steps)
-    out = [figure("decode", "decode, base model, batch 32", _median(base), "tokens/s",
-                  spread=_minmax(base), runs=len(base))]
+    out = [figure("decode", "decode, base model, batch 32", median(base), "tokens/s",
+                  spread=spread(base), runs=len(base))]
     for k in sorted(results, key=int):
         if k == "0":
             continue
@@ -211,8 +202,8 @@ def summary_table(latest: dict[str, Any]) -> str:
     for f in latest["figures"]:
         unit = "" if f["unit"] == "x" else f" {f['unit']}"
         value = f"{_num(f['value'])}{'x' if f['unit'] == 'x' else unit}"
-        spread = "" if not f["spread"] else f"{_num(f['spread'][0])}-{_num(f['spread'][1])}"
-        lines.append(f"| {f['name']} | {value} | {spread} | {f['runs']} | {f['target'] or ''} "
+        span = "" if not f["spread"] else f"{_num(f['spread'][0])}-{_num(f['spread'][1])}"
+        lines.append(f"| {f['name']} | {value} | {span} | {f['runs']} | {f['target'] or ''} "
                      f"| {verdict(f)} |")
     m = latest["machine"]
     missed = [f for f in latest["figures"] if f["meets"] is False]

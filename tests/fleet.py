@@ -61,14 +61,3 @@ def fleet(tmp_path: Path, example: ExampleAssets) -> Iterator[Fleet]:
         yield f
     finally:
         f.stop()
-
-
-
-@pytest.fixture
-def fleet(tmp_path: Path, example: ExampleAssets) -> Iterator[Fleet]:
-    f = Fleet(tmp_path, example)
-    f.statesvc.start()
-    try:
-        yield f
-    finally:
-        f.stop()
