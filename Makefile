@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench up clean
+.PHONY: venv kernels test test-fast demo bench up clean
 
 venv: $(STAMP)
 
@@ -15,23 +15,28 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# the native LoRA kernel (computed/kernels): built once per source, compiler and CPU; where it
+# cannot be built, the replica says why and uses the XLA window loop instead
+kernels: $(STAMP)
+	-$(BIN)/python -m computed.kernels
+
+test: kernels
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-test-fast: $(STAMP)
+test-fast: kernels
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
-demo: $(STAMP)
+demo: kernels
 	$(BIN)/python -m statesvc.demo
 
 # every benchmark, then benchmarks/results/latest.json, the plots and the README tables
-bench: $(STAMP)
+bench: kernels
 	$(BIN)/python -m benchmarks
 
 clean:
 	rm -rf $(VENV) var bench-results .pytest_cache
 
 # statesvc and one replica on the example model, in the foreground; Ctrl-C stops both.
-up: $(STAMP)
+up: kernels
 	$(BIN)/python -m statesvc.up

@@ -23,6 +23,12 @@ other down:
                 logits; every round restarts at position 32. The pool has `--slots`
                 slots (32 of them filled), the KV cache `--max-len` positions. Each
                 step's mix picks its LoRA window (computed.lora.choose_window).
+                The LoRA terms come from the native kernel (computed/kernels/sgmv.cc),
+                as in serving on the CPU.
+* loop:         the same loop with the LoRA terms from XLA's window loop instead
+                (computed.lora.segmented_group, each step's window from
+                lora.loop_windows): what a replica does where the kernel cannot be
+                built, on the batches with adapters.
 * gather:       the same loop with the same LoRA arithmetic done by a per-token gather
                 (BGMV-style: every row gathers its own adapter's A and B;
                 computed.model.decode with lora_impl="gather", which serving never
@@ -88,6 +94,7 @@ from rich.table import Table
 
 from benchmarks.report import machine_info, median, print_targets, publish, spread
 from computed.engine import Engine, LlamaRunner
+from computed.lora import choose_window, loop_windows
 from computed.model import decode, load_model
 from computed.pool import MemoryPool, PoolSpec
 from computed.replica import Phase, Replica
@@ -118,7 +125,10 @@ TARGET_OVER_PEFT = 3.0
 CONTENDED = 0.10  # a median share of the CPUs used by other processes above this is flagged
 PATHS = ("decode", "engine", "peft")
 GATHER = "gather"  # timed on the mixes with adapters only
-LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT", GATHER: "per-token gather"}
+LOOP = "loop"  # likewise
+ALTERNATIVES = (LOOP, GATHER)
+LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT", GATHER: "per-token gather",
+          LOOP: "XLA window loop"}
 
 console = Console() if sys.stdout.isatty() else Console(width=150)
 
@@ -235,7 +245,8 @@ class RawDecode:
     The runner is what the engine calls: computed.model.decode over the
     smallest attention bucket that holds the longest sequence. With
     `lora_impl="gather"`, computed.model.decode over the same bucket with the
-    per-token gather instead of the runner's segmented LoRA.
+    per-token gather instead of the runner's segmented LoRA; with `lora_impl="loop"`,
+    with XLA's window loop instead of the native kernel.
     """
 
     def __init__(self, runner: LlamaRunner, pool: MemoryPool | None, prompts: np.ndarray,
@@ -265,9 +276,11 @@ class RawDecode:
     def _step(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, Any]:
         if self.lora_impl == "segmented":
             return self.runner.decode(self.arrays, self.cache, tokens, positions, self.slots, self.active)
+        loop = self.lora_impl == LOOP
         logits, cache = decode(self.runner.params, self.arrays, self.cache, tokens, positions, self.slots,
                                self.active, self.runner.bucket(int(positions.max()) + 1),
-                               lora_impl=self.lora_impl)
+                               window=choose_window(self.slots, loop_windows(BATCH)) if loop else None,
+                               lora_impl="segmented" if loop else self.lora_impl)
         return np.asarray(logits), cache
 
 
@@ -482,20 +495,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             console.print("prefilling (this compiles prefill and decode) ...")
             raw = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k))) for k in MIXES}
-            gathered = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k)), lora_impl="gather")
-                        for k in MIXES if k}
+            alternatives = {a: {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k)), lora_impl=a)
+                                for k in MIXES if k} for a in ALTERNATIVES}
             engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new) for k in MIXES}
             no_pool = RawDecode(runner, None, prompts, np.full(BATCH, -1))
             timings = {p: {k: Timing() for k in MIXES} for p in PATHS}
-            timings[GATHER] = {k: Timing() for k in gathered}
+            for a, by_mix in alternatives.items():
+                timings[a] = {k: Timing() for k in by_mix}
             no_pool_timing = Timing()
 
             def one_round(k: int, count: bool) -> None:
                 if k == 0:
                     no_pool.round(steps, no_pool_timing if count else None)
                 raw[k].round(steps, timings["decode"][k] if count else None)
-                if k in gathered:
-                    gathered[k].round(steps, timings[GATHER][k] if count else None)
+                for a, by_mix in alternatives.items():
+                    if k in by_mix:
+                        by_mix[k].round(steps, timings[a][k] if count else None)
                 engines[k].round(steps, timings["engine"][k] if count else None)
                 peft_proc.round(k, steps, timings["peft"][k] if count else None)
 
@@ -520,9 +535,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine = [np.array([out[1 + i] for out in served]) for i in range(steps)]
                 tokens_agree[str(k)] = {"decode_vs_peft": agreement(ours, peft_proc.tokens[k]),
                                         "decode_vs_engine": agreement(ours, engine)}
-                if k in gathered:
-                    tokens_agree[str(k)]["decode_vs_gather"] = agreement(ours, gathered[k].tokens)
-            del raw, gathered, engines, no_pool
+                for a, by_mix in alternatives.items():
+                    if k in by_mix:
+                        tokens_agree[str(k)][f"decode_vs_{a}"] = agreement(ours, by_mix[k].tokens)
+            del raw, alternatives, engines, no_pool
             gemm = {"xla": gemm_rate_xla(), "torch": peft_proc.gemm_rate()}
         finally:
             peft_proc.stop()
@@ -550,16 +566,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     table = {}
     for k in MIXES:
-        row: dict[str, Any] = {p: timings[p][k].as_dict(steps) for p in (*PATHS, GATHER) if k in timings[p]}
+        row: dict[str, Any] = {p: timings[p][k].as_dict(steps) for p in (*PATHS, *ALTERNATIVES)
+                               if k in timings[p]}
         versus = {"base": lambda p: timings[p][0], "peft": lambda p: timings["peft"][k]}
-        if k in timings[GATHER]:
-            versus["gather"] = lambda p: timings[GATHER][k]
+        for a in ALTERNATIVES:
+            if k in timings[a]:
+                versus[a] = lambda p, a=a: timings[a][k]  # type: ignore[misc]
         for p in ("decode", "engine"):
             for name, other in versus.items():
                 row[p][f"over_{name}"], row[p][f"over_{name}_spread"] = ratio(timings[p][k], other(p))
-        if k in timings[GATHER]:
-            row[GATHER]["over_base"], row[GATHER]["over_base_spread"] = ratio(timings[GATHER][k],
-                                                                              timings["decode"][0])
+        for a in ALTERNATIVES:
+            if k in timings[a]:
+                for name, other in (("base", timings["decode"][0]), ("peft", timings["peft"][k])):
+                    row[a][f"over_{name}"], row[a][f"over_{name}_spread"] = ratio(timings[a][k], other)
         table[str(k)] = row
     targets = []
     for p in ("decode", "engine"):
@@ -601,12 +620,14 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
     s, m = result["settings"], result["model"]
     table = Table(title=f"decode, batch {s['batch']}, tokens/s (median of {s['repeats']} rounds "
                         f"of {s['steps']} steps)")
-    for col in ("distinct adapters", "decode", "Engine.step", "gather", "PEFT", "decode / base",
-                "Engine / base", "decode / gather", "decode / PEFT", "Engine / PEFT"):
+    for col in ("distinct adapters", "decode", "Engine.step", "loop", "gather", "PEFT", "decode / base",
+                "Engine / base", "loop / base", "decode / loop", "decode / gather", "decode / PEFT",
+                "Engine / PEFT", "loop / PEFT"):
         table.add_column(col, justify="right")
-    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | per-token gather tok/s "
-             "| PEFT tok/s | ours / base (decode, Engine) | decode / gather | ours / PEFT (decode, Engine) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | XLA window loop tok/s "
+             "| per-token gather tok/s | PEFT tok/s | ours / base (decode, Engine, loop) | decode / loop "
+             "| decode / gather | ours / PEFT (decode, Engine, loop) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def rate(cell: dict[str, Any]) -> str:  # the median and the spread of the rounds
         lo, hi = cell["tokens_per_s_spread"]
@@ -615,15 +636,16 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
     for k in MIXES:
         r = result["results"][str(k)]
         d, e, p = r["decode"], r["engine"], r["peft"]
-        g = rate(r[GATHER]) if GATHER in r else "-"
-        over_g = f"{d['over_gather']:.2f}" if "over_gather" in d else "-"
+        g, lp = (rate(r[a]) if a in r else "-" for a in (GATHER, LOOP))
+        over_g, over_l = (f"{d[f'over_{a}']:.2f}" if f"over_{a}" in d else "-" for a in (GATHER, LOOP))
+        l_base, l_peft = (f"{r[LOOP][f'over_{n}']:.2f}" if LOOP in r else "-" for n in ("base", "peft"))
         short = {n: f"{c['tokens_per_s']:,.0f}" for n, c in r.items()}  # the console: medians only
-        table.add_row(_mix_label(k), short["decode"], short["engine"], short.get(GATHER, "-"), short["peft"],
-                      f"{d['over_base']:.2f}",
-                      f"{e['over_base']:.2f}", over_g, f"{d['over_peft']:.2f}", f"{e['over_peft']:.2f}")
-        lines.append(f"| {_mix_label(k)} | {rate(d)} | {rate(e)} | {g} | {rate(p)} "
-                     f"| {d['over_base']:.2f}, {e['over_base']:.2f} | {over_g} "
-                     f"| {d['over_peft']:.2f}, {e['over_peft']:.2f} |")
+        table.add_row(_mix_label(k), short["decode"], short["engine"], short.get(LOOP, "-"), short.get(GATHER, "-"),
+                      short["peft"], f"{d['over_base']:.2f}", f"{e['over_base']:.2f}", l_base, over_l, over_g,
+                      f"{d['over_peft']:.2f}", f"{e['over_peft']:.2f}", l_peft)
+        lines.append(f"| {_mix_label(k)} | {rate(d)} | {rate(e)} | {lp} | {g} | {rate(p)} "
+                     f"| {d['over_base']:.2f}, {e['over_base']:.2f}, {l_base} | {over_l} | {over_g} "
+                     f"| {d['over_peft']:.2f}, {e['over_peft']:.2f}, {l_peft} |")
     v = result["versions"]
     lines += ["",
               f"Model (random, written by statesvc/example.py): vocab {m['vocab_size']}, hidden "
@@ -634,7 +656,10 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"pool of {s['slots']} slots, {s['pool_dtype']}; KV cache of {s['max_len']} positions. Row i uses "
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
               f"of the rounds (their range in brackets). decode: "
-              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it) in a loop; per-token "
+              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it, LoRA from the native "
+              f"kernel `computed/kernels/sgmv.cc`) in a loop; XLA window loop: the same loop with the LoRA "
+              f"terms from XLA's window loop (`lora.segmented_group`), what a replica runs where the kernel "
+              f"cannot be built; per-token "
               f"gather: the same loop with the LoRA terms from A and B gathered for every row "
               f"(BGMV-style, `lora_impl=\"gather\"`, never used in serving); Engine.step: "
               f"the serving loop with host sampling; PEFT {v['peft']} mixed-batch inference (`adapter_names`) "
@@ -707,6 +732,8 @@ def notes(result: dict[str, Any]) -> str:
                  + f" of (step, row) pairs ({', '.join(str(k) for k in MIXES)} adapters), the per-token "
                  "gather's with ours on "
                  + ", ".join(f"{100 * agree[str(k)]['decode_vs_gather']:.0f}%" for k in MIXES if k)
+                 + ", the window loop's on "
+                 + ", ".join(f"{100 * agree[str(k)]['decode_vs_loop']:.0f}%" for k in MIXES if k)
                  + f"; {result['compiles_while_timing']} compiles while timing.")
     return " ".join(notes)
 

@@ -38,7 +38,8 @@ donating the cache so it is updated in place:
   one step for every row; row b writes its K/V at positions[b] and attends to
   [0, positions[b]]. Inactive rows write nothing (their write index is pushed
   out of range and dropped) and their logits are meaningless. One compile per
-  attention length and LoRA window (computed/lora.py).
+  attention length and LoRA window (computed/lora.py; with the native kernel,
+  one window for every mix).
 - `forward_full(params, lora_pool, tokens[B, T], slots[B])`: every position's
   logits, no cache (for tests and scoring).
 
@@ -63,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from computed import lora
+from computed import kernels, lora
 from computed.pool import LoraPool
 from shared.config import MODULE_PARENT, MODULES
 from shared.tensorfile import TensorFileError, parse_header, to_float32
@@ -393,14 +394,16 @@ def _softmax(scores: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 class _Lora:
-    """How one forward pass adds LoRA: one slot for all tokens, rows grouped by slot, or (benchmarks
-    only) a per-row gather."""
+    """How one forward pass adds LoRA: one slot for all tokens (`slot`), rows grouped by slot by the
+    native kernel (`rows`: each row's slot) or by the window loop (`seg`), or (benchmarks only) a
+    per-row gather (`gather`)."""
 
     def __init__(self, pool: LoraPool | None, config: LlamaConfig, *, slot: jax.Array | None = None,
-                 seg: lora.Segments | None = None, gather: jax.Array | None = None) -> None:
+                 seg: lora.Segments | None = None, rows: jax.Array | None = None,
+                 gather: jax.Array | None = None) -> None:
         if pool is not None:
             _check_pool(pool, config)
-        self.pool, self.slot, self.seg, self.gather = pool, slot, seg, gather
+        self.pool, self.slot, self.seg, self.rows, self.gather = pool, slot, seg, rows, gather
 
     def deltas(self, x: jax.Array, layer: int, modules: tuple[str, ...]) -> dict[str, jax.Array]:
         """The LoRA terms of `modules`, which all read `x`, for those the pool has."""
@@ -410,11 +413,13 @@ class _Lora:
         present = [m for m in modules if m in pool.A]  # all layers: sliced inside, see lora._take
         if not present:
             return {}
-        if self.seg is None and self.gather is None:
-            assert self.slot is not None
+        if self.slot is not None:
             return {m: lora.single(x, pool.A[m], pool.B[m], pool.scaling, self.slot, layer) for m in present}
         flat = x.reshape(-1, x.shape[-1])
-        if self.seg is not None:
+        if self.rows is not None:
+            ys = lora.kernel_group(flat, [(pool.A[m], pool.B[m]) for m in present], pool.scaling, pool.rank,
+                                   self.rows, layer)
+        elif self.seg is not None:
             ys = lora.segmented_group(flat, [(pool.A[m], pool.B[m]) for m in present], pool.scaling,
                                       self.seg, layer)
         else:
@@ -550,6 +555,8 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         adapters = _Lora(None, config)
     elif lora_impl == "gather":
         adapters = _Lora(lora_pool, config, gather=slots)
+    elif window == lora.KERNEL:
+        adapters = _Lora(lora_pool, config, rows=slots)
     else:
         adapters = _Lora(lora_pool, config, seg=lora.segments(slots, lora_pool.scaling.shape[0], window=window,
                                                               rows=2 * n_rows))
@@ -558,20 +565,25 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
 
 
 def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.Array,
-                  slots: jax.Array) -> jax.Array:
+                  slots: jax.Array, kernel: bool) -> jax.Array:
     config = params.config
     n_rows, t = tokens.shape
     token_slots = jnp.broadcast_to(slots[:, None], (n_rows, t)).reshape(-1)
-    seg = None if lora_pool is None else lora.segments(token_slots, lora_pool.scaling.shape[0])
+    if lora_pool is None:
+        adapters = _Lora(None, config)
+    elif kernel:
+        adapters = _Lora(lora_pool, config, rows=token_slots)
+    else:
+        adapters = _Lora(lora_pool, config, seg=lora.segments(token_slots, lora_pool.scaling.shape[0]))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n_rows, t))
-    h = _decoder(params, tokens, positions, _Lora(lora_pool, config, seg=seg),
+    h = _decoder(params, tokens, positions, adapters,
                  lambda i, q, k, v: _causal_attention(q, k, v, config))
     return _logits(params, h)
 
 
 prefill_jit = jax.jit(_prefill, donate_argnames="cache")
 decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames=("attend_len", "window", "lora_impl"))
-forward_full_jit = jax.jit(_forward_full)
+forward_full_jit = jax.jit(_forward_full, static_argnames="kernel")
 
 
 def _host_i32(x: Any, name: str) -> np.ndarray:
@@ -629,7 +641,8 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     `active[b]` False write nothing to the cache and their other entries are
     ignored. `cache` is donated. `window` is the LoRA window, one compile per
     size: by default `lora.choose_window` picks one of `lora.windows_for(max_batch)`
-    for this mix. `lora_impl="gather"` gathers A and B per row instead (BGMV-style,
+    for this mix, which is `lora.KERNEL` (the native kernel) where it is available;
+    a size from `lora.loop_windows` forces the window loop. `lora_impl="gather"` gathers A and B per row instead (BGMV-style,
     for benchmarks; serving never does).
     """
     tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
@@ -659,6 +672,10 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
         window = 0  # unused: one compile whatever the caller passed
     elif window is None:
         window = lora.choose_window(slots, lora.windows_for(b))
+    elif window == lora.KERNEL:
+        if not kernels.available():
+            raise ValueError(f"window lora.KERNEL needs the native LoRA kernel, which is unavailable here "
+                             f"({kernels.unavailable_reason()}); leave window unset to use the window loop")
     elif not 1 <= window <= b or lora.padded_rows(slots, window) > 2 * b:
         raise ValueError(f"window {window} does not fit this mix of slots in {2 * b} rows (twice max_batch); "
                          "leave window unset to have lora.choose_window pick one")
@@ -687,14 +704,21 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
                              attend_len=attend_len, window=window, lora_impl="segmented").compile()
 
 
-def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
-    """Logits [B, T, vocab] float32 for `tokens [B, T]`, row b with LoRA slot `slots[b]`; no cache."""
+def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any, *,
+                 lora_impl: str | None = None) -> jax.Array:
+    """Logits [B, T, vocab] float32 for `tokens [B, T]`, row b with LoRA slot `slots[b]`; no cache.
+
+    The LoRA terms come from the native kernel where it is available, else the window loop;
+    `lora_impl` "kernel" or "loop" picks one."""
+    if lora_impl not in (None, "kernel", "loop"):
+        raise ValueError(f"lora_impl must be 'kernel' or 'loop', got {lora_impl!r}")
     tokens, slots = _host_i32(tokens, "tokens"), _host_i32(slots, "slots")
     if tokens.ndim != 2 or slots.shape != tokens.shape[:1]:
         raise ValueError(f"forward_full takes tokens [B, T] and slots [B]; got {tokens.shape} and {slots.shape}")
     _check_tokens(tokens, params.config)
     _check_slots(slots, lora_pool)
-    return forward_full_jit(params, lora_pool, tokens, slots)
+    return forward_full_jit(params, lora_pool, tokens, slots,
+                            kernel=lora_impl == "kernel" or (lora_impl is None and kernels.available()))
 
 
 __all__ = [

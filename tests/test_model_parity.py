@@ -212,12 +212,15 @@ def prompt_of(setup: Setup, seed: int, length: int) -> list[int]:
 # --------------------------------------------------------------------------- parity
 
 
-def test_forward_full_matches_peft_mixed_batch(setup: Setup) -> None:
+@pytest.mark.parametrize("lora_impl", ["kernel", "loop"])
+def test_forward_full_matches_peft_mixed_batch(setup: Setup, lora_impl: str) -> None:
+    """Through the native LoRA kernel and through the XLA window loop."""
     adapters: list[str | None] = [None] + [a.name for a in setup.assets.adapters] + [None]
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, setup.config.vocab_size, (len(adapters), 11))
     ref = setup.ref.logits(tokens, adapters)
-    ours = forward_full(setup.params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters])
+    ours = forward_full(setup.params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters],
+                        lora_impl=lora_impl)
     close(ours, ref)
     # A LoRA term that is really there: base and adapter rows differ far beyond the tolerance.
     assert np.abs(ref[1] - setup.ref.logits(tokens[1:2], [None])[0]).max() > 100 * RTOL * np.abs(ref).max()
@@ -258,7 +261,9 @@ class Request:
         return self.out is not None and len(self.out) == NEW_TOKENS
 
 
-def test_continuous_batch_of_mixed_adapters(setup: Setup) -> None:
+@pytest.mark.parametrize("lora_impl", ["kernel", "loop"])
+def test_continuous_batch_of_mixed_adapters(setup: Setup, lora_impl: str) -> None:
+    """Decode through the native LoRA kernel, and through the XLA window loop (each step's window)."""
     names = [a.name for a in setup.assets.adapters]
     requests = [
         Request(None, prompt_of(setup, 10, 5), joins_at=0),
@@ -293,7 +298,10 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup) -> None:
             tokens[r.row], positions[r.row] = r.out[-1], len(r.prompt) + len(r.out) - 1
             slots[r.row], active[r.row] = setup.slot(r.adapter), True
         if active.any():
-            logits, cache = decode(setup.params, setup.pool.arrays, cache, tokens, positions, slots, active)
+            window = (None if lora_impl == "kernel" else
+                      lora.choose_window(np.where(active, slots, lora.BASE), lora.loop_windows(MAX_BATCH)))
+            logits, cache = decode(setup.params, setup.pool.arrays, cache, tokens, positions, slots, active,
+                                   window=window)
             for r in running:
                 assert r.out is not None
                 close(logits[r.row], setup.ref.greedy(r.prompt, r.adapter)[1][len(r.out)])
@@ -388,8 +396,8 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
     for slots in (m.astype(np.int32) for m in mixes):
         want = [np.stack([np.zeros(b.shape[1], np.float32) if s < 0 else scaling[s] * (b[s] @ (a[s] @ row))
                           for row, s in zip(x, slots)]) for a, b in zip(A, B)]
-        fits = [w for w in lora.windows_for(n) if lora.padded_rows(slots, w) <= 2 * n]
-        assert lora.choose_window(slots, lora.windows_for(n)) in fits
+        fits = [w for w in lora.loop_windows(n) if lora.padded_rows(slots, w) <= 2 * n]
+        assert lora.choose_window(slots, lora.loop_windows(n)) in fits
         for w in fits:
             got = lora.segmented_group(jnp.asarray(x), pairs, jnp.asarray(scaling),
                                        lora.segments(slots, S, window=w, rows=2 * n))
@@ -398,9 +406,47 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
         for (a, b), wnt in zip(pairs, want):
             got = lora.gather(jnp.asarray(x), a, b, jnp.asarray(scaling), jnp.asarray(slots))
             np.testing.assert_allclose(np.asarray(got), wnt, rtol=1e-5, atol=1e-5)
+        got = lora.kernel_group(jnp.asarray(x), [(a[None], b[None]) for a, b in pairs], jnp.asarray(scaling),
+                                jnp.full(S, r, jnp.int32), jnp.asarray(slots), 0)
+        for g, wnt in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), wnt, rtol=1e-5, atol=1e-5)
     # a batch on one adapter takes one window of the whole batch; pairs of rows on 4 adapters, windows of 2
-    assert lora.choose_window(np.full(n, 3, np.int32), lora.windows_for(n)) == n
-    assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.windows_for(n)) == 2
+    assert lora.choose_window(np.full(n, 3, np.int32), lora.loop_windows(n)) == n
+    assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.loop_windows(n)) == 2
+    assert lora.windows_for(n) == (lora.KERNEL,)  # the kernel is built here, and takes any mix
+    assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.windows_for(n)) == lora.KERNEL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str) -> None:
+    """Pool-shaped A and B with slots of ranks 16, 9, 4 and an empty one; an input width that is no
+    multiple of 16, an output that is no multiple of 8 and spans two column blocks; several layers."""
+    rng = np.random.default_rng(3)
+    dims = {"q_proj": (37, 1030), "k_proj": (37, 13)}
+    spec = PoolSpec(num_layers=2, module_dims=dims, slots=5, max_rank=16, dtype=dtype)
+    pool = MemoryPool(spec)
+    ranks = {0: 16, 1: 9, 2: 4, 4: 1}  # slot 3 stays empty
+    host: dict[tuple[int, int, str], tuple[np.ndarray, np.ndarray]] = {}
+    for slot, r in ranks.items():
+        pairs = {(layer, m): (rng.standard_normal((r, n_in)).astype(np.float32),
+                              rng.standard_normal((n_out, r)).astype(np.float32))
+                 for layer in range(2) for m, (n_in, n_out) in dims.items()}
+        if dtype == "bfloat16":
+            pairs = {k: tuple(np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32)) for w in ab)
+                     for k, ab in pairs.items()}
+        pool.write_slot(slot, SlotWeights(scaling=0.25 * (slot + 1), rank=r, pairs=pairs))
+        host.update({(slot, layer, m): ab for (layer, m), ab in pairs.items()})
+    a = pool.arrays
+    x = rng.standard_normal((11, 37)).astype(np.float32)
+    slots = np.array([0, 2, lora.BASE, 1, 4, 2, 0, 0, 1, 3, 4], np.int32)
+    for layer in range(2):
+        got = lora.kernel_group(jnp.asarray(x), [(a.A[m], a.B[m]) for m in dims], a.scaling, a.rank,
+                                jnp.asarray(slots), layer)
+        for m, g in zip(dims, got):
+            want = np.stack([np.zeros(dims[m][1], np.float32) if s not in ranks
+                             else 0.25 * (s + 1) * (host[(s, layer, m)][1] @ (host[(s, layer, m)][0] @ row))
+                             for row, s in zip(x, slots)])
+            np.testing.assert_allclose(np.asarray(g), want, rtol=2e-5, atol=2e-5)
 
 
 def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -> None:
@@ -427,7 +473,9 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
                       lora.gather(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
                                   jnp.asarray(slots), layer),
                       lora.single(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
-                                  jnp.int32(2), layer)]
+                                  jnp.int32(2), layer),
+                      *lora.kernel_group(x, [(p.arrays.A["q_proj"], p.arrays.B["q_proj"])], p.arrays.scaling,
+                                         p.arrays.rank, jnp.asarray(slots), layer)]
                      for p in (pool16, pool32))
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

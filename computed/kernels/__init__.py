@@ -1,0 +1,148 @@
+"""Native CPU kernels, built from source on the machine that runs them.
+
+One kernel today: `sgmv.cc`, the segmented multi-LoRA product that decode and
+`forward_full` use on the CPU (computed/lora.py, `lora.kernel_group`). XLA on
+CPU cannot multiply by a slot's A and B in place: every window of its loop
+copies them out of the pool first, and runs a handful of tiny ops, each with
+its own dispatch. The kernel groups the rows by slot and reads each slot's
+weights once, from the pool's own buffers.
+
+It is compiled with the C++ compiler (`$CXX`, else `g++`) against the XLA FFI
+headers that jaxlib ships, with `-march=native`, into
+`$LORAPLANE_KERNEL_DIR` (default `build/kernels/` at the repository root), as
+a file named by a hash of the source, the flags, jaxlib's version and the CPU,
+so a change to any of them builds afresh and an unchanged one is reused.
+Processes that start together take a file lock, and one of them compiles.
+`make venv` builds it ahead (`python -m computed.kernels`); otherwise the first
+use does, in about 3 s.
+
+Where it cannot be used (no compiler, a failed build, a backend other than the
+CPU, or `LORAPLANE_LORA_KERNEL=xla`), `available()` is False, the reason is
+logged once, and the model uses the pure-XLA window loop instead, which gives
+the same results (to float32 rounding).
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger("computed.kernels")
+
+SOURCE = Path(__file__).with_name("sgmv.cc")
+TARGET = "loraplane_sgmv"
+SYMBOL = "LoraplaneSgmv"
+# No -ffast-math and no FMA contraction: the vector code is written out, so every sum has one order
+# and a float32 and a bfloat16 pool that hold the same values give bit-identical terms.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
+ENV_SWITCH = "LORAPLANE_LORA_KERNEL"  # "xla": never use the kernel
+
+
+class KernelError(RuntimeError):
+    """The kernel could not be built or loaded; the message says why and what to do."""
+
+
+def build_dir() -> Path:
+    env = os.environ.get("LORAPLANE_KERNEL_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "build" / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(compiler: str) -> Path:
+    """Where the build for this source, compiler, flags, jaxlib and CPU lives."""
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+                 jaxlib.__version__.encode(), _cpu_id().encode(), platform.machine().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return build_dir() / f"sgmv-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The compiled library, compiling it first if this source has no build yet."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise KernelError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH: install g++ or set CXX, "
+                          "or set LORAPLANE_LORA_KERNEL=xla to use the pure-XLA LoRA loop")
+    path = library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling the same file
+        if path.exists():
+            return path
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+        os.close(fd)
+        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise KernelError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # whole or absent: a reader never sees half a library
+    return path
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build, load and register the kernel once per process: None when it is in use, else why not."""
+    if os.environ.get(ENV_SWITCH, "").lower() == "xla":
+        return f"{ENV_SWITCH}=xla"
+    if jax.default_backend() != "cpu":
+        return f"the {jax.default_backend()} backend (the kernel is for the CPU)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    except (KernelError, OSError, AttributeError) as e:
+        log.warning("LoRA kernel unavailable, using the XLA loop instead: %s", e)
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the LoRA kernel is built, loaded and registered for this process's backend."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def require() -> None:
+    """Make sure the kernel is registered; KernelError (saying why) where it cannot be."""
+    reason = _load()
+    if reason is not None:
+        raise KernelError(f"the native LoRA kernel is unavailable: {reason}")
+
+
+def main() -> int:
+    """`python -m computed.kernels`: build (or find) the kernel and say where it is."""
+    try:
+        path = build()
+    except KernelError as e:
+        print(f"computed.kernels: {e}", file=sys.stderr)
+        return 1
+    print(f"computed.kernels: {path}")
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from computed.kernels import main
+
+sys.exit(main())
