@@ -233,7 +233,7 @@ def kernel_group(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], sca
     kernels.require()
     outs = [jax.ShapeDtypeStruct((x.shape[0], B.shape[-2]), jnp.float32) for _, B in pairs]
     operands = [m for pair in pairs for m in pair]
-    return list(jax.ffi.ffi_call(kernels.TARGET, outs)(
+    return list(jax.ffi.ffi_call(kernels.SGMV, outs)(
         x.astype(jnp.float32), slots.astype(jnp.int32), scaling.astype(jnp.float32), rank.astype(jnp.int32),
         *operands, layer=np.int64(layer)))
 

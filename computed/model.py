@@ -526,18 +526,30 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
     return _logits(params, last), KVCache(k_cache, v_cache)
 
 
+def attention_kernel(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, layer: int,
+                      scale: float) -> jax.Array:
+    """Decode attention by the native kernel (computed/kernels/attention.cc): q [B, kv, g, d] over
+    the first `lengths[b]` positions of row b of layer `layer`, read in place; [B, kv, g, d] float32."""
+    kernels.require()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(kernels.ATTENTION, out)(q.astype(jnp.float32), k_cache, v_cache, lengths,
+                                                    layer=np.int64(layer), scale=np.float32(scale))
+
+
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
             positions: jax.Array, slots: jax.Array, active: jax.Array, attend_len: int, window: int,
-            lora_impl: str = "segmented") -> tuple[jax.Array, KVCache]:
-    """One decode step; attention reads only the first `attend_len` cache positions (static:
-    one compile per length bucket), so a step costs what the longest running sequence needs,
-    not what the cache could hold. `window` (static) is the LoRA window (lora.choose_window);
+            lora_impl: str = "segmented", attention: str = "xla") -> tuple[jax.Array, KVCache]:
+    """One decode step. With `attention` "xla", attention reads the first `attend_len` cache
+    positions (static: one compile per length bucket), so a step costs what the longest running
+    sequence needs, not what the cache could hold; with "kernel", each row reads its own positions
+    in place (`attend_len` unused). `window` (static) is the LoRA window (lora.choose_window);
     `lora_impl` "gather" swaps in the per-token gather, for benchmarks."""
     config = params.config
     n_rows, max_len = tokens.shape[0], cache.max_len
     rows = jnp.arange(n_rows)
     write_at = jnp.where(active, positions, max_len)  # out of range: dropped, the cache is untouched
     visible = (jnp.arange(attend_len)[None, :] <= positions[:, None])[:, None, None, :]
+    lengths = jnp.where(active, positions + 1, 0).astype(jnp.int32)
     k_cache, v_cache = cache.k, cache.v
 
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -545,6 +557,9 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         nonlocal k_cache, v_cache
         k_cache = k_cache.at[i, rows, :, :, write_at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, rows, :, write_at].set(v.astype(v_cache.dtype), mode="drop")
+        if attention == "kernel":
+            out = attention_kernel(q, k_cache, v_cache, lengths, i, config.head_dim ** -0.5)
+            return out.astype(q.dtype).reshape(n_rows, -1)
         keys = jax.lax.slice_in_dim(k_cache[i], 0, attend_len, axis=3)  # [B, kv, d, L]
         values = jax.lax.slice_in_dim(v_cache[i], 0, attend_len, axis=2)  # [B, kv, L, d]
         scores = jnp.einsum("bkgd,bkds->bkgs", q, keys) * (config.head_dim ** -0.5)
@@ -582,7 +597,8 @@ def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.A
 
 
 prefill_jit = jax.jit(_prefill, donate_argnames="cache")
-decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames=("attend_len", "window", "lora_impl"))
+decode_jit = jax.jit(_decode, donate_argnames="cache",
+                     static_argnames=("attend_len", "window", "lora_impl", "attention"))
 forward_full_jit = jax.jit(_forward_full, static_argnames="kernel")
 
 
@@ -633,7 +649,7 @@ def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
 
 def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
            slots: Any, active: Any, attend_len: int | None = None, *, window: int | None = None,
-           lora_impl: str = "segmented") -> tuple[jax.Array, KVCache]:
+           lora_impl: str = "segmented", attention: str | None = None) -> tuple[jax.Array, KVCache]:
     """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
 
     Row b appends `tokens[b]` at `positions[b]` (< max_len) and attends to
@@ -642,8 +658,11 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     ignored. `cache` is donated. `window` is the LoRA window, one compile per
     size: by default `lora.choose_window` picks one of `lora.windows_for(max_batch)`
     for this mix, which is `lora.KERNEL` (the native kernel) where it is available;
-    a size from `lora.loop_windows` forces the window loop. `lora_impl="gather"` gathers A and B per row instead (BGMV-style,
-    for benchmarks; serving never does).
+    a size from `lora.loop_windows` forces the window loop. `lora_impl="gather"` gathers A
+    and B per row instead (BGMV-style, for benchmarks; serving never does). `attention`
+    "kernel" reads each row's own positions of the cache in place (the native kernel; then
+    `attend_len` is only checked, and one compile serves every length), "xla" the first
+    `attend_len` positions of every row; by default `attention_impl(cache)`.
     """
     tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
                                 _host_i32(slots, "slots"))
@@ -668,6 +687,12 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
                          f"most the cache's max_len {cache.max_len}")
     if lora_impl not in ("segmented", "gather"):
         raise ValueError(f"lora_impl must be 'segmented' or 'gather', got {lora_impl!r}")
+    if attention is None:
+        attention = attention_impl(cache)
+    elif attention not in ("kernel", "xla"):
+        raise ValueError(f"attention must be 'kernel' or 'xla', got {attention!r}")
+    if attention == "kernel":
+        attend_len = cache.max_len  # unused by the kernel: one compile for every length
     if lora_pool is None or lora_impl == "gather":
         window = 0  # unused: one compile whatever the caller passed
     elif window is None:
@@ -680,16 +705,22 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
         raise ValueError(f"window {window} does not fit this mix of slots in {2 * b} rows (twice max_batch); "
                          "leave window unset to have lora.choose_window pick one")
     return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
-                      attend_len=attend_len, window=window, lora_impl=lora_impl)
+                      attend_len=attend_len, window=window, lora_impl=lora_impl, attention=attention)
+
+
+def attention_impl(cache: KVCache) -> str:
+    """How decode attends by default: "kernel" (computed/kernels/attention.cc) for a float32 cache
+    where the native kernels are available, else "xla"."""
+    return "kernel" if cache.k.dtype == jnp.float32 and kernels.available() else "xla"
 
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
                     prompt_lengths: tuple[int, ...], attend_lens: tuple[int, ...],
                     windows: tuple[int, ...]) -> None:
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
-    one per prompt length, and one per attention length and LoRA window. Only the shapes and
-    dtypes of `lora_pool` and `cache` are used (nothing is read or donated), so a replica can
-    warm up while diffs keep writing its pool."""
+    one per prompt length, and one per attention length (only one with the attention kernel) and
+    LoRA window. Only the shapes and dtypes of `lora_pool` and `cache` are used (nothing is read
+    or donated), so a replica can warm up while diffs keep writing its pool."""
     def shapes(tree: Any) -> Any:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
@@ -698,10 +729,12 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     for p in prompt_lengths:  # as `prefill` calls it
         prefill_jit.lower(params, pool_s, cache_s, np.zeros(p, np.int32), scalar, scalar, scalar).compile()
     rows = np.zeros(cache.max_batch, np.int32)
-    for attend_len in attend_lens:  # as `decode` calls it
+    attention = attention_impl(cache)
+    for attend_len in attend_lens if attention == "xla" else (cache.max_len,):  # as `decode` calls it
         for window in (windows if lora_pool is not None else (0,)):
             decode_jit.lower(params, pool_s, cache_s, rows, rows, rows, np.zeros(cache.max_batch, np.bool_),
-                             attend_len=attend_len, window=window, lora_impl="segmented").compile()
+                             attend_len=attend_len, window=window, lora_impl="segmented",
+                             attention=attention).compile()
 
 
 def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any, *,
@@ -723,5 +756,5 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
 
 __all__ = [
     "KVCache", "LayerParams", "LlamaConfig", "LlamaParams", "ModelLoadError", "RopeConfig",
-    "decode", "forward_full", "init_cache", "inv_freq", "load_model", "prefill", "rms_norm", "rope",
+    "attention_impl", "attention_kernel", "decode", "forward_full", "init_cache", "inv_freq", "load_model", "prefill", "rms_norm", "rope",
 ]

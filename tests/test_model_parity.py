@@ -38,6 +38,7 @@ from computed.model import (  # noqa: E402
     KVCache,
     LlamaConfig,
     LlamaParams,
+    attention_kernel,
     decode,
     forward_full,
     init_cache,
@@ -261,9 +262,10 @@ class Request:
         return self.out is not None and len(self.out) == NEW_TOKENS
 
 
-@pytest.mark.parametrize("lora_impl", ["kernel", "loop"])
-def test_continuous_batch_of_mixed_adapters(setup: Setup, lora_impl: str) -> None:
-    """Decode through the native LoRA kernel, and through the XLA window loop (each step's window)."""
+@pytest.mark.parametrize("impl", ["kernels", "xla"])
+def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
+    """Decode through the native kernels (LoRA and attention), and through XLA alone (the LoRA
+    window loop with each step's window, attention over length buckets)."""
     names = [a.name for a in setup.assets.adapters]
     requests = [
         Request(None, prompt_of(setup, 10, 5), joins_at=0),
@@ -298,10 +300,12 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, lora_impl: str) -> Non
             tokens[r.row], positions[r.row] = r.out[-1], len(r.prompt) + len(r.out) - 1
             slots[r.row], active[r.row] = setup.slot(r.adapter), True
         if active.any():
-            window = (None if lora_impl == "kernel" else
+            window = (None if impl == "kernels" else
                       lora.choose_window(np.where(active, slots, lora.BASE), lora.loop_windows(MAX_BATCH)))
+            longest = int(positions[active].max()) + 1
             logits, cache = decode(setup.params, setup.pool.arrays, cache, tokens, positions, slots, active,
-                                   window=window)
+                                   attend_len=next(b for b in (16, 32, 64, MAX_LEN) if b >= longest),
+                                   window=window, attention="kernel" if impl == "kernels" else "xla")
             for r in running:
                 assert r.out is not None
                 close(logits[r.row], setup.ref.greedy(r.prompt, r.adapter)[1][len(r.out)])
@@ -314,6 +318,30 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, lora_impl: str) -> Non
     for r in requests:
         assert r.out == setup.ref.greedy(r.prompt, r.adapter)[0], f"{r.adapter} row {r.row}: greedy differs"
         assert r.checked == NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("groups,head_dim,max_len", [(2, 64, 256), (1, 12, 37), (6, 8, 16)])
+def test_theattention_kernel_reads_each_rows_own_positions(groups: int, head_dim: int, max_len: int) -> None:
+    """Against a float64 reference: lengths from 1 to max_len (a partial last block, and one that
+    ends at the row's end), inactive rows (length 0) get zeros, and other layers are not read."""
+    rng = np.random.default_rng(groups)
+    layers, rows, kv = 3, 7, 2
+    q = rng.standard_normal((rows, kv, groups, head_dim)).astype(np.float32)
+    k = rng.standard_normal((layers, rows, kv, head_dim, max_len)).astype(np.float32)
+    v = rng.standard_normal((layers, rows, kv, max_len, head_dim)).astype(np.float32)
+    lengths = np.array([1, max_len, 0, 17 % max_len + 1, max_len - 1, 5, max_len // 2], np.int32)
+    scale = head_dim ** -0.5
+    got = np.asarray(attention_kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), 1,
+                                       scale))
+    for b, n in enumerate(lengths):
+        for h in range(kv):
+            if n == 0:
+                np.testing.assert_array_equal(got[b, h], 0.0)
+                continue
+            scores = scale * q[b, h].astype(np.float64) @ k[1, b, h, :, :n]
+            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            want = (p / p.sum(axis=-1, keepdims=True)) @ v[1, b, h, :n]
+            np.testing.assert_allclose(got[b, h], want, rtol=2e-5, atol=2e-6)
 
 
 def test_inactive_rows_leave_the_cache_alone(example_setup: Setup) -> None:

@@ -1,11 +1,14 @@
-"""Native CPU kernels, built from source on the machine that runs them.
+"""Native CPU kernels, built from source on the machine that runs them (docs/kernels.md).
 
-One kernel today: `sgmv.cc`, the segmented multi-LoRA product that decode and
-`forward_full` use on the CPU (computed/lora.py, `lora.kernel_group`). XLA on
-CPU cannot multiply by a slot's A and B in place: every window of its loop
-copies them out of the pool first, and runs a handful of tiny ops, each with
-its own dispatch. The kernel groups the rows by slot and reads each slot's
-weights once, from the pool's own buffers.
+- `sgmv.cc`: the segmented multi-LoRA product that decode and `forward_full`
+  use on the CPU (computed/lora.py, `lora.kernel_group`). XLA on CPU cannot
+  multiply by a slot's A and B in place: every window of its loop copies them
+  out of the pool first, and runs a handful of tiny ops, each with its own
+  dispatch. The kernel groups the rows by slot and reads each slot's weights
+  once, from the pool's own buffers.
+- `attention.cc`: decode attention over the KV cache in place
+  (computed/model.py), each row over its own length; XLA copies the attended
+  bucket of K and V out of the cache for every layer of every step.
 
 It is compiled with the C++ compiler (`$CXX`, else `g++`) against the XLA FFI
 headers that jaxlib ships, with `-march=native`, into
@@ -40,9 +43,11 @@ import jax
 
 log = logging.getLogger("computed.kernels")
 
-SOURCE = Path(__file__).with_name("sgmv.cc")
-TARGET = "loraplane_sgmv"
-SYMBOL = "LoraplaneSgmv"
+HERE = Path(__file__).parent
+SOURCES = (HERE / "sgmv.cc", HERE / "attention.cc")
+HEADERS = (HERE / "parallel.h",)
+TARGETS = {"loraplane_sgmv": "LoraplaneSgmv", "loraplane_decode_attention": "LoraplaneDecodeAttention"}
+SGMV, ATTENTION = TARGETS
 # No -ffast-math and no FMA contraction: the vector code is written out, so every sum has one order
 # and a float32 and a bfloat16 pool that hold the same values give bit-identical terms.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
@@ -73,11 +78,11 @@ def library_path(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
                  jaxlib.__version__.encode(), _cpu_id().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
-    return build_dir() / f"sgmv-{key.hexdigest()[:16]}.so"
+    return build_dir() / f"loraplane-kernels-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -96,11 +101,11 @@ def build() -> Path:
             return path
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
         os.close(fd)
-        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
-            raise KernelError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+            raise KernelError(f"compiling {', '.join(f.name for f in SOURCES)} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # whole or absent: a reader never sees half a library
     return path
 
@@ -114,7 +119,8 @@ def _load() -> str | None:
         return f"the {jax.default_backend()} backend (the kernel is for the CPU)"
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (KernelError, OSError, AttributeError) as e:
         log.warning("LoRA kernel unavailable, using the XLA loop instead: %s", e)
         return str(e)
@@ -122,7 +128,7 @@ def _load() -> str | None:
 
 
 def available() -> bool:
-    """Whether the LoRA kernel is built, loaded and registered for this process's backend."""
+    """Whether the kernels are built, loaded and registered for this process's backend."""
     return _load() is None
 
 
@@ -134,7 +140,7 @@ def require() -> None:
     """Make sure the kernel is registered; KernelError (saying why) where it cannot be."""
     reason = _load()
     if reason is not None:
-        raise KernelError(f"the native LoRA kernel is unavailable: {reason}")
+        raise KernelError(f"the native kernels are unavailable: {reason}")
 
 
 def main() -> int:

@@ -7,7 +7,7 @@
 // base model) get zeros. A slot's work stops at its own rank (pool.rank, rounded up to 8 for the
 // vector path; the pool keeps the rest zero), not at the pool's max_rank. Work items (slot,
 // module, block of output columns) go to XLA's intra-op threads; the calling thread works too and
-// then waits only for items another thread has already taken.
+// then waits only for items another thread has already taken (parallel.h).
 //
 // Operands: x f32 [rows, in], slots s32 [rows], scaling f32 [slots], rank s32 [slots], then an
 // (A, B) pair per module, both f32 or both u16 (bfloat16 bits, widened exactly):
@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -168,17 +169,13 @@ struct Call {
     expand(t.data(), n, r, b, max_rank, it.o0, it.o1, scaling[slot], rows, m.y, m.out);
   }
 
-  void run(size_t i) const {
+  void run(int64_t i) const {
     const Item& it = items[i];
     if (modules[it.module].bf16)
       run<uint16_t>(it);
     else
       run<float>(it);
   }
-};
-
-struct Progress {
-  std::atomic<size_t> next{0}, done{0};
 };
 
 ffi::Error Sgmv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slot_of_row,
@@ -238,20 +235,7 @@ ffi::Error Sgmv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
       for (int64_t o = 0; o < call->modules[mi].out; o += kColumns)
         call->items.push_back({g, mi, o, std::min(o + kColumns, call->modules[mi].out)});
 
-  // Threads claim items until none is left. Helpers hold the call and the progress by shared_ptr:
-  // one that starts after every item is claimed finds nothing to do and touches no buffer.
-  const size_t total = call->items.size();
-  auto progress = std::make_shared<Progress>();
-  auto drain = [](const std::shared_ptr<Call>& c, const std::shared_ptr<Progress>& p, size_t total) {
-    for (size_t i; (i = p->next.fetch_add(1, std::memory_order_relaxed)) < total;) {
-      c->run(i);
-      p->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(total) - 1);
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([call, progress, total, drain]() { drain(call, progress, total); });
-  drain(call, progress, total);
-  while (progress->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  loraplane::run_parallel<Call>(pool, call, static_cast<int64_t>(call->items.size()));
   return ffi::Error::Success();
 }
 
