@@ -58,10 +58,14 @@ share of the CPUs the process used and the share other processes used
 count, since torch's threads in particular slow down many times over when one
 of them is descheduled.
 
-Two more figures for where our time goes: the base batch through `decode` with
-no LoRA pool at all (timed in the same rounds), and the base batch once more
+More figures for where our time goes: the base batch through `decode` with
+no LoRA pool at all (timed in the same rounds); the base batch once more
 with a `--long-max-len` cache (0 skips it), which should change nothing, since a
-step attends over the bucket that holds the longest sequence, not the cache.
+step reads the positions its rows hold, not the cache; and with that cache, the
+base batch deep in it (every row from three quarters of it on; the cache holds
+zeros, which cost attention the same), by the native attention kernel and by
+XLA's attention over the bucket, interleaved round by round: what the kernel
+buys at long context.
 
     .venv/bin/python -m benchmarks.bench_decode [--steps 8] [--repeats 5] [--no-write] [--quick]
 
@@ -282,6 +286,26 @@ class RawDecode:
                                window=choose_window(self.slots, loop_windows(BATCH)) if loop else None,
                                lora_impl="segmented" if loop else self.lora_impl)
         return np.asarray(logits), cache
+
+
+class DeepDecode:
+    """The base batch deep in a long cache, no prefill: every row at positions from `start` on,
+    attention by `attention` ("kernel" or "xla", computed.model.decode)."""
+
+    def __init__(self, runner: LlamaRunner, start: int, attention: str) -> None:
+        self.runner, self.start, self.attention = runner, start, attention
+        self.cache = runner.new_cache()
+        self.slots, self.active = np.full(BATCH, -1, np.int32), np.ones(BATCH, np.bool_)
+
+    def round(self, steps: int, timing: Timing | None) -> None:
+        tokens = np.zeros(BATCH, np.int32)
+        with timed(timing):
+            for k in range(steps):
+                at = self.start + k
+                logits, self.cache = decode(self.runner.params, None, self.cache, tokens, np.full(BATCH, at, np.int32),
+                                            self.slots, self.active, self.runner.bucket(at + 1),
+                                            attention=self.attention)
+                tokens = np.asarray(logits).argmax(axis=-1).astype(np.int32)
 
 
 class EngineDecode:
@@ -543,7 +567,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             peft_proc.stop()
 
-        long_base = None
+        long_base = long_context = None
         if args.long_max_len:
             console.print(f"base batch with a {args.long_max_len}-position cache ...")
             long_runner = LlamaRunner(config, params, max_batch=BATCH, max_len=args.long_max_len)
@@ -556,6 +580,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t.used = clean_rounds([t], len(t.seconds)) or None
             long_base = {"max_len": args.long_max_len, **t.as_dict(steps)}
             del long
+            deep = {a: DeepDecode(long_runner, 3 * args.long_max_len // 4, a) for a in ("kernel", "xla")}
+            console.print(f"base batch from position {3 * args.long_max_len // 4} of that cache, "
+                          "attention by the kernel and by XLA ...")
+            deep_t = {a: Timing() for a in deep}
+            for d in deep.values():
+                d.round(steps, None)  # compiles
+            while (len(clean_rounds(list(deep_t.values()), len(deep_t["kernel"].seconds))) < args.long_repeats
+                   and len(deep_t["kernel"].seconds) < 3 * args.long_repeats):
+                for a, d in deep.items():
+                    d.round(steps, deep_t[a])
+            used = clean_rounds(list(deep_t.values()), len(deep_t["kernel"].seconds)) or None
+            for t in deep_t.values():
+                t.used = used
+            per_round = [deep_t["xla"].seconds[i] / deep_t["kernel"].seconds[i] for i in deep_t["kernel"].rounds()]
+            long_context = {"max_len": args.long_max_len, "start": 3 * args.long_max_len // 4,
+                            **{a: t.as_dict(steps) for a, t in deep_t.items()},
+                            "kernel_over_xla": median(per_round), "kernel_over_xla_spread": spread(per_round)}
+            del deep
 
     def ratio(a: Timing, b: Timing) -> tuple[float, list[float]]:
         """a over b: the median and the spread of the per-round ratios (rounds both count; each
@@ -604,7 +646,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "xla_threads": os.cpu_count()},
         "results": table, "targets": targets, "compiles_while_timing": len(compiles),
         "no_pool_base": no_pool_timing.as_dict(steps),
-        "tokens_agree": tokens_agree, "long_cache_base": long_base, "gemm_gflops": gemm,
+        "tokens_agree": tokens_agree, "long_cache_base": long_base,
+        "long_context": long_context, "gemm_gflops": gemm,
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -725,7 +768,13 @@ def notes(result: dict[str, Any]) -> str:
     elif lb:
         notes.append(f"With a {lb['max_len']}-position cache, the base batch at the same positions makes "
                      f"{lb['tokens_per_s']:,.0f} tokens/s, {lb['tokens_per_s'] / base:.2f}x the figure above "
-                     "(a step attends over the bucket that holds the longest sequence).")
+                     "(a step reads the positions its rows hold, not the cache).")
+    lc = result.get("long_context")
+    if lc:
+        notes.append(f"Deep in that cache (every row from position {lc['start']} on), the base batch makes "
+                     f"{lc['kernel']['tokens_per_s']:,.0f} tokens/s with the attention kernel and "
+                     f"{lc['xla']['tokens_per_s']:,.0f} with XLA's attention over the bucket: "
+                     f"{lc['kernel_over_xla']:.2f}x.")
     agree = result["tokens_agree"]
     notes.append("Greedy tokens agree with PEFT's on "
                  + ", ".join(f"{100 * agree[str(k)]['decode_vs_peft']:.0f}%" for k in MIXES)

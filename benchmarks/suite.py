@@ -160,6 +160,11 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
             out.append(figure("decode", f"decode, {label} {name}".replace(" :", ":"), value, "x",
                               target=target, meets=value >= goal if target and goal else None,
                               spread=ours.get(f"over_{key}_spread"), runs=runs))
+    lc = r.get("long_context")
+    if lc:
+        out.append(figure("decode", f"decode, base model from position {lc['start']} of {lc['max_len']}: "
+                          "attention kernel / XLA attention", lc["kernel_over_xla"], "x",
+                          spread=lc["kernel_over_xla_spread"], runs=len(lc["kernel"]["seconds"])))
     return out
 
 

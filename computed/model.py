@@ -21,13 +21,16 @@ LoRA (computed/lora.py) is added to q, k, v, o, gate, up and down wherever the
 pool has the module: `y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT
 does; slot -1 is the base model and adds nothing.
 
-KV cache for continuous batching (`KVCache`): K and V of shape
-`[layers, max_batch, kv_heads, max_len, head_dim]` in the model dtype; each
-running sequence owns one batch row. Heads come before positions so that the
-attention matmuls read the cache in place: with positions first, XLA on CPU
-transposes every layer's K and V before each step's matmuls, and a decode
-step takes about three times as long. Entry points, all jitted, the first two
-donating the cache so it is updated in place:
+KV cache for continuous batching (`KVCache`): K `[layers, max_batch, kv_heads,
+head_dim, max_len]` and V `[layers, max_batch, kv_heads, max_len, head_dim]` in
+the model dtype; each running sequence owns one batch row. Heads come before
+positions so that attention reads the cache in place (with positions first,
+XLA on CPU transposes every layer's K and V before each step's matmuls, and a
+decode step takes about three times as long), and K keeps positions minor so
+that a step's scores stream positions. Decode attention is the native kernel
+(computed/kernels/attention.cc) for a float32 cache where it is built, each
+row over its own positions; else XLA over a length bucket. Entry points, all
+jitted, the first two donating the cache so it is updated in place:
 
 - `prefill(params, lora_pool, cache, tokens[P], length, row, slot)`: one
   prompt padded to a bucket length P; writes K/V of positions [0, P) of row
@@ -38,8 +41,8 @@ donating the cache so it is updated in place:
   one step for every row; row b writes its K/V at positions[b] and attends to
   [0, positions[b]]. Inactive rows write nothing (their write index is pushed
   out of range and dropped) and their logits are meaningless. One compile per
-  attention length and LoRA window (computed/lora.py; with the native kernel,
-  one window for every mix).
+  attention length and LoRA window (computed/lora.py); with the native
+  kernels, one compile in all.
 - `forward_full(params, lora_pool, tokens[B, T], slots[B])`: every position's
   logits, no cache (for tests and scoring).
 
