@@ -309,11 +309,14 @@ class Engine:
 class LlamaRunner:
     """The Flax Llama (computed/model.py) behind the engine's `Model` interface.
 
-    Prompts are padded to power-of-two buckets (from 16 up to max_len), and a
-    decode step attends over the bucket that holds its longest sequence, so
-    prefill compiles once per bucket and decode once per bucket and LoRA window
-    (`lora.windows_for(max_batch)`; each step's mix picks its window); `warmup`
-    compiles them all up front, so nothing compiles while serving.
+    Prompts are padded to power-of-two buckets (from 16 up to max_len), so
+    prefill compiles once per bucket. With the native kernels (computed/kernels)
+    decode compiles once: each row attends over its own positions and the LoRA
+    kernel takes any mix. Without them a decode step attends over the bucket
+    that holds its longest sequence, and decode compiles once per bucket and
+    LoRA window (`lora.windows_for(max_batch)`; each step's mix picks its
+    window). `warmup` compiles them all up front, so nothing compiles while
+    serving.
     """
 
     def __init__(self, config: Any, params: Any, *, max_batch: int, max_len: int) -> None:
