@@ -25,10 +25,11 @@ other down:
                 step's mix picks its LoRA window (computed.lora.choose_window).
                 The LoRA terms come from the native kernel (computed/kernels/sgmv.cc),
                 as in serving on the CPU.
-* loop:         the same loop with the LoRA terms from XLA's window loop instead
+* loop:         the same loop on XLA alone, as a replica runs where the native
+                kernels cannot be built: LoRA terms from XLA's window loop
                 (computed.lora.segmented_group, each step's window from
-                lora.loop_windows): what a replica does where the kernel cannot be
-                built, on the batches with adapters.
+                lora.loop_windows) and attention over the length bucket, on the
+                batches with adapters.
 * gather:       the same loop with the same LoRA arithmetic done by a per-token gather
                 (BGMV-style: every row gathers its own adapter's A and B;
                 computed.model.decode with lora_impl="gather", which serving never
@@ -132,7 +133,7 @@ GATHER = "gather"  # timed on the mixes with adapters only
 LOOP = "loop"  # likewise
 ALTERNATIVES = (LOOP, GATHER)
 LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT", GATHER: "per-token gather",
-          LOOP: "XLA window loop"}
+          LOOP: "XLA only"}
 
 console = Console() if sys.stdout.isatty() else Console(width=150)
 
@@ -250,7 +251,7 @@ class RawDecode:
     smallest attention bucket that holds the longest sequence. With
     `lora_impl="gather"`, computed.model.decode over the same bucket with the
     per-token gather instead of the runner's segmented LoRA; with `lora_impl="loop"`,
-    with XLA's window loop instead of the native kernel.
+    on XLA alone (the LoRA window loop and bucket attention) instead of the native kernels.
     """
 
     def __init__(self, runner: LlamaRunner, pool: MemoryPool | None, prompts: np.ndarray,
@@ -284,7 +285,8 @@ class RawDecode:
         logits, cache = decode(self.runner.params, self.arrays, self.cache, tokens, positions, self.slots,
                                self.active, self.runner.bucket(int(positions.max()) + 1),
                                window=choose_window(self.slots, loop_windows(BATCH)) if loop else None,
-                               lora_impl="segmented" if loop else self.lora_impl)
+                               lora_impl="segmented" if loop else self.lora_impl,
+                               attention="xla" if loop else None)
         return np.asarray(logits), cache
 
 
@@ -667,7 +669,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                 "Engine / base", "loop / base", "decode / loop", "decode / gather", "decode / PEFT",
                 "Engine / PEFT", "loop / PEFT"):
         table.add_column(col, justify="right")
-    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | XLA window loop tok/s "
+    lines = ["| distinct adapters | ours tok/s (decode) | ours tok/s (Engine.step) | XLA only tok/s "
              "| per-token gather tok/s | PEFT tok/s | ours / base (decode, Engine, loop) | decode / loop "
              "| decode / gather | ours / PEFT (decode, Engine, loop) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -700,9 +702,9 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
               f"of the rounds (their range in brackets). decode: "
               f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it, LoRA from the native "
-              f"kernel `computed/kernels/sgmv.cc`) in a loop; XLA window loop: the same loop with the LoRA "
-              f"terms from XLA's window loop (`lora.segmented_group`), what a replica runs where the kernel "
-              f"cannot be built; per-token "
+              f"kernel `computed/kernels/sgmv.cc`, attention from `attention.cc`) in a loop; XLA only: the same "
+              f"loop without the native kernels, as a replica runs where they cannot be built (LoRA from "
+              f"XLA's window loop `lora.segmented_group`, attention over the length bucket); per-token "
               f"gather: the same loop with the LoRA terms from A and B gathered for every row "
               f"(BGMV-style, `lora_impl=\"gather\"`, never used in serving); Engine.step: "
               f"the serving loop with host sampling; PEFT {v['peft']} mixed-batch inference (`adapter_names`) "

@@ -73,9 +73,9 @@ def decode(r: dict[str, Any], ax: Axes) -> None:
     results = r["results"]
     steps, batch = r["settings"]["steps"], r["settings"]["batch"]
     ks = sorted(results, key=int)
-    for impl, label, style in (("decode", "loraplane (native SGMV kernel)", "o-"),
+    for impl, label, style in (("decode", "loraplane (native kernels)", "o-"),
                                ("engine", "loraplane Engine.step", "o--"),
-                               ("loop", "loraplane, XLA window loop", "d:"),
+                               ("loop", "loraplane, XLA only (no native kernels)", "d:"),
                                ("gather", "per-token gather (BGMV-style)", "s-"),
                                ("peft", "PEFT mixed batch", "^-")):
         have = [k for k in ks if impl in results[k]]

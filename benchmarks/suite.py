@@ -151,7 +151,7 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
         label = f"{k} distinct adapter{'s' if k != '1' else ''}"
         for key, name, goal in (("base", "/ base model", 0.75),
                                 ("peft", ": ours / PEFT mixed batch", 3.0),
-                                ("loop", ": ours / XLA window loop (no native kernel)", None),
+                                ("loop", ": ours / XLA only (no native kernels)", None),
                                 ("gather", ": ours / per-token gather (BGMV-style)", None)):
             if f"over_{key}" not in ours:
                 continue
