@@ -1,0 +1,91 @@
+"""The native kernels' build, and the pure-XLA fallback a replica takes without them.
+
+Their arithmetic is checked against PEFT and float64 references in tests/test_model_parity.py."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from computed import kernels
+from statesvc.example import ExampleAssets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_without_a_compiler_the_build_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("LORAPLANE_KERNEL_DIR", str(tmp_path / "kernels"))
+    with pytest.raises(kernels.KernelError, match="no C\\+\\+ compiler .*LORAPLANE_LORA_KERNEL=xla"):
+        kernels.build()
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_a_failed_compile_reports_the_compiler_and_leaves_no_library(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho 'sgmv.cc:1: error: this compiler refuses' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("LORAPLANE_KERNEL_DIR", str(tmp_path / "kernels"))
+    with pytest.raises(kernels.KernelError, match="(?s)failed .*this compiler refuses"):
+        kernels.build()
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [".lock"]  # no half-built library
+
+
+def test_a_build_is_reused_until_its_source_or_flags_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLANE_KERNEL_DIR", str(tmp_path))
+    first = kernels.build()
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build() == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    monkeypatch.setattr(kernels, "FLAGS", kernels.FLAGS + ("-DLORAPLANE_OTHER_FLAGS",))
+    assert kernels.library_path(shutil.which(os.environ.get("CXX", "g++")) or "g++") != first
+
+
+FALLBACK = """
+import json, sys
+import numpy as np
+from computed import kernels, lora
+from computed.engine import LlamaRunner
+from computed.model import attention_impl, load_model
+from computed.pool import MemoryPool, PoolSpec
+from tests.jaxcount import counting_compiles
+
+config, params = load_model(sys.argv[1])
+pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=4, max_rank=8,
+                           dtype="float32"))
+runner = LlamaRunner(config, params, max_batch=4, max_len=64)
+cache = runner.new_cache()
+runner.warmup(pool.arrays, cache)
+rng = np.random.default_rng(0)
+with counting_compiles() as compiles:
+    for mix in ([-1] * 4, [0] * 4, [0, 1, 2, 3], [3, 3, -1, 1]):
+        for longest in (1, 17, 40, 63):  # positions in every bucket
+            positions = np.minimum(np.arange(4) * 7, longest - 1).astype(np.int32)
+            positions[0] = longest - 1
+            logits, cache = runner.decode(pool.arrays, cache, rng.integers(0, 256, 4).astype(np.int32), positions,
+                                          np.array(mix, np.int32), np.ones(4, bool))
+print(json.dumps({"available": kernels.available(), "reason": kernels.unavailable_reason(),
+                  "windows": list(lora.windows_for(4)), "loop_windows": list(lora.loop_windows(4)),
+                  "attention": attention_impl(cache), "compiles": len(compiles),
+                  "finite": bool(np.isfinite(logits).all())}))
+"""
+
+
+def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(example: ExampleAssets) -> None:
+    """What a replica without a compiler runs: the window loop and bucket attention, all compiled at warm-up."""
+    env = {**os.environ, "LORAPLANE_LORA_KERNEL": "xla", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", FALLBACK, str(example.model_dir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["available"] is False and out["reason"] == "LORAPLANE_LORA_KERNEL=xla"
+    assert out["windows"] == out["loop_windows"] and 0 not in out["windows"]
+    assert out["attention"] == "xla"
+    assert out["compiles"] == 0
+    assert out["finite"]
