@@ -240,7 +240,7 @@ class LlamaParams:
     embed: jax.Array                # [vocab, hidden]
     layers: tuple[LayerParams, ...]
     norm: jax.Array                 # [hidden]
-    lm_head: jax.Array | None       # [vocab, hidden]; None when tied to embed
+    lm_head: jax.Array | None       # [hidden, vocab] (transposed, as the projections); None when tied to embed
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -367,7 +367,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> tuple[LlamaConf
             embed=get("model.embed_tokens.weight", (v, h)),
             layers=tuple(layers),
             norm=get("model.norm.weight", (h,)),
-            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", (v, h)),
+            # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
+            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", (v, h), transpose=True),
         )
     return config, params
 
@@ -479,8 +480,9 @@ def _heads_first(x: jax.Array, dtype: jnp.dtype, *, positions_minor: bool = Fals
 
 
 def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
-    head = params.embed if params.lm_head is None else params.lm_head
-    return jnp.einsum("...h,vh->...v", h, head).astype(jnp.float32)
+    if params.lm_head is None:
+        return jnp.einsum("...h,vh->...v", h, params.embed).astype(jnp.float32)
+    return (h @ params.lm_head).astype(jnp.float32)
 
 
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, config: LlamaConfig) -> jax.Array:
