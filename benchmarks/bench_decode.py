@@ -804,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch.set_num_threads for PEFT (XLA uses every core)")
     ap.add_argument("--long-max-len", type=int, default=1024,
                     help="time the base batch again with a cache this long (0: skip)")
-    ap.add_argument("--long-repeats", type=int, default=2)
+    ap.add_argument("--long-repeats", type=int, default=3,
+                    help="undisturbed rounds wanted for each long-cache figure")
     ap.add_argument("--no-write", action="store_true",
                     help="print only: leave benchmarks/results and README.md alone")
     ap.add_argument("--quick", action="store_true",
