@@ -63,7 +63,16 @@ def build_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "build" / "kernels"
 
 
-def _cpu_id() -> str:
+def _cpu_id(compiler: str) -> str:
+    """What `-march=native` means here, as the compiler resolves it (a VM's /proc/cpuinfo may hide
+    instruction sets the compiler still finds and uses); /proc/cpuinfo's flags where it cannot say."""
+    try:
+        done = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True,
+                              text=True, timeout=30)
+        if done.returncode == 0 and done.stdout:
+            return done.stdout
+    except (OSError, subprocess.SubprocessError):
+        pass
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -79,7 +88,7 @@ def library_path(compiler: str) -> Path:
 
     key = hashlib.sha256()
     for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
-                 jaxlib.__version__.encode(), _cpu_id().encode(), platform.machine().encode()):
+                 jaxlib.__version__.encode(), _cpu_id(compiler).encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
     return build_dir() / f"loraplane-kernels-{key.hexdigest()[:16]}.so"
