@@ -448,7 +448,7 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str) -> None:
     """Pool-shaped A and B with slots of ranks 16, 9, 4 and an empty one; an input width that is no
-    multiple of 16, an output that is no multiple of 8 and spans two column blocks; several layers."""
+    multiple of 16, an output that is no multiple of 8 and spans three column blocks; several layers."""
     rng = np.random.default_rng(3)
     dims = {"q_proj": (37, 1030), "k_proj": (37, 13)}
     spec = PoolSpec(num_layers=2, module_dims=dims, slots=5, max_rank=16, dtype=dtype)
@@ -466,10 +466,11 @@ def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str) 
         host.update({(slot, layer, m): ab for (layer, m), ab in pairs.items()})
     a = pool.arrays
     x = rng.standard_normal((11, 37)).astype(np.float32)
-    slots = np.array([0, 2, lora.BASE, 1, 4, 2, 0, 0, 1, 3, 4], np.int32)
-    for layer in range(2):
+    # many slots: an item per (slot, module); one slot: too few items, so columns split in blocks
+    mixes = [np.array([0, 2, lora.BASE, 1, 4, 2, 0, 0, 1, 3, 4], np.int32), np.where(np.arange(11) % 4, 1, -1)]
+    for layer, slots in ((layer, slots) for layer in range(2) for slots in mixes):
         got = lora.kernel_group(jnp.asarray(x), [(a.A[m], a.B[m]) for m in dims], a.scaling, a.rank,
-                                jnp.asarray(slots), layer)
+                                jnp.asarray(slots.astype(np.int32)), layer)
         for m, g in zip(dims, got):
             want = np.stack([np.zeros(dims[m][1], np.float32) if s not in ranks
                              else 0.25 * (s + 1) * (host[(s, layer, m)][1] @ (host[(s, layer, m)][0] @ row))

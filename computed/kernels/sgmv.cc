@@ -6,7 +6,7 @@
 // weight matrix is copied, sliced out, or gathered per token. Rows whose slot is negative (the
 // base model) get zeros. A slot's work stops at its own rank (pool.rank, rounded up to 8 for the
 // vector path; the pool keeps the rest zero), not at the pool's max_rank. Work items (slot,
-// module, block of output columns) go to XLA's intra-op threads; the calling thread works too and
+// module, and a block of output columns when there are few slots) go to XLA's intra-op threads; the calling thread works too and
 // then waits only for items another thread has already taken (parallel.h).
 //
 // Operands: x f32 [rows, in], slots s32 [rows], scaling f32 [slots], rank s32 [slots], then an
@@ -73,7 +73,7 @@ inline v8 hsum8(const v8* v) {
 }
 
 constexpr int kRowBlock = 4;     // rows that share each load of A in the shrink
-constexpr int64_t kColumns = 1024;  // output columns per work item
+constexpr int64_t kColumns = 512;  // output columns per work item, when items are few (see Sgmv)
 
 // t[j][k] = sum_i x[rows[j]][i] * a[k][i] for k < rank; a's rows are `in` apart
 template <typename T>
@@ -230,10 +230,14 @@ ffi::Error Sgmv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     if (i == 0 || s[call->order[i]] != s[call->order[i - 1]]) call->group_start.push_back(static_cast<int>(i));
   call->group_start.push_back(static_cast<int>(call->order.size()));
   const int groups = static_cast<int>(call->group_start.size()) - 1;
+  // An item recomputes its slot's shrink (x A^T) for its own columns, so a module is split into
+  // column blocks only when the (slot, module) pairs are too few to keep every thread busy.
+  const bool few = groups * static_cast<int64_t>(call->modules.size()) < 2 * std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t columns = few ? kColumns : INT64_MAX / 2;
   for (int g = 0; g < groups; ++g)
     for (int mi = 0; mi < static_cast<int>(call->modules.size()); ++mi)
-      for (int64_t o = 0; o < call->modules[mi].out; o += kColumns)
-        call->items.push_back({g, mi, o, std::min(o + kColumns, call->modules[mi].out)});
+      for (int64_t o = 0; o < call->modules[mi].out; o += columns)
+        call->items.push_back({g, mi, o, std::min(o + columns, call->modules[mi].out)});
 
   loraplane::run_parallel<Call>(pool, call, static_cast<int64_t>(call->items.size()));
   return ffi::Error::Success();
