@@ -382,14 +382,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * h.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, config: LlamaConfig) -> jax.Array:
-    """Rotate `x [..., heads, head_dim]` by `positions [...]` (rotate-half form, as HF)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(config))
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # broadcast over heads
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+RopeTables = tuple[jax.Array, jax.Array]
+
+
+def rope_tables(positions: jax.Array, config: LlamaConfig) -> RopeTables:
+    """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`, in the graph."""
+    freqs = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(inv_freq(config))
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def rope_tables_host(positions: np.ndarray, config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
+    """`rope_tables` on the host, for decode: as inputs, XLA cannot fuse cos and sin into every
+    layer's RoPE, where it evaluated them once per element of q and k (16 times a step)."""
+    freqs = positions.astype(np.float32)[..., None, None] * inv_freq(config)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def rope(x: jax.Array, tables: RopeTables) -> jax.Array:
+    """Rotate `x [..., heads, head_dim]` by the positions of `tables` (rotate-half form, as HF)."""
+    cos, sin = (t.astype(x.dtype) for t in tables)
+    # HF's x * cos + rotate_half(x) * sin on the two halves: the same products and sums
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos + -x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def _softmax(scores: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -462,13 +477,13 @@ def _mlp(x: jax.Array, layer: LayerParams, index: int, adapters: _Lora) -> jax.A
     return _project(jax.nn.silu(gate) * up, layer, index, ("down_proj",), adapters)[0]
 
 
-def _qkv(x: jax.Array, positions: jax.Array, layer: LayerParams, index: int, adapters: _Lora,
+def _qkv(x: jax.Array, tables: RopeTables, layer: LayerParams, index: int, adapters: _Lora,
          config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], RoPE applied."""
     lead, hd, kvh = x.shape[:-1], config.head_dim, config.num_kv_heads
     q, k, v = _project(x, layer, index, ("q_proj", "k_proj", "v_proj"), adapters)
     q, k = q.reshape(*lead, config.num_heads, hd), k.reshape(*lead, kvh, hd)
-    q, k = rope(q, positions, config), rope(k, positions, config)
+    q, k = rope(q, tables), rope(k, tables)
     return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v.reshape(*lead, kvh, hd)
 
 
@@ -502,12 +517,15 @@ Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, adapters: _Lora,
-             attend: Attend) -> jax.Array:
-    """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the attention."""
+             attend: Attend, tables: RopeTables | None = None) -> jax.Array:
+    """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the
+    attention; RoPE by `tables` (else computed from `positions`)."""
     config = params.config
     h = params.embed[tokens]
+    if tables is None:
+        tables = rope_tables(positions, config)
     for i, layer in enumerate(params.layers):
-        q, k, v = _qkv(rms_norm(h, layer.input_norm, config.rms_norm_eps), positions, layer, i, adapters, config)
+        q, k, v = _qkv(rms_norm(h, layer.input_norm, config.rms_norm_eps), tables, layer, i, adapters, config)
         h = h + _project(attend(i, q, k, v), layer, i, ("o_proj",), adapters)[0]
         h = h + _mlp(rms_norm(h, layer.post_attention_norm, config.rms_norm_eps), layer, i, adapters)
     return rms_norm(h, params.norm, config.rms_norm_eps)
@@ -542,7 +560,8 @@ def attention_kernel(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
 
 
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
-            positions: jax.Array, slots: jax.Array, active: jax.Array, attend_len: int, window: int,
+            positions: jax.Array, slots: jax.Array, active: jax.Array, tables: RopeTables, attend_len: int,
+            window: int,
             lora_impl: str = "segmented", attention: str = "xla") -> tuple[jax.Array, KVCache]:
     """One decode step. With `attention` "xla", attention reads the first `attend_len` cache
     positions (static: one compile per length bucket), so a step costs what the longest running
@@ -580,7 +599,7 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
     else:
         adapters = _Lora(lora_pool, config, seg=lora.segments(slots, lora_pool.scaling.shape[0], window=window,
                                                               rows=2 * n_rows))
-    h = _decoder(params, tokens, positions, adapters, attend)
+    h = _decoder(params, tokens, positions, adapters, attend, tables)
     return _logits(params, h), KVCache(k_cache, v_cache)
 
 
@@ -710,6 +729,7 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
         raise ValueError(f"window {window} does not fit this mix of slots in {2 * b} rows (twice max_batch); "
                          "leave window unset to have lora.choose_window pick one")
     return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
+                      rope_tables_host(positions, params.config),
                       attend_len=attend_len, window=window, lora_impl=lora_impl, attention=attention)
 
 
@@ -738,7 +758,7 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     for attend_len in attend_lens if attention == "xla" else (cache.max_len,):  # as `decode` calls it
         for window in (windows if lora_pool is not None else (0,)):
             decode_jit.lower(params, pool_s, cache_s, rows, rows, rows, np.zeros(cache.max_batch, np.bool_),
-                             attend_len=attend_len, window=window, lora_impl="segmented",
+                             rope_tables_host(rows, params.config), attend_len=attend_len, window=window, lora_impl="segmented",
                              attention=attention).compile()
 
 
