@@ -549,14 +549,20 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
     return _logits(params, last), KVCache(k_cache, v_cache)
 
 
-def attention_kernel(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, layer: int,
-                      scale: float) -> jax.Array:
-    """Decode attention by the native kernel (computed/kernels/attention.cc): q [B, kv, g, d] over
-    the first `lengths[b]` positions of row b of layer `layer`, read in place; [B, kv, g, d] float32."""
+def attention_kernel(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, k: jax.Array,
+                     v: jax.Array, layer: int, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode step's attention of layer `layer` by the native kernel (computed/kernels/attention.cc):
+    writes `k` and `v` [B, kv, d] at position lengths[b] - 1 of row b of the caches (rows with
+    length 0 write nothing), then attends q [B, kv, g, d] over each row's first lengths[b]
+    positions, read in place. Returns (out [B, kv, g, d] float32, k_cache, v_cache); the caches are
+    updated in place (the kernel's results alias them)."""
     kernels.require()
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(kernels.ATTENTION, out)(q.astype(jnp.float32), k_cache, v_cache, lengths,
-                                                    layer=np.int64(layer), scale=np.float32(scale))
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+              jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    call = jax.ffi.ffi_call(kernels.ATTENTION, shapes, input_output_aliases={1: 1, 2: 2})
+    out, k_cache, v_cache = call(q.astype(jnp.float32), k_cache, v_cache, lengths, k.astype(jnp.float32),
+                                 v.astype(jnp.float32), layer=np.int64(layer), scale=np.float32(scale))
+    return out, k_cache, v_cache
 
 
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
@@ -579,11 +585,11 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         # q [B, kv, g, d]; k and v [B, kv, d], written at position positions[b] of row b
         nonlocal k_cache, v_cache
+        if attention == "kernel":  # writes k and v too
+            out, k_cache, v_cache = attention_kernel(q, k_cache, v_cache, lengths, k, v, i, config.head_dim ** -0.5)
+            return out.astype(q.dtype).reshape(n_rows, -1)
         k_cache = k_cache.at[i, rows, :, :, write_at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, rows, :, write_at].set(v.astype(v_cache.dtype), mode="drop")
-        if attention == "kernel":
-            out = attention_kernel(q, k_cache, v_cache, lengths, i, config.head_dim ** -0.5)
-            return out.astype(q.dtype).reshape(n_rows, -1)
         keys = jax.lax.slice_in_dim(k_cache[i], 0, attend_len, axis=3)  # [B, kv, d, L]
         values = jax.lax.slice_in_dim(v_cache[i], 0, attend_len, axis=2)  # [B, kv, L, d]
         scores = jnp.einsum("bkgd,bkds->bkgs", q, keys) * (config.head_dim ** -0.5)

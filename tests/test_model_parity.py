@@ -322,17 +322,26 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
 
 @pytest.mark.parametrize("groups,head_dim,max_len", [(2, 64, 256), (1, 12, 37), (6, 8, 16)])
 def test_theattention_kernel_reads_each_rows_own_positions(groups: int, head_dim: int, max_len: int) -> None:
-    """Against a float64 reference: lengths from 1 to max_len (a partial last block, and one that
-    ends at the row's end), inactive rows (length 0) get zeros, and other layers are not read."""
+    """Against a float64 reference: the step's K and V written at each row's last position and
+    nothing else touched; lengths from 1 to max_len (a partial last block, and one that ends at
+    the row's end); inactive rows (length 0) write nothing and get zeros; other layers unread."""
     rng = np.random.default_rng(groups)
     layers, rows, kv = 3, 7, 2
     q = rng.standard_normal((rows, kv, groups, head_dim)).astype(np.float32)
     k = rng.standard_normal((layers, rows, kv, head_dim, max_len)).astype(np.float32)
     v = rng.standard_normal((layers, rows, kv, max_len, head_dim)).astype(np.float32)
     lengths = np.array([1, max_len, 0, 17 % max_len + 1, max_len - 1, 5, max_len // 2], np.int32)
+    k_new = rng.standard_normal((rows, kv, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((rows, kv, head_dim)).astype(np.float32)
     scale = head_dim ** -0.5
-    got = np.asarray(attention_kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), 1,
-                                       scale))
+    out, k_after, v_after = attention_kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                             jnp.asarray(k_new), jnp.asarray(v_new), 1, scale)
+    got, k_after, v_after = np.asarray(out), np.asarray(k_after), np.asarray(v_after)
+    for b, n in enumerate(lengths):  # the step's K and V land at position n - 1 of layer 1, nothing else moves
+        if n:
+            k[1, b, :, :, n - 1], v[1, b, :, n - 1] = k_new[b], v_new[b]
+    np.testing.assert_array_equal(k_after, k)
+    np.testing.assert_array_equal(v_after, v)
     for b, n in enumerate(lengths):
         for h in range(kv):
             if n == 0:

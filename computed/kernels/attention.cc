@@ -1,6 +1,8 @@
 // Decode attention over the KV cache in place, an XLA FFI custom call for the CPU.
 //
-// One query token per row: out[b, h, g] = softmax(scale * q[b, h, g] . K[b, h, :, :len[b]]) V[b, h, :len[b]]
+// One query token per row. First this step's K and V of row b are written at position len[b] - 1 of
+// the caches (which the results alias: updated in place), then
+// out[b, h, g] = softmax(scale * q[b, h, g] . K[b, h, :, :len[b]]) V[b, h, :len[b]]
 // for KV head h and its g query heads (grouped-query attention). Each row reads only its own
 // len[b] positions of the cache, straight from the cache's buffer: no bucket of positions is
 // sliced out (XLA copies every slice), and a short row costs what it holds, not what the longest
@@ -8,8 +10,8 @@
 // intra-op threads (parallel.h).
 //
 // Operands: q f32 [rows, kv, g, d]; the whole caches, K f32 [layers, rows, kv, d, max_len]
-// (positions minor) and V f32 [layers, rows, kv, max_len, d]; len s32 [rows]. Result: f32
-// [rows, kv, g, d]. Attributes: layer, scale.
+// (positions minor) and V f32 [layers, rows, kv, max_len, d]; len s32 [rows]; this step's K and V,
+// f32 [rows, kv, d]. Results: f32 [rows, kv, g, d], then the caches. Attributes: layer, scale.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -37,7 +39,8 @@ inline v8 load8(const float* p) {
 }
 
 struct Attention {
-  const float *q, *k, *v;
+  const float *q, *k_new, *v_new;
+  float *k, *v;  // the caches, updated in place (the results alias the operands)
   const int32_t* len;
   float* out;
   int64_t rows, kv, g, d, max_len, layer;
@@ -52,8 +55,12 @@ struct Attention {
       std::memset(oh, 0, sizeof(float) * g * d);
       return;
     }
-    const float* kh = k + ((layer * rows + b) * kv + h) * d * max_len;  // [d, max_len]
-    const float* vh = v + ((layer * rows + b) * kv + h) * max_len * d;  // [max_len, d]
+    float* kh = k + ((layer * rows + b) * kv + h) * d * max_len;  // [d, max_len]
+    float* vh = v + ((layer * rows + b) * kv + h) * max_len * d;  // [max_len, d]
+    // this step's K and V go to position n - 1 of the row, then the row attends to [0, n)
+    const float* kn = k_new + (b * kv + h) * d;
+    for (int64_t e = 0; e < d; ++e) kh[e * max_len + n - 1] = kn[e];
+    std::memcpy(vh + (n - 1) * d, v_new + (b * kv + h) * d, sizeof(float) * d);
     // scores, sixteen positions (a cache line of K's row) at a time: K's rows are
     // positions-contiguous, each load of K serves every query head of the group, and the sums stay
     // in registers over d
@@ -113,20 +120,30 @@ struct Attention {
   }
 };
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> len, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                           int64_t layer, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_in,
+                           ffi::Buffer<ffi::F32> v_in, ffi::Buffer<ffi::S32> len, ffi::Buffer<ffi::F32> k_new,
+                           ffi::Buffer<ffi::F32> v_new, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                           ffi::Result<ffi::Buffer<ffi::F32>> k, ffi::Result<ffi::Buffer<ffi::F32>> v, int64_t layer,
+                           float scale) {
+  const auto qd = q.dimensions(), kd = k_in.dimensions(), vd = v_in.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5)
     return ffi::Error::InvalidArgument("attention: q [rows, kv, g, d], K [layers, rows, kv, d, max_len], "
                                        "V [layers, rows, kv, max_len, d]");
   const int64_t rows = qd[0], kv = qd[1], g = qd[2], d = qd[3], max_len = kd[4];
   if (kd[1] != rows || kd[2] != kv || kd[3] != d || vd[0] != kd[0] || vd[1] != rows || vd[2] != kv ||
       vd[3] != max_len || vd[4] != d || len.element_count() != static_cast<size_t>(rows) ||
-      out->element_count() != q.element_count())
-    return ffi::Error::InvalidArgument("attention: q, K, V, len and the result disagree in shape");
+      out->element_count() != q.element_count() || k_new.element_count() != static_cast<size_t>(rows * kv * d) ||
+      v_new.element_count() != static_cast<size_t>(rows * kv * d) ||
+      k->element_count() != k_in.element_count() || v->element_count() != v_in.element_count())
+    return ffi::Error::InvalidArgument("attention: q, K, V, len, the new K and V and the results disagree in shape");
+  // The caches' results alias their operands (input_output_aliases): XLA hands the same buffers.
+  if (k->typed_data() != k_in.typed_data())
+    std::memcpy(k->typed_data(), k_in.typed_data(), sizeof(float) * k_in.element_count());
+  if (v->typed_data() != v_in.typed_data())
+    std::memcpy(v->typed_data(), v_in.typed_data(), sizeof(float) * v_in.element_count());
   if (layer < 0 || layer >= kd[0]) return ffi::Error::InvalidArgument("attention: layer out of range");
-  auto call = std::make_shared<Attention>(Attention{q.typed_data(), k.typed_data(), v.typed_data(), len.typed_data(),
+  auto call = std::make_shared<Attention>(Attention{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
+                                                    k->typed_data(), v->typed_data(), len.typed_data(),
                                                     out->typed_data(), rows, kv, g, d, max_len, layer, scale});
   loraplane::run_parallel<Attention>(pool, call, rows * kv);
   return ffi::Error::Success();
@@ -141,6 +158,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LoraplaneDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("scale"));
