@@ -385,17 +385,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 RopeTables = tuple[jax.Array, jax.Array]
 
 
-def rope_tables(positions: jax.Array, config: LlamaConfig) -> RopeTables:
-    """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`, in the graph."""
-    freqs = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(inv_freq(config))
-    return jnp.cos(freqs), jnp.sin(freqs)
-
-
-def rope_tables_host(positions: np.ndarray, config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
-    """`rope_tables` on the host, for decode: as inputs, XLA cannot fuse cos and sin into every
-    layer's RoPE, where it evaluated them once per element of q and k (16 times a step)."""
-    freqs = positions.astype(np.float32)[..., None, None] * inv_freq(config)
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+def rope_tables(positions: Any, config: LlamaConfig) -> RopeTables:
+    """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`: in the graph for a traced
+    array, on the host for a numpy one. Decode passes host tables in: computed in the graph, XLA
+    fused cos and sin into every layer's RoPE and evaluated them once per element of q and k."""
+    xp: Any = np if isinstance(positions, np.ndarray) else jnp
+    freqs = positions.astype(np.float32)[..., None, None] * xp.asarray(inv_freq(config))
+    return xp.cos(freqs).astype(np.float32), xp.sin(freqs).astype(np.float32)
 
 
 def rope(x: jax.Array, tables: RopeTables) -> jax.Array:
@@ -735,7 +731,7 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
         raise ValueError(f"window {window} does not fit this mix of slots in {2 * b} rows (twice max_batch); "
                          "leave window unset to have lora.choose_window pick one")
     return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
-                      rope_tables_host(positions, params.config),
+                      rope_tables(positions, params.config),
                       attend_len=attend_len, window=window, lora_impl=lora_impl, attention=attention)
 
 
@@ -764,7 +760,7 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     for attend_len in attend_lens if attention == "xla" else (cache.max_len,):  # as `decode` calls it
         for window in (windows if lora_pool is not None else (0,)):
             decode_jit.lower(params, pool_s, cache_s, rows, rows, rows, np.zeros(cache.max_batch, np.bool_),
-                             rope_tables_host(rows, params.config), attend_len=attend_len, window=window, lora_impl="segmented",
+                             rope_tables(rows, params.config), attend_len=attend_len, window=window, lora_impl="segmented",
                              attention=attention).compile()
 
 

@@ -10,19 +10,19 @@
   (computed/model.py), each row over its own length; XLA copies the attended
   bucket of K and V out of the cache for every layer of every step.
 
-It is compiled with the C++ compiler (`$CXX`, else `g++`) against the XLA FFI
+They are compiled, into one library, with the C++ compiler (`$CXX`, else `g++`) against the XLA FFI
 headers that jaxlib ships, with `-march=native`, into
 `$LORAPLANE_KERNEL_DIR` (default `build/kernels/` at the repository root), as
-a file named by a hash of the source, the flags, jaxlib's version and the CPU,
+a file named by a hash of the sources, the flags, jaxlib's version and the CPU,
 so a change to any of them builds afresh and an unchanged one is reused.
 Processes that start together take a file lock, and one of them compiles.
-`make venv` builds it ahead (`python -m computed.kernels`); otherwise the first
-use does, in about 3 s.
+`make kernels` builds it ahead (`python -m computed.kernels`); otherwise the
+first use does, in about 3 s.
 
-Where it cannot be used (no compiler, a failed build, a backend other than the
-CPU, or `LORAPLANE_LORA_KERNEL=xla`), `available()` is False, the reason is
-logged once, and the model uses the pure-XLA window loop instead, which gives
-the same results (to float32 rounding).
+Where they cannot be used (no compiler, a failed build, a backend other than
+the CPU, or `LORAPLANE_LORA_KERNEL=xla`), `available()` is False, the reason is
+logged once, and the model runs on XLA alone (the LoRA window loop, attention
+over length buckets), which gives the same results to float32 rounding.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ ENV_SWITCH = "LORAPLANE_LORA_KERNEL"  # "xla": never use the kernel
 
 
 class KernelError(RuntimeError):
-    """The kernel could not be built or loaded; the message says why and what to do."""
+    """The kernels could not be built or loaded; the message says why and what to do."""
 
 
 def build_dir() -> Path:
@@ -121,17 +121,17 @@ def build() -> Path:
 
 @functools.cache
 def _load() -> str | None:
-    """Build, load and register the kernel once per process: None when it is in use, else why not."""
+    """Build, load and register the kernels once per process: None when they are in use, else why not."""
     if os.environ.get(ENV_SWITCH, "").lower() == "xla":
         return f"{ENV_SWITCH}=xla"
     if jax.default_backend() != "cpu":
-        return f"the {jax.default_backend()} backend (the kernel is for the CPU)"
+        return f"the {jax.default_backend()} backend (the kernels are for the CPU)"
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (KernelError, OSError, AttributeError) as e:
-        log.warning("LoRA kernel unavailable, using the XLA loop instead: %s", e)
+        log.warning("native kernels unavailable, running on XLA alone: %s", e)
         return str(e)
     return None
 
@@ -146,14 +146,14 @@ def unavailable_reason() -> str | None:
 
 
 def require() -> None:
-    """Make sure the kernel is registered; KernelError (saying why) where it cannot be."""
+    """Make sure the kernels are registered; KernelError (saying why) where they cannot be."""
     reason = _load()
     if reason is not None:
         raise KernelError(f"the native kernels are unavailable: {reason}")
 
 
 def main() -> int:
-    """`python -m computed.kernels`: build (or find) the kernel and say where it is."""
+    """`python -m computed.kernels`: build (or find) the kernels' library and say where it is."""
     try:
         path = build()
     except KernelError as e:

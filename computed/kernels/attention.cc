@@ -13,12 +13,10 @@
 // (positions minor) and V f32 [layers, rows, kv, max_len, d]; len s32 [rows]; this step's K and V,
 // f32 [rows, kv, d]. Results: f32 [rows, kv, g, d], then the caches. Attributes: layer, scale.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"
@@ -65,7 +63,8 @@ struct Attention {
     // positions-contiguous, each load of K serves every query head of the group, and the sums stay
     // in registers over d
     const int64_t padded = (n + 15) / 16 * 16;
-    std::vector<float> s(static_cast<size_t>(g * padded));
+    thread_local std::vector<float> s, inv;  // scratch, reused across items and calls
+    s.assign(static_cast<size_t>(g * padded), 0.f);
     const int64_t blocks_end = padded <= max_len ? padded : n - n % 16;  // never read past the row
     int64_t l = 0;
     for (; l < blocks_end; l += 16) {
@@ -94,7 +93,7 @@ struct Attention {
         s[j * padded + l] = acc;
       }
     // softmax in float32, then the weighted sum of V's rows
-    std::vector<float> inv(static_cast<size_t>(g));
+    inv.resize(static_cast<size_t>(g));
     for (int64_t j = 0; j < g; ++j) {
       float* sj = s.data() + j * padded;
       float m = -INFINITY;
@@ -136,12 +135,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       v_new.element_count() != static_cast<size_t>(rows * kv * d) ||
       k->element_count() != k_in.element_count() || v->element_count() != v_in.element_count())
     return ffi::Error::InvalidArgument("attention: q, K, V, len, the new K and V and the results disagree in shape");
+  if (layer < 0 || layer >= kd[0]) return ffi::Error::InvalidArgument("attention: layer out of range");
   // The caches' results alias their operands (input_output_aliases): XLA hands the same buffers.
   if (k->typed_data() != k_in.typed_data())
     std::memcpy(k->typed_data(), k_in.typed_data(), sizeof(float) * k_in.element_count());
   if (v->typed_data() != v_in.typed_data())
     std::memcpy(v->typed_data(), v_in.typed_data(), sizeof(float) * v_in.element_count());
-  if (layer < 0 || layer >= kd[0]) return ffi::Error::InvalidArgument("attention: layer out of range");
   auto call = std::make_shared<Attention>(Attention{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                                                     k->typed_data(), v->typed_data(), len.typed_data(),
                                                     out->typed_data(), rows, kv, g, d, max_len, layer, scale});

@@ -6,20 +6,17 @@
 // weight matrix is copied, sliced out, or gathered per token. Rows whose slot is negative (the
 // base model) get zeros. A slot's work stops at its own rank (pool.rank, rounded up to 8 for the
 // vector path; the pool keeps the rest zero), not at the pool's max_rank. Work items (slot,
-// module, and a block of output columns when there are few slots) go to XLA's intra-op threads; the calling thread works too and
-// then waits only for items another thread has already taken (parallel.h).
+// module, and a block of output columns when there are few slots) go to XLA's intra-op threads;
+// the calling thread works too, then waits only for items another thread has taken (parallel.h).
 //
 // Operands: x f32 [rows, in], slots s32 [rows], scaling f32 [slots], rank s32 [slots], then an
 // (A, B) pair per module, both f32 or both u16 (bfloat16 bits, widened exactly):
 // A [layers, slots, max_rank, in], B [layers, slots, out, max_rank]. Results: f32 [rows, out], one
 // per module. Attribute: layer. computed/kernels/__init__.py builds, loads and registers it.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"
@@ -164,7 +161,8 @@ struct Call {
     const int64_t r = max_rank % 8 == 0 ? (used + 7) / 8 * 8 : max_rank;
     const T* a = static_cast<const T*>(m.a) + (layer * slots + slot) * max_rank * in;
     const T* b = static_cast<const T*>(m.b) + (layer * slots + slot) * m.out * max_rank;
-    std::vector<float> t(static_cast<size_t>(n) * std::max<int64_t>(r, 1));
+    thread_local std::vector<float> t;  // scratch, reused across items and calls
+    t.resize(static_cast<size_t>(n) * std::max<int64_t>(r, 1));
     shrink(x, in, rows, n, a, r, t.data());
     expand(t.data(), n, r, b, max_rank, it.o0, it.o1, scaling[slot], rows, m.y, m.out);
   }
