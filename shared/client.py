@@ -44,6 +44,10 @@ class ControlClient:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+            # queue a request only to a connected peer, and wait for one at most the timeout: a
+            # send with no peer (none listening, or a refused CURVE handshake) would block forever
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            self.sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
             if self.keys is not None:
                 self.keys.apply(self.sock)
             self.sock.connect(self.address)
@@ -66,7 +70,11 @@ class ControlClient:
         frame = encode_request(req_id, cmd, args or {})
         for _ in range(self.retries + 1):
             sock = self._socket()
-            sock.send(frame)
+            try:
+                sock.send(frame)
+            except zmq.Again:  # no peer within the timeout: silence, as below
+                self.close()
+                continue
             while sock.poll(self.timeout_ms):
                 try:
                     reply = unpack(sock.recv(), max_bytes=MAX_WIRE_BYTES)

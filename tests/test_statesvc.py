@@ -245,3 +245,13 @@ def test_status_marks_a_replica_that_disagrees(statesvc: StateSvc, example: Exam
     assert reps["good"]["agrees"] is True and reps["bad"]["agrees"] is False
     table = loractl(statesvc, "status").stdout
     assert "NO" in table.split("bad")[1].splitlines()[0]
+
+
+def test_a_call_with_no_peer_gives_up_within_its_timeouts() -> None:
+    """Nothing listens on the port: every try's send waits for a peer at most the timeout (it
+    used to block forever when no peer was attached, as after a refused CURVE handshake)."""
+    from shared.client import Unavailable
+
+    with ControlClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.2, retries=1) as c:
+        with pytest.raises(Unavailable, match="2 tries"):
+            c.call("status")
