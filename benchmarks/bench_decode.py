@@ -23,13 +23,15 @@ other down:
                 logits; every round restarts at position 32. The pool has `--slots`
                 slots (32 of them filled), the KV cache `--max-len` positions. Each
                 step's mix picks its LoRA window (computed.lora.choose_window).
-                The LoRA terms come from the native kernel (computed/kernels/sgmv.cc),
-                as in serving on the CPU.
+                As in serving on the CPU: the projections from the native dense kernel
+                over packed weights (computed/kernels/dense.cc), the LoRA terms from
+                sgmv.cc, attention from attention.cc.
 * loop:         the same loop on XLA alone, as a replica runs where the native
-                kernels cannot be built: LoRA terms from XLA's window loop
+                kernels cannot be built: XLA's dot over unpacked weights (a
+                second copy of the model), LoRA terms from XLA's window loop
                 (computed.lora.segmented_group, each step's window from
-                lora.loop_windows) and attention over the length bucket, on the
-                batches with adapters.
+                lora.loop_windows) and attention over the length bucket, on every
+                batch.
 * gather:       the same loop with the same LoRA arithmetic done by a per-token gather
                 (BGMV-style: every row gathers its own adapter's A and B;
                 computed.model.decode with lora_impl="gather", which serving never
@@ -100,7 +102,8 @@ from rich.table import Table
 from benchmarks.report import machine_info, median, print_targets, publish, spread
 from computed.engine import Engine, LlamaRunner
 from computed.lora import choose_window, loop_windows
-from computed.model import decode, load_model
+from computed import dense
+from computed.model import decode, load_model, with_layout
 from computed.pool import MemoryPool, PoolSpec
 from computed.replica import Phase, Replica
 from computed.weights import slot_weights
@@ -130,7 +133,7 @@ TARGET_OVER_PEFT = 3.0
 CONTENDED = 0.10  # a median share of the CPUs used by other processes above this is flagged
 PATHS = ("decode", "engine", "peft")
 GATHER = "gather"  # timed on the mixes with adapters only
-LOOP = "loop"  # likewise
+LOOP = "loop"  # timed on every mix
 ALTERNATIVES = (LOOP, GATHER)
 LABELS = {"decode": "decode", "engine": "Engine.step", "peft": "PEFT", GATHER: "per-token gather",
           LOOP: "XLA only"}
@@ -471,6 +474,17 @@ def gemm_rate_xla() -> float:
     return _rate(lambda: f(xj, wj), jax.block_until_ready)
 
 
+def gemm_rate_kernel() -> float | None:
+    """The dense kernel's rate on the same product over the packed weight; None where it cannot run."""
+    panel = dense.packing_panel("float32")
+    if not panel:
+        return None
+    x, w = _gemm_operands()
+    f = jax.jit(dense.matmul)
+    xj, wp = jnp.asarray(x), dense.pack(w, panel)
+    return _rate(lambda: f(xj, wp), jax.block_until_ready)
+
+
 def gemm_rate_torch(threads: int) -> float:
     import torch
     torch.set_num_threads(threads)
@@ -517,12 +531,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pool.write_slot(slot, slot_weights(data, adapters[name]))
             serving = Serving(pool, State(seq=ADAPTERS + 1, adapters=adapters))
             runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
-            n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+            plain = with_layout(params, packed=False)  # as a replica without the kernels holds them
+            xla_runner = LlamaRunner(config, plain, max_batch=BATCH, max_len=max_len)
+            n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(plain))
 
             console.print("prefilling (this compiles prefill and decode) ...")
             raw = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k))) for k in MIXES}
-            alternatives = {a: {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k)), lora_impl=a)
-                                for k in MIXES if k} for a in ALTERNATIVES}
+            alternatives = {a: {k: RawDecode(xla_runner if a == LOOP else runner, pool, prompts,
+                                             np.asarray(row_adapters(k)), lora_impl=a)
+                                for k in MIXES if k or a == LOOP} for a in ALTERNATIVES}
             engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new) for k in MIXES}
             no_pool = RawDecode(runner, None, prompts, np.full(BATCH, -1))
             timings = {p: {k: Timing() for k in MIXES} for p in PATHS}
@@ -564,8 +581,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for a, by_mix in alternatives.items():
                     if k in by_mix:
                         tokens_agree[str(k)][f"decode_vs_{a}"] = agreement(ours, by_mix[k].tokens)
-            del raw, alternatives, engines, no_pool
-            gemm = {"xla": gemm_rate_xla(), "torch": peft_proc.gemm_rate()}
+            del raw, alternatives, engines, no_pool, xla_runner, plain
+            gemm = {"xla": gemm_rate_xla(), "kernel": gemm_rate_kernel(), "torch": peft_proc.gemm_rate()}
         finally:
             peft_proc.stop()
 
@@ -701,9 +718,10 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"pool of {s['slots']} slots, {s['pool_dtype']}; KV cache of {s['max_len']} positions. Row i uses "
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
               f"of the rounds (their range in brackets). decode: "
-              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it, LoRA from the native "
-              f"kernel `computed/kernels/sgmv.cc`, attention from `attention.cc`) in a loop; XLA only: the same "
-              f"loop without the native kernels, as a replica runs where they cannot be built (LoRA from "
+              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it: projections from the "
+              f"native dense kernel `computed/kernels/dense.cc` over packed weights, LoRA from `sgmv.cc`, "
+              f"attention from `attention.cc`) in a loop; XLA only: the same "
+              f"loop without the native kernels, as a replica runs where they cannot be built (XLA's dot, LoRA from "
               f"XLA's window loop `lora.segmented_group`, attention over the length bucket); per-token "
               f"gather: the same loop with the LoRA terms from A and B gathered for every row "
               f"(BGMV-style, `lora_impl=\"gather\"`, never used in serving); Engine.step: "
@@ -762,8 +780,10 @@ def notes(result: dict[str, Any]) -> str:
              "share of a step is large.",
              f"The base batch through `decode` with no LoRA pool makes {nb:,.0f} tokens/s "
              f"({nb / base:.2f}x the pooled figure): what the LoRA path costs when no row uses it.",
-             f"One [32, 1024] x [1024, 2816] float32 product (the MLP's) runs at {g['xla']} GFLOP/s in XLA "
-             f"and {g['torch']} in torch here."]
+             f"One [32, 1024] x [1024, 2816] float32 product (the MLP's) runs at {g['xla']} GFLOP/s in XLA"
+             + (f", {g['kernel']} in the dense kernel" if g.get("kernel") else "")
+             + f" and {g['torch']} in torch here (one weight, hot in the cache; a step reads each "
+             "weight once, from memory)."]
     lb = result["long_cache_base"]
     if lb and lb["used_rounds"] is None:
         notes.append(f"With a {lb['max_len']}-position cache: not measured without other load.")

@@ -143,6 +143,10 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
     base = decode_rates(results["0"]["decode"], batch * steps)
     out = [figure("decode", "decode, base model, batch 32", median(base), "tokens/s",
                   spread=spread(base), runs=len(base))]
+    if "over_loop" in results["0"]["decode"]:  # the dense kernel and attention alone: no LoRA terms
+        out.append(figure("decode", "decode, base model: ours / XLA only (no native kernels)",
+                          results["0"]["decode"]["over_loop"], "x",
+                          spread=results["0"]["decode"].get("over_loop_spread"), runs=len(base)))
     for k in sorted(results, key=int):
         if k == "0":
             continue

@@ -53,6 +53,7 @@ is a compile time that grows with the number of layers.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -68,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from computed import kernels, lora
+from computed.dense import PackedWeight, matmul, pack, packing_panel, unpack
 from computed.pool import LoraPool
 from shared.config import MODULE_PARENT, MODULES
 from shared.tensorfile import TensorFileError, parse_header, to_float32
@@ -224,11 +226,12 @@ def inv_freq(config: LlamaConfig) -> np.ndarray:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LayerParams:
-    """One decoder layer. Projection weights are stored [in, out] (HF stores [out, in])."""
+    """One decoder layer. Projection weights are stored [in, out] (HF stores [out, in]), or packed
+    for the dense kernel (computed/dense.py)."""
 
     input_norm: jax.Array           # [hidden]
     post_attention_norm: jax.Array  # [hidden]
-    weights: dict[str, jax.Array]   # module -> [in, out]
+    weights: dict[str, jax.Array | PackedWeight]  # module -> [in, out]
     biases: dict[str, jax.Array]    # module -> [out]; empty without attention/mlp bias
 
 
@@ -240,7 +243,7 @@ class LlamaParams:
     embed: jax.Array                # [vocab, hidden]
     layers: tuple[LayerParams, ...]
     norm: jax.Array                 # [hidden]
-    lm_head: jax.Array | None       # [hidden, vocab] (transposed, as the projections); None when tied to embed
+    lm_head: jax.Array | PackedWeight | None  # [hidden, vocab] (as the projections); None when tied to embed
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -317,8 +320,13 @@ def _open_shards(model_dir: Path) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
             m.close()
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> tuple[LlamaConfig, LlamaParams]:
-    """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`."""
+def load_model(model_dir: str | Path, dtype: str = "float32", *,
+               packed: bool | None = None) -> tuple[LlamaConfig, LlamaParams]:
+    """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`.
+
+    The projections and an untied lm_head are packed for the native dense kernel where it can run
+    (`packed` None: a float32 model on a CPU with the kernels and AVX-512, computed/dense.py);
+    `packed=False` keeps them [in, out] for XLA."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model_dir = Path(model_dir)
@@ -370,7 +378,30 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> tuple[LlamaConf
             # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
             lm_head=None if config.tie_word_embeddings else get("lm_head.weight", (v, h), transpose=True),
         )
-    return config, params
+    if packed is None:
+        packed = packing_panel(dtype) > 0
+    return config, with_layout(params, packed=packed)
+
+
+def with_layout(params: LlamaParams, *, packed: bool) -> LlamaParams:
+    """`params` with every projection and an untied lm_head packed for the dense kernel
+    (computed/dense.py), or unpacked to [in, out] for XLA; host work, once per model.
+    Packing needs a float32 model and the kernel (ValueError otherwise)."""
+    panel = packing_panel(params.dtype) if packed else 0
+    if packed and not panel:
+        raise ValueError(f"packed weights need a float32 model and the native dense kernel (AVX-512); this is "
+                         f"a {params.dtype} model and the kernel's panel width here is "
+                         f"{kernels.dense_panel()} ({kernels.unavailable_reason() or 'no AVX-512'})")
+
+    def convert(w: jax.Array | PackedWeight) -> jax.Array | PackedWeight:
+        if isinstance(w, PackedWeight):
+            w = unpack(w)
+        return pack(w, panel) if panel else w
+
+    layers = tuple(dataclasses.replace(layer, weights={m: convert(w) for m, w in layer.weights.items()})
+                   for layer in params.layers)
+    lm_head = None if params.lm_head is None else convert(params.lm_head)
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -460,7 +491,7 @@ def _project(x: jax.Array, layer: LayerParams, index: int, modules: tuple[str, .
     deltas = adapters.deltas(x, index, modules)
     out = []
     for m in modules:
-        y = x @ layer.weights[m]
+        y = matmul(x, layer.weights[m])
         if m in layer.biases:
             y = y + layer.biases[m]
         d = deltas.get(m)
@@ -493,7 +524,7 @@ def _heads_first(x: jax.Array, dtype: jnp.dtype, *, positions_minor: bool = Fals
 def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
     if params.lm_head is None:
         return jnp.einsum("...h,vh->...v", h, params.embed).astype(jnp.float32)
-    return (h @ params.lm_head).astype(jnp.float32)
+    return matmul(h, params.lm_head).astype(jnp.float32)
 
 
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, config: LlamaConfig) -> jax.Array:
@@ -784,4 +815,5 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
 __all__ = [
     "KVCache", "LayerParams", "LlamaConfig", "LlamaParams", "ModelLoadError", "RopeConfig",
     "attention_impl", "attention_kernel", "decode", "forward_full", "init_cache", "inv_freq", "load_model", "prefill", "rms_norm", "rope",
+    "with_layout",
 ]

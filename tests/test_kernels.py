@@ -52,6 +52,7 @@ import json, sys
 import numpy as np
 from computed import kernels, lora
 from computed.engine import LlamaRunner
+from computed.dense import PackedWeight
 from computed.model import attention_impl, load_model
 from computed.pool import MemoryPool, PoolSpec
 from tests.jaxcount import counting_compiles
@@ -72,13 +73,15 @@ with counting_compiles() as compiles:
                                           np.array(mix, np.int32), np.ones(4, bool))
 print(json.dumps({"available": kernels.available(), "reason": kernels.unavailable_reason(),
                   "windows": list(lora.windows_for(4)), "loop_windows": list(lora.loop_windows(4)),
-                  "attention": attention_impl(cache), "compiles": len(compiles),
+                  "attention": attention_impl(cache),
+                  "packed": isinstance(params.layers[0].weights["q_proj"], PackedWeight), "compiles": len(compiles),
                   "finite": bool(np.isfinite(logits).all())}))
 """
 
 
 def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(example: ExampleAssets) -> None:
-    """What a replica without a compiler runs: the window loop and bucket attention, all compiled at warm-up."""
+    """What a replica without a compiler runs: XLA's dot on unpacked weights, the window loop and bucket
+    attention, all compiled at warm-up."""
     env = {**os.environ, "LORAPLANE_LORA_KERNEL": "xla", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", FALLBACK, str(example.model_dir)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
@@ -86,6 +89,6 @@ def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(exampl
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["available"] is False and out["reason"] == "LORAPLANE_LORA_KERNEL=xla"
     assert out["windows"] == out["loop_windows"] and 0 not in out["windows"]
-    assert out["attention"] == "xla"
+    assert out["attention"] == "xla" and out["packed"] is False
     assert out["compiles"] == 0
     assert out["finite"]

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from computed import lora  # noqa: E402
+from computed import dense, kernels, lora  # noqa: E402
 from computed.model import (  # noqa: E402
     KVCache,
     LlamaConfig,
@@ -44,6 +44,7 @@ from computed.model import (  # noqa: E402
     init_cache,
     load_model,
     prefill,
+    with_layout,
 )
 from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from computed.weights import slot_weights  # noqa: E402
@@ -154,6 +155,13 @@ class Setup:
     pool: MemoryPool
     slots: dict[str, int]            # adapter name -> pool slot
     ref: Reference
+    xla_params: LlamaParams | None = None
+
+    def unpacked(self) -> LlamaParams:
+        """The parameters as a replica without the native kernels holds them: [in, out], for XLA."""
+        if self.xla_params is None:
+            self.xla_params = with_layout(self.params, packed=False)
+        return self.xla_params
 
     def slot(self, adapter: str | None) -> int:
         return lora.BASE if adapter is None else self.slots[adapter]
@@ -220,8 +228,8 @@ def test_forward_full_matches_peft_mixed_batch(setup: Setup, lora_impl: str) -> 
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, setup.config.vocab_size, (len(adapters), 11))
     ref = setup.ref.logits(tokens, adapters)
-    ours = forward_full(setup.params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters],
-                        lora_impl=lora_impl)
+    params = setup.params if lora_impl == "kernel" else setup.unpacked()
+    ours = forward_full(params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters], lora_impl=lora_impl)
     close(ours, ref)
     # A LoRA term that is really there: base and adapter rows differ far beyond the tolerance.
     assert np.abs(ref[1] - setup.ref.logits(tokens[1:2], [None])[0]).max() > 100 * RTOL * np.abs(ref).max()
@@ -264,9 +272,10 @@ class Request:
 
 @pytest.mark.parametrize("impl", ["kernels", "xla"])
 def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
-    """Decode through the native kernels (LoRA and attention), and through XLA alone (the LoRA
-    window loop with each step's window, attention over length buckets)."""
+    """Decode through the native kernels (dense, LoRA and attention), and through XLA alone (unpacked
+    weights, the LoRA window loop with each step's window, attention over length buckets)."""
     names = [a.name for a in setup.assets.adapters]
+    params = setup.params if impl == "kernels" else setup.unpacked()
     requests = [
         Request(None, prompt_of(setup, 10, 5), joins_at=0),
         Request(names[0], prompt_of(setup, 11, 12), joins_at=0),
@@ -284,7 +293,7 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
         for r in requests:
             if r.joins_at == step and r.out is None and free:
                 r.row = free.pop(0)
-                logits, cache = prefill(setup.params, setup.pool.arrays, cache, padded(r.prompt),
+                logits, cache = prefill(params, setup.pool.arrays, cache, padded(r.prompt),
                                         len(r.prompt), r.row, setup.slot(r.adapter))
                 close(logits, setup.ref.greedy(r.prompt, r.adapter)[1][0])
                 r.out = [int(np.argmax(logits))]
@@ -303,7 +312,7 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
             window = (None if impl == "kernels" else
                       lora.choose_window(np.where(active, slots, lora.BASE), lora.loop_windows(MAX_BATCH)))
             longest = int(positions[active].max()) + 1
-            logits, cache = decode(setup.params, setup.pool.arrays, cache, tokens, positions, slots, active,
+            logits, cache = decode(params, setup.pool.arrays, cache, tokens, positions, slots, active,
                                    attend_len=next(b for b in (16, 32, 64, MAX_LEN) if b >= longest),
                                    window=window, attention="kernel" if impl == "kernels" else "xla")
             for r in running:
@@ -517,6 +526,45 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
                      for p in (pool16, pool32))
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail() -> None:
+    """Row counts around the kernel's chunks of 16 and 32 rows, inputs of odd width, outputs that end
+    mid-panel; and the packing round trip."""
+    panel = kernels.dense_panel()
+    if not panel:
+        pytest.skip(f"no dense kernel here: {kernels.unavailable_reason() or 'no AVX-512'}")
+    rng = np.random.default_rng(5)
+    for n_in, out in ((48, 96), (37, 13), (100, 2 * panel + 1), (16, 1)):
+        w = rng.standard_normal((n_in, out)).astype(np.float32)
+        packed = dense.pack(w, panel)
+        assert packed.shape == (n_in, out) and packed.panels.shape == (-(-out // panel), n_in, panel)
+        np.testing.assert_array_equal(np.asarray(dense.unpack(packed)), w)
+        for rows in (1, 5, 16, 17, 32, 33, 70):
+            x = rng.standard_normal((rows, n_in)).astype(np.float32)
+            want = x.astype(np.float64) @ w.astype(np.float64)
+            got = np.asarray(dense.matmul(jnp.asarray(x), packed))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(n_in))
+    x3 = rng.standard_normal((2, 3, 37)).astype(np.float32)  # leading dimensions are kept
+    w = rng.standard_normal((37, 13)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(dense.matmul(jnp.asarray(x3), dense.pack(w, panel))), x3 @ w,
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: Setup) -> None:
+    """load_model packs for the dense kernel where it can run; with_layout goes both ways, exactly."""
+    params = example_setup.params
+    packed = isinstance(params.layers[0].weights["q_proj"], dense.PackedWeight)
+    assert packed == (kernels.dense_panel() > 0)
+    _, plain = load_model(example_setup.assets.model_dir, packed=False)
+    assert not isinstance(plain.layers[0].weights["q_proj"], dense.PackedWeight)
+    again = with_layout(with_layout(plain, packed=packed), packed=False)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, bf16 = load_model(example_setup.assets.model_dir, "bfloat16")
+    assert not isinstance(bf16.layers[0].weights["q_proj"], dense.PackedWeight)  # XLA multiplies bfloat16
+    with pytest.raises(ValueError, match="float32 model"):
+        with_layout(bf16, packed=True)
 
 
 # --------------------------------------------------------------------------- loading

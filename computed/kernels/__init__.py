@@ -6,6 +6,9 @@
   out of the pool first, and runs a handful of tiny ops, each with its own
   dispatch. The kernel groups the rows by slot and reads each slot's weights
   once, from the pool's own buffers.
+- `dense.cc`: the float32 model's products x W on AVX-512 CPUs, over weights
+  packed into column panels when the model loads (computed/dense.py); XLA's
+  dot repacks W on every call and ran a decode step's products markedly slower.
 - `attention.cc`: decode attention over the KV cache in place
   (computed/model.py), each row over its own length; XLA copies the attended
   bucket of K and V out of the cache for every layer of every step.
@@ -44,10 +47,11 @@ import jax
 log = logging.getLogger("computed.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "sgmv.cc", HERE / "attention.cc")
+SOURCES = (HERE / "sgmv.cc", HERE / "attention.cc", HERE / "dense.cc")
 HEADERS = (HERE / "parallel.h",)
-TARGETS = {"loraplane_sgmv": "LoraplaneSgmv", "loraplane_decode_attention": "LoraplaneDecodeAttention"}
-SGMV, ATTENTION = TARGETS
+TARGETS = {"loraplane_sgmv": "LoraplaneSgmv", "loraplane_decode_attention": "LoraplaneDecodeAttention",
+           "loraplane_dense": "LoraplaneDense"}
+SGMV, ATTENTION, DENSE = TARGETS
 # No -ffast-math and no FMA contraction: the vector code is written out, so every sum has one order
 # and a float32 and a bfloat16 pool that hold the same values give bit-identical terms.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
@@ -119,6 +123,9 @@ def build() -> Path:
     return path
 
 
+_dense_panel = 0
+
+
 @functools.cache
 def _load() -> str | None:
     """Build, load and register the kernels once per process: None when they are in use, else why not."""
@@ -130,6 +137,10 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        panel = lib.loraplane_dense_panel
+        panel.restype = ctypes.c_int64
+        global _dense_panel
+        _dense_panel = int(panel())
     except (KernelError, OSError, AttributeError) as e:
         log.warning("native kernels unavailable, running on XLA alone: %s", e)
         return str(e)
@@ -139,6 +150,13 @@ def _load() -> str | None:
 def available() -> bool:
     """Whether the kernels are built, loaded and registered for this process's backend."""
     return _load() is None
+
+
+def dense_panel() -> int:
+    """Output columns per panel of the dense kernel's packed weights (computed/dense.py), or 0 where it
+    cannot run: the kernels are unavailable, or this CPU has no AVX-512 (the kernel needs its 32
+    vector registers)."""
+    return _dense_panel if available() else 0
 
 
 def unavailable_reason() -> str | None:
