@@ -13,6 +13,7 @@ multiplies them; both give the same results to float32 rounding (tested).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -59,9 +60,19 @@ def packing_panel(dtype: jnp.dtype | str) -> int:
 
 
 def matmul(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-    """x [..., in] @ W: the dense kernel for packed weights, XLA's dot for the others."""
-    if not isinstance(w, PackedWeight):
-        return x @ w
+    """x [..., in] @ W: the dense kernel for a packed weight, XLA's dot for the others."""
+    return matmuls(x, [w])[0]
+
+
+def matmuls(x: jax.Array, ws: Sequence[jax.Array | PackedWeight]) -> list[jax.Array]:
+    """x [..., in] @ W for each of `ws`: packed weights share one call of the dense kernel (one
+    transpose of x, one wake-up of the threads), the others go to XLA's dot."""
+    packed = [w for w in ws if isinstance(w, PackedWeight)]
     lead, n_in = x.shape[:-1], x.shape[-1]
-    call = jax.ffi.ffi_call(kernels.DENSE, jax.ShapeDtypeStruct((int(np.prod(lead)), w.out), jnp.float32))
-    return call(x.reshape(-1, n_in).astype(jnp.float32), w.panels).reshape(*lead, w.out).astype(x.dtype)
+    ys: list[jax.Array] = []
+    if packed:
+        rows = int(np.prod(lead))
+        call = jax.ffi.ffi_call(kernels.DENSE, [jax.ShapeDtypeStruct((rows, w.out), jnp.float32) for w in packed])
+        ys = list(call(x.reshape(rows, n_in).astype(jnp.float32), *(w.panels for w in packed)))
+    it = iter(ys)
+    return [next(it).reshape(*lead, w.out).astype(x.dtype) if isinstance(w, PackedWeight) else x @ w for w in ws]

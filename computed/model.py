@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from computed import kernels, lora
-from computed.dense import PackedWeight, matmul, pack, packing_panel, unpack
+from computed.dense import PackedWeight, matmul, matmuls, pack, packing_panel, unpack
 from computed.pool import LoraPool
 from shared.config import MODULE_PARENT, MODULES
 from shared.tensorfile import TensorFileError, parse_header, to_float32
@@ -487,11 +487,11 @@ def _check_pool(pool: LoraPool, config: LlamaConfig) -> None:
 
 def _project(x: jax.Array, layer: LayerParams, index: int, modules: tuple[str, ...],
              adapters: _Lora) -> list[jax.Array]:
-    """`x W (+ bias) (+ LoRA)` for each of `modules`, which all read `x` (their LoRA terms share a loop)."""
+    """`x W (+ bias) (+ LoRA)` for each of `modules`, which all read `x` (their products share a call
+    of the dense kernel, their LoRA terms one of the LoRA kernel)."""
     deltas = adapters.deltas(x, index, modules)
     out = []
-    for m in modules:
-        y = matmul(x, layer.weights[m])
+    for m, y in zip(modules, matmuls(x, [layer.weights[m] for m in modules])):
         if m in layer.biases:
             y = y + layer.biases[m]
         d = deltas.get(m)

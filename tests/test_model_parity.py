@@ -545,6 +545,12 @@ def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail
             want = x.astype(np.float64) @ w.astype(np.float64)
             got = np.asarray(dense.matmul(jnp.asarray(x), packed))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(n_in))
+    # several weights that read one x share a call; an unpacked one among them goes to XLA
+    x = rng.standard_normal((33, 37)).astype(np.float32)
+    ws = [rng.standard_normal((37, out)).astype(np.float32) for out in (13, 24, 7)]
+    got = dense.matmuls(jnp.asarray(x), [dense.pack(ws[0], panel), jnp.asarray(ws[1]), dense.pack(ws[2], panel)])
+    for g, w in zip(got, ws):
+        np.testing.assert_allclose(np.asarray(g), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
     x3 = rng.standard_normal((2, 3, 37)).astype(np.float32)  # leading dimensions are kept
     w = rng.standard_normal((37, 13)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(dense.matmul(jnp.asarray(x3), dense.pack(w, panel))), x3 @ w,

@@ -16,12 +16,13 @@
 // about 200 (docs/kernels.md). Built only with AVX-512 (the register budget is the 32 zmm
 // registers); elsewhere `loraplane_dense_panel` says 0 and the model keeps W unpacked for XLA.
 //
-// Operands: x f32 [rows, in], w f32 [panels, in, kPanel]. Result: y f32 [rows, out], with
-// panels = ceil(out / kPanel).
+// Operands: x f32 [rows, in], then one or more w f32 [panels, in, kPanel], all read x. Results: one
+// y f32 [rows, out] per w, with panels = ceil(out / kPanel).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -82,31 +83,39 @@ struct Transpose {
   }
 };
 
-struct Dense {
-  const float* xt;  // chunks of kChunk rows, each [in][32] (a last chunk of <= 16 rows: [in][16])
+// One product of a call: a packed weight and its result.
+struct Product {
   const float* w;
   float* y;
-  int64_t rows, in, out, panels;
+  int64_t out, panels;
+};
 
-  int64_t groups() const { return (panels + kPanelsPerItem - 1) / kPanelsPerItem; }
-  int64_t items() const { return (rows + kRowBlock - 1) / kRowBlock * groups(); }
+struct Dense {
+  const float* xt;  // chunks of kChunk rows, each [in][32] (a last chunk of <= 16 rows: [in][16])
+  int64_t rows, in;
+  std::vector<Product> products;
+  std::vector<std::pair<int32_t, int64_t>> groups;  // (product, first panel) of each group of panels
 
-  // items run row block by row block (the order threads claim them), each a group of panels
+  int64_t items() const { return (rows + kRowBlock - 1) / kRowBlock * static_cast<int64_t>(groups.size()); }
+
+  // items run row block by row block (the order threads claim them), each a group of one product's panels
   void run(int64_t item) const {
 #if defined(__AVX512F__)
-    const int64_t block = item / groups(), first = item % groups() * kPanelsPerItem;
-    const int64_t last = std::min(panels, first + kPanelsPerItem);
+    const int64_t n_groups = static_cast<int64_t>(groups.size());
+    const int64_t block = item / n_groups;
+    const Product& pr = products[groups[item % n_groups].first];
+    const int64_t first = groups[item % n_groups].second, last = std::min(pr.panels, first + kPanelsPerItem);
     const int64_t row_end = std::min(rows, (block + 1) * kRowBlock);
     for (int64_t p = first; p < last; ++p) {
-      const float* wp = w + p * in * kPanel;
-      const int64_t cols = std::min(kPanel, out - p * kPanel);
+      const float* wp = pr.w + p * in * kPanel;
+      const int64_t cols = std::min(kPanel, pr.out - p * kPanel);
       for (int64_t r0 = block * kRowBlock; r0 < row_end; r0 += kChunk) {
         const int64_t n = std::min(kChunk, row_end - r0);
-        float* yp = y + r0 * out + p * kPanel;
+        float* yp = pr.y + r0 * pr.out + p * kPanel;
         if (n > 16)
-          panel_product<2>(xt + r0 * in, wp, in, yp, out, n, cols);
+          panel_product<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
         else
-          panel_product<1>(xt + r0 * in, wp, in, yp, out, n, cols);
+          panel_product<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
       }
     }
 #else
@@ -115,18 +124,32 @@ struct Dense {
   }
 };
 
-ffi::Error DenseProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
+// y_i = x w_i for every packed weight w_i, one result each: products that read the same x (q, k and v;
+// gate and up) share one call, one transpose of x and one wake-up of the threads.
+ffi::Error DenseProducts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
 #if !defined(__AVX512F__)
   return ffi::Error::Internal("dense: built without AVX-512; the model should not have packed its weights");
 #else
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("dense: x [rows, in], w [panels, in, 12], y [rows, out]");
-  const int64_t rows = xd[0], in = xd[1], out = yd[1], panels = wd[0];
-  if (wd[1] != in || wd[2] != kPanel || yd[0] != rows || panels != (out + kPanel - 1) / kPanel)
-    return ffi::Error::InvalidArgument("dense: x, the packed w and y disagree in shape");
-  if (rows == 0 || out == 0) return ffi::Error::Success();
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("dense: x must be [rows, in]");
+  if (ws.size() == 0 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("dense: one result per packed weight");
+  const int64_t rows = xd[0], in = xd[1];
+  auto call = std::make_shared<Dense>();
+  call->rows = rows;
+  call->in = in;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w || !y) return ffi::Error::InvalidArgument("dense: weights and results must be float32");
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 3 || yd.size() != 2 || wd[1] != in || wd[2] != kPanel || yd[0] != rows ||
+        wd[0] != (yd[1] + kPanel - 1) / kPanel)
+      return ffi::Error::InvalidArgument("dense: need x [rows, in], w [ceil(out / 12), in, 12], y [rows, out]");
+    call->products.push_back({w->typed_data(), (*y)->typed_data(), yd[1], wd[0]});
+    for (int64_t p = 0; p < wd[0]; p += kPanelsPerItem) call->groups.push_back({static_cast<int32_t>(i), p});
+  }
+  if (rows == 0 || call->groups.empty()) return ffi::Error::Success();
   // x transposed into chunks; reused by this thread's later calls (helpers only read it)
   thread_local std::vector<float> scratch;
   scratch.assign(static_cast<size_t>((rows + kChunk - 1) / kChunk * kChunk * in), 0.f);
@@ -136,7 +159,7 @@ ffi::Error DenseProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     transpose->run(0);  // a decode step's: not worth waking the threads for
   else
     loraplane::run_parallel<Transpose>(pool, transpose, chunks);
-  auto call = std::make_shared<Dense>(Dense{scratch.data(), w.typed_data(), y->typed_data(), rows, in, out, panels});
+  call->xt = scratch.data();
   loraplane::run_parallel<Dense>(pool, call, call->items());
   return ffi::Error::Success();
 #endif
@@ -153,9 +176,9 @@ extern "C" int64_t loraplane_dense_panel() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LoraplaneDense, DenseProduct,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LoraplaneDense, DenseProducts,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
