@@ -17,6 +17,12 @@ takes just `params`). What it reproduces of transformers 5.24's
 - SwiGLU MLP `down(silu(gate(x)) * up(x))`; optional attention and MLP biases.
 - Tied (`lm_head` is the embedding) or untied output embeddings.
 
+The projections and an untied lm_head are `x W` with W stored `[in, out]`, or,
+for a float32 model where the native dense kernel runs (AVX-512 CPUs), packed
+into column panels once at load (computed/dense.py, `with_layout`): the kernel
+streams each weight once per decode step, where XLA's dot repacks it on every
+call. Modules that read the same x share a call.
+
 LoRA (computed/lora.py) is added to q, k, v, o, gate, up and down wherever the
 pool has the module: `y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT
 does; slot -1 is the base model and adds nothing.
