@@ -5,9 +5,13 @@
 // slot here, so each slot's A and B are read once per call, straight from the pool's buffers: no
 // weight matrix is copied, sliced out, or gathered per token. Rows whose slot is negative (the
 // base model) get zeros. A slot's work stops at its own rank (pool.rank, rounded up to 8 for the
-// vector path; the pool keeps the rest zero), not at the pool's max_rank. Work items (slot,
-// module, and a block of output columns when there are few slots) go to XLA's intra-op threads;
-// the calling thread works too, then waits only for items another thread has taken (parallel.h).
+// vector path; the pool keeps the rest zero), not at the pool's max_rank. The shrink x A^T runs
+// in blocks of 4 rows by 4 ranks; the expand, for a slot with several rows, transposes each block
+// of 16 columns of B once and sums rank broadcasts into 16 lanes. Work items are (slot, module)
+// pairs, on XLA's intra-op threads; when the pairs are too few for the threads (one or two slots),
+// a first phase computes each pair's shrink and the expand is split into blocks of output
+// columns. The calling thread works too, then waits only for items another thread has taken
+// (parallel.h).
 //
 // Operands: x f32 [rows, in], slots s32 [rows], scaling f32 [slots], rank s32 [slots], then an
 // (A, B) pair per module, both f32 or both u16 (bfloat16 bits, widened exactly):
@@ -27,8 +31,20 @@ namespace ffi = xla::ffi;
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
+// bfloat16 bits and their widened form, lane for lane with a vector of floats
+template <typename V>
+struct Bits;
+template <>
+struct Bits<v8> {
+  typedef uint16_t H __attribute__((vector_size(16)));
+  typedef uint32_t U __attribute__((vector_size(32)));
+};
+template <>
+struct Bits<v16> {
+  typedef uint16_t H __attribute__((vector_size(32)));
+  typedef uint32_t U __attribute__((vector_size(64)));
+};
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) {  // bfloat16 bits -> float32, exact
@@ -37,23 +53,23 @@ inline float widen(uint16_t v) {  // bfloat16 bits -> float32, exact
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline v8 load8(const float* p) {
-  v8 v;
+// V (a vector of floats) from float32 values, or from bfloat16 bits, widened exactly
+template <typename V>
+inline V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8 load8(const uint16_t* p) {
-  v8h h;
+template <typename V>
+inline V load(const uint16_t* p) {
+  typedef typename Bits<V>::H H;
+  typedef typename Bits<V>::U U;
+  H h;
   std::memcpy(&h, p, sizeof h);
-  const v8u u = __builtin_convertvector(h, v8u) << 16;
-  v8 v;
+  const U u = __builtin_convertvector(h, U) << 16;
+  V v;
   std::memcpy(&v, &u, sizeof v);
   return v;
-}
-inline float hsum(v8 v) {
-  float s = 0.f;
-  for (int c = 0; c < 8; ++c) s += v[c];
-  return s;
 }
 // lane c of the result is the sum of v[c]'s lanes
 inline v8 hsum8(const v8* v) {
@@ -69,50 +85,94 @@ inline v8 hsum8(const v8* v) {
          __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-constexpr int kRowBlock = 4;     // rows that share each load of A in the shrink
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int c = 0; c < 16; ++c) s += v[c];
+  return s;
+}
+
+constexpr int kRowBlock = 4;       // rows that share each load of A in the shrink
+constexpr int kRankBlock = 4;      // ranks that share each load of x in the shrink
+constexpr int kExpandRows = 4;     // from this many rows, the expand transposes B's column blocks first
 constexpr int64_t kColumns = 512;  // output columns per work item, when items are few (see Sgmv)
 
-// t[j][k] = sum_i x[rows[j]][i] * a[k][i] for k < rank; a's rows are `in` apart
+// t[j][k] for the M rows xr and the K ranks of a from k0: M x K accumulators of 16 lanes over `in`
+template <int M, int K, typename T>
+void shrink_block(const float* const* xr, int64_t in, const T* a, int64_t k0, int64_t rank, float* t, int j0) {
+  const int64_t vec = in - in % 16;
+  v16 acc[M][K] = {};
+  for (int64_t i = 0; i < vec; i += 16) {
+    v16 av[K];
+    for (int q = 0; q < K; ++q) av[q] = load<v16>(a + (k0 + q) * in + i);
+    for (int j = 0; j < M; ++j) {
+      const v16 xv = load<v16>(xr[j] + i);
+      for (int q = 0; q < K; ++q) acc[j][q] += xv * av[q];
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int q = 0; q < K; ++q) {
+      float s = hsum(acc[j][q]);
+      for (int64_t i = vec; i < in; ++i) s += xr[j][i] * widen(a[(k0 + q) * in + i]);
+      t[(j0 + j) * rank + k0 + q] = s;
+    }
+}
+
+template <int M, typename T>
+void shrink_rows(const float* const* xr, int64_t in, const T* a, int64_t rank, float* t, int j0) {
+  int64_t k = 0;
+  for (; k + kRankBlock <= rank; k += kRankBlock) shrink_block<M, kRankBlock>(xr, in, a, k, rank, t, j0);
+  for (; k < rank; ++k) shrink_block<M, 1>(xr, in, a, k, rank, t, j0);
+}
+
+// t[j][k] = sum_i x[rows[j]][i] * a[k][i] for k < rank; a's rows are `in` apart. Blocks of 4 rows
+// by 4 ranks: each load of x serves 4 ranks, each load of A 4 rows.
 template <typename T>
 void shrink(const float* x, int64_t in, const int32_t* rows, int n, const T* a, int64_t rank, float* t) {
-  const int64_t vec = in - in % 16;
   for (int j0 = 0; j0 < n; j0 += kRowBlock) {
-    const int m = std::min(kRowBlock, n - j0);
     const float* xr[kRowBlock];
+    const int m = std::min(kRowBlock, n - j0);
     for (int j = 0; j < m; ++j) xr[j] = x + static_cast<int64_t>(rows[j0 + j]) * in;
-    for (int64_t k = 0; k < rank; ++k) {
-      const T* ak = a + k * in;
-      v8 acc[kRowBlock][2] = {};
-      for (int64_t i = 0; i < vec; i += 16) {
-        const v8 a0 = load8(ak + i), a1 = load8(ak + i + 8);
-        for (int j = 0; j < m; ++j) {
-          acc[j][0] += load8(xr[j] + i) * a0;
-          acc[j][1] += load8(xr[j] + i + 8) * a1;
-        }
-      }
-      for (int j = 0; j < m; ++j) {
-        float s = hsum(acc[j][0] + acc[j][1]);
-        for (int64_t i = vec; i < in; ++i) s += xr[j][i] * widen(ak[i]);
-        t[(j0 + j) * rank + k] = s;
-      }
+    switch (m) {
+      case 4: shrink_rows<4>(xr, in, a, rank, t, j0); break;
+      case 3: shrink_rows<3>(xr, in, a, rank, t, j0); break;
+      case 2: shrink_rows<2>(xr, in, a, rank, t, j0); break;
+      default: shrink_rows<1>(xr, in, a, rank, t, j0); break;
     }
   }
 }
 
 // y[rows[j]][o] = scale * sum_k t[j][k] * b[o][k] for o in [o0, o1), k < rank; b's rows are
-// `stride` apart. Eight columns at a time when rank is a multiple of 8.
+// `stride` apart. With several rows, each block of 16 columns of B is transposed once ([rank][16])
+// and every row is a sum of rank broadcasts times it; with few, eight columns at a time by dot
+// products (when rank is a multiple of 8); any remaining column by a scalar sum.
 template <typename T>
 void expand(const float* t, int n, int64_t rank, const T* b, int64_t stride, int64_t o0, int64_t o1,
             float scale, const int32_t* rows, float* y, int64_t out) {
   int64_t o = o0;
+  if (n >= kExpandRows) {
+    thread_local std::vector<float> bt;  // scratch, reused across items and calls
+    bt.resize(static_cast<size_t>(rank) * 16);
+    for (; o + 16 <= o1; o += 16) {
+      for (int c = 0; c < 16; ++c)
+        for (int64_t k = 0; k < rank; ++k) bt[k * 16 + c] = widen(b[(o + c) * stride + k]);
+      for (int j = 0; j < n; ++j) {
+        const float* tj = t + j * rank;
+        v16 acc = {};
+        for (int64_t k = 0; k < rank; ++k) acc += tj[k] * load<v16>(bt.data() + k * 16);
+        const v16 s = acc * scale;
+        std::memcpy(y + static_cast<int64_t>(rows[j]) * out + o, &s, sizeof s);
+      }
+    }
+  }
   if (rank % 8 == 0) {
     for (; o + 8 <= o1; o += 8) {
       for (int j = 0; j < n; ++j) {
         const float* tj = t + j * rank;
         v8 p[8] = {};
         for (int64_t k = 0; k < rank; k += 8) {
-          const v8 tv = load8(tj + k);
-          for (int c = 0; c < 8; ++c) p[c] += load8(b + (o + c) * stride + k) * tv;
+          const v8 tv = load<v8>(tj + k);
+          for (int c = 0; c < 8; ++c) p[c] += load<v8>(b + (o + c) * stride + k) * tv;
         }
         const v8 s = hsum8(p) * scale;
         std::memcpy(y + static_cast<int64_t>(rows[j]) * out + o, &s, sizeof s);
@@ -150,21 +210,44 @@ struct Call {
   std::vector<int32_t> order;     // rows with a slot, grouped by slot
   std::vector<int> group_start;   // group g holds order[group_start[g], group_start[g + 1])
   std::vector<Item> items;
+  // With column blocks, each (group, module)'s t is computed once, first, into `shared` at
+  // shared_at[group * modules + module]; without, each item computes its own.
+  std::vector<float> shared;
+  std::vector<int64_t> shared_at;
+
+  int rows_of(int group) const { return group_start[group + 1] - group_start[group]; }
+  int64_t rank_of(int group) const {  // the group's slot's rank, rounded up to 8 for the vector paths
+    const int64_t used = std::min<int64_t>(rank[slot_of_row[order[group_start[group]]]], max_rank);
+    return max_rank % 8 == 0 ? (used + 7) / 8 * 8 : max_rank;
+  }
+  template <typename T>
+  const T* a_of(int group, const Module& m) const {
+    return static_cast<const T*>(m.a) + (layer * slots + slot_of_row[order[group_start[group]]]) * max_rank * in;
+  }
+
+  template <typename T>
+  void shrink_of(int group, int module, float* t) const {
+    shrink(x, in, order.data() + group_start[group], rows_of(group), a_of<T>(group, modules[module]),
+           rank_of(group), t);
+  }
 
   template <typename T>
   void run(const Item& it) const {
     const int32_t* rows = order.data() + group_start[it.group];
-    const int n = group_start[it.group + 1] - group_start[it.group];
-    const int64_t slot = slot_of_row[rows[0]];
+    const int n = rows_of(it.group);
+    const int64_t slot = slot_of_row[rows[0]], r = rank_of(it.group);
     const Module& m = modules[it.module];
-    const int64_t used = std::min<int64_t>(rank[slot], max_rank);  // the slot's rank
-    const int64_t r = max_rank % 8 == 0 ? (used + 7) / 8 * 8 : max_rank;
-    const T* a = static_cast<const T*>(m.a) + (layer * slots + slot) * max_rank * in;
     const T* b = static_cast<const T*>(m.b) + (layer * slots + slot) * m.out * max_rank;
-    thread_local std::vector<float> t;  // scratch, reused across items and calls
-    t.resize(static_cast<size_t>(n) * std::max<int64_t>(r, 1));
-    shrink(x, in, rows, n, a, r, t.data());
-    expand(t.data(), n, r, b, max_rank, it.o0, it.o1, scaling[slot], rows, m.y, m.out);
+    const float* t;
+    if (shared.empty()) {
+      thread_local std::vector<float> own;  // scratch, reused across items and calls
+      own.resize(static_cast<size_t>(n) * std::max<int64_t>(r, 1));
+      shrink_of<T>(it.group, it.module, own.data());
+      t = own.data();
+    } else {
+      t = shared.data() + shared_at[it.group * modules.size() + it.module];
+    }
+    expand(t, n, r, b, max_rank, it.o0, it.o1, scaling[slot], rows, m.y, m.out);
   }
 
   void run(int64_t i) const {
@@ -173,6 +256,21 @@ struct Call {
       run<uint16_t>(it);
     else
       run<float>(it);
+  }
+};
+
+// The first phase of a call with column blocks: t of (group, module) pair i.
+struct Shrinks {
+  std::shared_ptr<Call> call;
+
+  void run(int64_t i) const {
+    const int64_t n_modules = static_cast<int64_t>(call->modules.size());
+    const int group = static_cast<int>(i / n_modules), module = static_cast<int>(i % n_modules);
+    float* t = call->shared.data() + call->shared_at[i];
+    if (call->modules[module].bf16)
+      call->shrink_of<uint16_t>(group, module, t);
+    else
+      call->shrink_of<float>(group, module, t);
   }
 };
 
@@ -228,15 +326,26 @@ ffi::Error Sgmv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     if (i == 0 || s[call->order[i]] != s[call->order[i - 1]]) call->group_start.push_back(static_cast<int>(i));
   call->group_start.push_back(static_cast<int>(call->order.size()));
   const int groups = static_cast<int>(call->group_start.size()) - 1;
-  // An item recomputes its slot's shrink (x A^T) for its own columns, so a module is split into
-  // column blocks only when the (slot, module) pairs are too few to keep every thread busy.
-  const bool few = groups * static_cast<int64_t>(call->modules.size()) < 2 * std::max<int64_t>(pool.num_threads(), 1);
+  // An item is a (slot, module) pair, shrink and expand. When those are too few to keep every
+  // thread busy, modules are split into column blocks, after a first phase that computes each
+  // pair's shrink (x A^T) once for all its blocks.
+  const int64_t pairs_count = groups * static_cast<int64_t>(call->modules.size());
+  const bool few = pairs_count < 2 * std::max<int64_t>(pool.num_threads(), 1);
   const int64_t columns = few ? kColumns : INT64_MAX / 2;
   for (int g = 0; g < groups; ++g)
     for (int mi = 0; mi < static_cast<int>(call->modules.size()); ++mi)
       for (int64_t o = 0; o < call->modules[mi].out; o += columns)
         call->items.push_back({g, mi, o, std::min(o + columns, call->modules[mi].out)});
-
+  if (few && pairs_count > 0) {
+    int64_t size = 0;
+    for (int g = 0; g < groups; ++g)
+      for (size_t mi = 0; mi < call->modules.size(); ++mi) {
+        call->shared_at.push_back(size);
+        size += call->rows_of(g) * std::max<int64_t>(call->rank_of(g), 1);
+      }
+    call->shared.resize(static_cast<size_t>(size));
+    loraplane::run_parallel<Shrinks>(pool, std::make_shared<const Shrinks>(Shrinks{call}), pairs_count);
+  }
   loraplane::run_parallel<Call>(pool, call, static_cast<int64_t>(call->items.size()));
   return ffi::Error::Success();
 }
