@@ -329,14 +329,17 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
         assert r.checked == NEW_TOKENS - 1
 
 
-@pytest.mark.parametrize("groups,head_dim,max_len", [(2, 64, 256), (1, 12, 37), (6, 8, 16)])
+@pytest.mark.parametrize("groups,head_dim,max_len", [(2, 64, 256), (3, 80, 40), (1, 12, 37), (6, 8, 16)])
 def test_theattention_kernel_reads_each_rows_own_positions(groups: int, head_dim: int, max_len: int) -> None:
     """Against a float64 reference: the step's K and V written at each row's last position and
     nothing else touched; lengths from 1 to max_len (a partial last block, and one that ends at
-    the row's end); inactive rows (length 0) write nothing and get zeros; other layers unread."""
+    the row's end); inactive rows (length 0) write nothing and get zeros; other layers unread;
+    head_dim with and without the vector path (multiples of 16), one query head left over from the
+    pairs; scores far apart."""
     rng = np.random.default_rng(groups)
     layers, rows, kv = 3, 7, 2
     q = rng.standard_normal((rows, kv, groups, head_dim)).astype(np.float32)
+    q[6] *= 40  # scores hundreds apart: weights far below float32's range must come out 0, not NaN
     k = rng.standard_normal((layers, rows, kv, head_dim, max_len)).astype(np.float32)
     v = rng.standard_normal((layers, rows, kv, max_len, head_dim)).astype(np.float32)
     lengths = np.array([1, max_len, 0, 17 % max_len + 1, max_len - 1, 5, max_len // 2], np.int32)

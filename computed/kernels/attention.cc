@@ -7,7 +7,10 @@
 // len[b] positions of the cache, straight from the cache's buffer: no bucket of positions is
 // sliced out (XLA copies every slice), and a short row costs what it holds, not what the longest
 // row holds. Rows with len[b] <= 0 (inactive) get zeros. Work items (row, KV head) go to XLA's
-// intra-op threads (parallel.h).
+// intra-op threads (parallel.h). Within an item, K's rows stream whole, four at a time (each a
+// sequential stream the prefetcher follows), the softmax's exp is vectorised, and V's rows stream
+// once per pair of query heads into sums held in registers: a deep row runs at about the machine's
+// read bandwidth (docs/kernels.md).
 //
 // Operands: q f32 [rows, kv, g, d]; the whole caches, K f32 [layers, rows, kv, d, max_len]
 // (positions minor) and V f32 [layers, rows, kv, max_len, d]; len s32 [rows]; this step's K and V,
@@ -26,14 +29,41 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kHeads = 4;  // query heads whose scores share each load of K
+constexpr int64_t kRows = 4;  // rows of K (dimensions) streamed together in the scores
 
-typedef float v8 __attribute__((vector_size(32)));
 
-inline v8 load8(const float* p) {
-  v8 v;
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// e^x for 16 lanes, to about 1 ulp: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so
+// n ln 2 is exact enough), e^r by its Taylor series to r^7 (the next term is below 1e-8 of the
+// result), times 2^n built in the exponent bits. x is clamped to [-87, 88]: e^-87 is ~1.6e-38, the
+// smallest normal float, and a softmax weight that small adds nothing to a float32 sum.
+inline v16 exp16(v16 x) {
+  const v16 lo = x < -87.f ? v16{} - 87.f : x;
+  x = lo > 88.f ? v16{} + 88.f : lo;
+  const v16 biased = x * 1.44269504088896341f + 128.5f;  // > 0: truncation is floor
+  const v16i n = __builtin_convertvector(biased, v16i) - 128;
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+  v16 p = r * (1.f / 5040) + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v16i bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 struct Attention {
@@ -59,34 +89,26 @@ struct Attention {
     const float* kn = k_new + (b * kv + h) * d;
     for (int64_t e = 0; e < d; ++e) kh[e * max_len + n - 1] = kn[e];
     std::memcpy(vh + (n - 1) * d, v_new + (b * kv + h) * d, sizeof(float) * d);
-    // scores, sixteen positions (a cache line of K's row) at a time: K's rows are
-    // positions-contiguous, each load of K serves every query head of the group, and the sums stay
-    // in registers over d
+    // scores: K's rows (one per dimension e) are positions-contiguous, so each is streamed from
+    // start to end, four rows at a time (four streams the prefetcher follows), and every load of K
+    // serves every query head of the group; the sums live in s, which stays in the L1 cache
     const int64_t padded = (n + 15) / 16 * 16;
     thread_local std::vector<float> s, inv;  // scratch, reused across items and calls
     s.assign(static_cast<size_t>(g * padded), 0.f);
     const int64_t blocks_end = padded <= max_len ? padded : n - n % 16;  // never read past the row
-    int64_t l = 0;
-    for (; l < blocks_end; l += 16) {
-      for (int64_t j0 = 0; j0 < g; j0 += kHeads) {
-        const int64_t m = std::min<int64_t>(kHeads, g - j0);
-        v8 lo[kHeads] = {}, hi[kHeads] = {};
-        for (int64_t e = 0; e < d; ++e) {
-          const float* ke = kh + e * max_len + l;
-          const v8 k0 = load8(ke), k1 = load8(ke + 8);
-          for (int64_t j = 0; j < m; ++j) {
-            const float qe = qh[(j0 + j) * d + e];
-            lo[j] += qe * k0;
-            hi[j] += qe * k1;
-          }
-        }
-        for (int64_t j = 0; j < m; ++j) {
-          std::memcpy(s.data() + (j0 + j) * padded + l, &lo[j], sizeof(v8));
-          std::memcpy(s.data() + (j0 + j) * padded + l + 8, &hi[j], sizeof(v8));
+    for (int64_t e0 = 0; e0 < d; e0 += kRows) {
+      const int64_t rows_here = std::min<int64_t>(kRows, d - e0);
+      for (int64_t l = 0; l < blocks_end; l += 16) {
+        v16 kr[kRows];
+        for (int64_t e = 0; e < rows_here; ++e) kr[e] = load16(kh + (e0 + e) * max_len + l);
+        for (int64_t j = 0; j < g; ++j) {
+          v16 acc = load16(s.data() + j * padded + l);
+          for (int64_t e = 0; e < rows_here; ++e) acc += qh[j * d + e0 + e] * kr[e];
+          std::memcpy(s.data() + j * padded + l, &acc, sizeof acc);
         }
       }
     }
-    for (; l < n; ++l)
+    for (int64_t l = blocks_end; l < n; ++l)
       for (int64_t j = 0; j < g; ++j) {
         float acc = 0.f;
         for (int64_t e = 0; e < d; ++e) acc += qh[j * d + e] * kh[e * max_len + l];
@@ -98,15 +120,40 @@ struct Attention {
       float* sj = s.data() + j * padded;
       float m = -INFINITY;
       for (int64_t l = 0; l < n; ++l) m = std::max(m, sj[l] * scale);
-      float sum = 0.f;
-      for (int64_t l = 0; l < n; ++l) {
-        sj[l] = std::exp(sj[l] * scale - m);
-        sum += sj[l];
+      for (int64_t l = 0; l < padded; l += 16) {  // s has room for whole blocks
+        v16 x;
+        std::memcpy(&x, sj + l, sizeof x);
+        x = exp16(x * scale - m);
+        std::memcpy(sj + l, &x, sizeof x);
       }
+      std::fill(sj + n, sj + padded, 0.f);  // positions past the row's length weigh nothing
+      float sum = 0.f;
+      for (int64_t l = 0; l < n; ++l) sum += sj[l];
       inv[j] = 1.f / sum;
     }
+    // the weighted sum of V's rows: V's rows stream once per pair of query heads, into
+    // accumulators that stay in registers (64 dimensions at a time)
+    if (d % 16 == 0) {
+      for (int64_t e0 = 0; e0 < d; e0 += 64)
+        for (int64_t j0 = 0; j0 < g; j0 += 2) {
+          const int heads = g - j0 >= 2 ? 2 : 1, vectors = static_cast<int>(std::min<int64_t>(4, (d - e0) / 16));
+          const float* sj = s.data() + j0 * padded;
+          float* oj = oh + j0 * d + e0;
+          switch (heads * 4 + vectors - 1) {
+            case 4 + 0: weighted<1, 1>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            case 4 + 1: weighted<1, 2>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            case 4 + 2: weighted<1, 3>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            case 4 + 3: weighted<1, 4>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            case 8 + 0: weighted<2, 1>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            case 8 + 1: weighted<2, 2>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            case 8 + 2: weighted<2, 3>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+            default: weighted<2, 4>(sj, padded, vh + e0, d, n, inv.data() + j0, oj); break;
+          }
+        }
+      return;
+    }
     std::fill(oh, oh + g * d, 0.f);
-    for (l = 0; l < n; ++l) {
+    for (int64_t l = 0; l < n; ++l) {
       const float* vl = vh + l * d;
       for (int64_t j = 0; j < g; ++j) {
         const float p = s[j * padded + l];
@@ -116,6 +163,25 @@ struct Attention {
     }
     for (int64_t j = 0; j < g; ++j)
       for (int64_t e = 0; e < d; ++e) oh[j * d + e] *= inv[j];
+  }
+
+  // out[j][16c + lane] = inv[j] * sum_l p[j][l] v[l][16c + lane] for H heads (p's rows `stride`
+  // apart, out's d apart) and C vectors of dimensions; v's rows are d apart
+  template <int H, int C>
+  static void weighted(const float* p, int64_t stride, const float* v, int64_t d, int64_t n, const float* inv,
+                       float* out) {
+    v16 acc[H][C] = {};
+    for (int64_t l = 0; l < n; ++l) {
+      for (int c = 0; c < C; ++c) {
+        const v16 vv = load16(v + l * d + 16 * c);
+        for (int j = 0; j < H; ++j) acc[j][c] += p[j * stride + l] * vv;
+      }
+    }
+    for (int j = 0; j < H; ++j)
+      for (int c = 0; c < C; ++c) {
+        const v16 o = acc[j][c] * inv[j];
+        std::memcpy(out + j * d + 16 * c, &o, sizeof o);
+      }
   }
 };
 
