@@ -1,7 +1,8 @@
 """The model's dense products `x W`: XLA's dot, or the native kernel over packed weights.
 
 A float32 model whose replica has the native kernels on an AVX-512 CPU keeps
-every projection weight (and an untied lm_head) packed, once, at load time:
+every projection weight and the lm_head packed, once, at load time (a tied
+model's packed lm_head is then its embedding's only copy):
 `[panels, in, panel]`, each panel `panel` consecutive output columns whose
 `in` rows lie one after another, the last panel zero-padded. The dense kernel
 (computed/kernels/dense.cc) streams that layout exactly once per product,

@@ -17,7 +17,7 @@ takes just `params`). What it reproduces of transformers 5.24's
 - SwiGLU MLP `down(silu(gate(x)) * up(x))`; optional attention and MLP biases.
 - Tied (`lm_head` is the embedding) or untied output embeddings.
 
-The projections and an untied lm_head are `x W` with W stored `[in, out]`, or,
+The projections and the lm_head are `x W` with W stored `[in, out]`, or,
 for a float32 model where the native dense kernel runs (AVX-512 CPUs), packed
 into column panels once at load (computed/dense.py, `with_layout`): the kernel
 streams each weight once per decode step, where XLA's dot repacks it on every
@@ -246,13 +246,18 @@ class LayerParams:
 @dataclass(frozen=True)
 class LlamaParams:
     config: LlamaConfig
-    embed: jax.Array                # [vocab, hidden]
+    embed: jax.Array | None         # [vocab, hidden]; None when tied and packed (lm_head holds it)
     layers: tuple[LayerParams, ...]
     norm: jax.Array                 # [hidden]
-    lm_head: jax.Array | PackedWeight | None  # [hidden, vocab] (as the projections); None when tied to embed
+    # [hidden, vocab] (as the projections); None when tied to embed, unless packed: a tied model's
+    # packed lm_head is the embedding's only copy, and lookups read its columns (`_embed`)
+    lm_head: jax.Array | PackedWeight | None
 
     @property
     def dtype(self) -> jnp.dtype:
+        if self.embed is None:
+            assert isinstance(self.lm_head, PackedWeight)
+            return self.lm_head.panels.dtype
         return self.embed.dtype
 
 
@@ -330,7 +335,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
                packed: bool | None = None) -> tuple[LlamaConfig, LlamaParams]:
     """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`.
 
-    The projections and an untied lm_head are packed for the native dense kernel where it can run
+    The projections and the lm_head are packed for the native dense kernel where it can run
     (`packed` None: a float32 model on a CPU with the kernels and AVX-512, computed/dense.py);
     `packed=False` keeps them [in, out] for XLA."""
     if dtype not in DTYPES:
@@ -390,9 +395,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
 
 
 def with_layout(params: LlamaParams, *, packed: bool) -> LlamaParams:
-    """`params` with every projection and an untied lm_head packed for the dense kernel
-    (computed/dense.py), or unpacked to [in, out] for XLA; host work, once per model.
-    Packing needs a float32 model and the kernel (ValueError otherwise)."""
+    """`params` with every projection and the lm_head packed for the dense kernel
+    (computed/dense.py), or unpacked to [in, out] for XLA; host work, once per model. A tied
+    model keeps one copy: packed, its lm_head is the embedding's transpose and `embed` is None
+    (lookups read the lm_head's columns). Packing needs a float32 model and the kernel
+    (ValueError otherwise)."""
     panel = packing_panel(params.dtype) if packed else 0
     if packed and not panel:
         raise ValueError(f"packed weights need a float32 model and the native dense kernel (AVX-512); this is "
@@ -406,8 +413,15 @@ def with_layout(params: LlamaParams, *, packed: bool) -> LlamaParams:
 
     layers = tuple(dataclasses.replace(layer, weights={m: convert(w) for m, w in layer.weights.items()})
                    for layer in params.layers)
-    lm_head = None if params.lm_head is None else convert(params.lm_head)
-    return dataclasses.replace(params, layers=layers, lm_head=lm_head)
+    embed, lm_head = params.embed, params.lm_head
+    if params.config.tie_word_embeddings:  # one copy: the embedding, or its packed transpose
+        if embed is None:
+            assert isinstance(lm_head, PackedWeight)
+            embed = jnp.asarray(np.ascontiguousarray(np.asarray(unpack(lm_head)).T))
+        embed, lm_head = (None, pack(embed.T, panel)) if panel else (embed, None)
+    elif lm_head is not None:
+        lm_head = convert(lm_head)
+    return dataclasses.replace(params, embed=embed, layers=layers, lm_head=lm_head)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -527,6 +541,16 @@ def _heads_first(x: jax.Array, dtype: jnp.dtype, *, positions_minor: bool = Fals
     return x[None, None].astype(dtype)
 
 
+def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
+    """The embeddings of `tokens`: rows of `embed`, or for a tied packed model columns of its lm_head."""
+    if params.embed is not None:
+        return params.embed[tokens]
+    assert isinstance(params.lm_head, PackedWeight)
+    panels = params.lm_head.panels
+    width = panels.shape[2]
+    return panels[tokens // width, :, tokens % width]  # [*tokens.shape, hidden]
+
+
 def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
     if params.lm_head is None:
         return jnp.einsum("...h,vh->...v", h, params.embed).astype(jnp.float32)
@@ -554,7 +578,7 @@ def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, adapt
     """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the
     attention; RoPE by `tables` (else computed from `positions`)."""
     config = params.config
-    h = params.embed[tokens]
+    h = _embed(params, tokens)
     if tables is None:
         tables = rope_tables(positions, config)
     for i, layer in enumerate(params.layers):

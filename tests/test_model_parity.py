@@ -560,7 +560,8 @@ def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail
                                rtol=1e-5, atol=1e-4)
 
 
-def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: Setup) -> None:
+def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: Setup,
+                                                                 other_assets: ExampleAssets) -> None:
     """load_model packs for the dense kernel where it can run; with_layout goes both ways, exactly."""
     params = example_setup.params
     packed = isinstance(params.layers[0].weights["q_proj"], dense.PackedWeight)
@@ -569,6 +570,13 @@ def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: 
     assert not isinstance(plain.layers[0].weights["q_proj"], dense.PackedWeight)
     again = with_layout(with_layout(plain, packed=packed), packed=False)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, tied = load_model(other_assets.model_dir)  # a tied model keeps one copy of its embedding
+    assert tied.config.tie_word_embeddings
+    assert (tied.embed is None and isinstance(tied.lm_head, dense.PackedWeight)) == packed
+    _, tied_plain = load_model(other_assets.model_dir, packed=False)
+    assert tied_plain.lm_head is None
+    for a, b in zip(jax.tree.leaves(with_layout(tied, packed=False)), jax.tree.leaves(tied_plain)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _, bf16 = load_model(example_setup.assets.model_dir, "bfloat16")
     assert not isinstance(bf16.layers[0].weights["q_proj"], dense.PackedWeight)  # XLA multiplies bfloat16
