@@ -42,6 +42,7 @@ from computed.model import (  # noqa: E402
     decode,
     forward_full,
     init_cache,
+    KV_BLOCK,
     load_model,
     prefill,
     with_layout,
@@ -329,6 +330,22 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
         assert r.checked == NEW_TOKENS - 1
 
 
+def k_blocks(k: np.ndarray) -> np.ndarray:
+    """K [..., d, max_len] in the cache's layout [..., ceil(max_len / 16), d, 16] (KVCache), padded with NaN:
+    a kernel that read past max_len would show it."""
+    *lead, d, n = k.shape
+    nb = -(-n // KV_BLOCK)
+    padded = np.full((*lead, d, nb * KV_BLOCK), np.nan, k.dtype)
+    padded[..., :n] = k
+    return np.ascontiguousarray(np.moveaxis(padded.reshape(*lead, d, nb, KV_BLOCK), -2, -3))
+
+
+def k_positions(k: np.ndarray, max_len: int) -> np.ndarray:
+    """The cache's K back to [..., d, max_len]."""
+    *lead, nb, d, c = k.shape
+    return np.moveaxis(k, -3, -2).reshape(*lead, d, nb * c)[..., :max_len]
+
+
 @pytest.mark.parametrize("groups,head_dim,max_len", [(2, 64, 256), (3, 80, 40), (1, 12, 37), (6, 8, 16)])
 def test_theattention_kernel_reads_each_rows_own_positions(groups: int, head_dim: int, max_len: int) -> None:
     """Against a float64 reference: the step's K and V written at each row's last position and
@@ -346,9 +363,9 @@ def test_theattention_kernel_reads_each_rows_own_positions(groups: int, head_dim
     k_new = rng.standard_normal((rows, kv, head_dim)).astype(np.float32)
     v_new = rng.standard_normal((rows, kv, head_dim)).astype(np.float32)
     scale = head_dim ** -0.5
-    out, k_after, v_after = attention_kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
-                                             jnp.asarray(k_new), jnp.asarray(v_new), 1, scale)
-    got, k_after, v_after = np.asarray(out), np.asarray(k_after), np.asarray(v_after)
+    out, k_after, v_after = attention_kernel(jnp.asarray(q), jnp.asarray(k_blocks(k)), jnp.asarray(v),
+                                             jnp.asarray(lengths), jnp.asarray(k_new), jnp.asarray(v_new), 1, scale)
+    got, k_after, v_after = np.asarray(out), k_positions(np.asarray(k_after), max_len), np.asarray(v_after)
     for b, n in enumerate(lengths):  # the step's K and V land at position n - 1 of layer 1, nothing else moves
         if n:
             k[1, b, :, :, n - 1], v[1, b, :, n - 1] = k_new[b], v_new[b]

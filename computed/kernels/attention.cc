@@ -7,13 +7,13 @@
 // len[b] positions of the cache, straight from the cache's buffer: no bucket of positions is
 // sliced out (XLA copies every slice), and a short row costs what it holds, not what the longest
 // row holds. Rows with len[b] <= 0 (inactive) get zeros. Work items (row, KV head) go to XLA's
-// intra-op threads (parallel.h). Within an item, K's rows stream whole, four at a time (each a
-// sequential stream the prefetcher follows), the softmax's exp is vectorised, and V's rows stream
-// once per pair of query heads into sums held in registers: a deep row runs at about the machine's
-// read bandwidth (docs/kernels.md).
+// intra-op threads (parallel.h). Within an item, K streams block by block (each block's 16
+// positions of every dimension lie together), the softmax's exp is vectorised, and V's rows
+// stream once per pair of query heads into sums held in registers (docs/kernels.md).
 //
-// Operands: q f32 [rows, kv, g, d]; the whole caches, K f32 [layers, rows, kv, d, max_len]
-// (positions minor) and V f32 [layers, rows, kv, max_len, d]; len s32 [rows]; this step's K and V,
+// Operands: q f32 [rows, kv, g, d]; the whole caches, K f32 [layers, rows, kv, blocks, d, 16]
+// (positions in blocks of 16, minor within a block; blocks * 16 >= max_len) and V f32
+// [layers, rows, kv, max_len, d]; len s32 [rows]; this step's K and V,
 // f32 [rows, kv, d]. Results: f32 [rows, kv, g, d], then the caches. Attributes: layer, scale.
 #include <algorithm>
 #include <cmath>
@@ -29,7 +29,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRows = 4;  // rows of K (dimensions) streamed together in the scores
+constexpr int64_t kBlock = 16;  // positions per block of K (computed/model.py, KV_BLOCK)
+constexpr int64_t kHeads = 4;   // query heads whose scores share each load of K
 
 
 
@@ -71,7 +72,7 @@ struct Attention {
   float *k, *v;  // the caches, updated in place (the results alias the operands)
   const int32_t* len;
   float* out;
-  int64_t rows, kv, g, d, max_len, layer;
+  int64_t rows, kv, g, d, max_len, blocks, layer;
   float scale;
 
   void run(int64_t item) const {
@@ -83,37 +84,33 @@ struct Attention {
       std::memset(oh, 0, sizeof(float) * g * d);
       return;
     }
-    float* kh = k + ((layer * rows + b) * kv + h) * d * max_len;  // [d, max_len]
-    float* vh = v + ((layer * rows + b) * kv + h) * max_len * d;  // [max_len, d]
-    // this step's K and V go to position n - 1 of the row, then the row attends to [0, n)
+    float* kh = k + ((layer * rows + b) * kv + h) * blocks * d * kBlock;  // [blocks, d, 16]
+    float* vh = v + ((layer * rows + b) * kv + h) * max_len * d;          // [max_len, d]
+    // this step's K and V go to position n - 1 of the row (K's into one block), then the row
+    // attends to [0, n)
     const float* kn = k_new + (b * kv + h) * d;
-    for (int64_t e = 0; e < d; ++e) kh[e * max_len + n - 1] = kn[e];
+    float* kw = kh + (n - 1) / kBlock * d * kBlock + (n - 1) % kBlock;
+    for (int64_t e = 0; e < d; ++e) kw[e * kBlock] = kn[e];
     std::memcpy(vh + (n - 1) * d, v_new + (b * kv + h) * d, sizeof(float) * d);
-    // scores: K's rows (one per dimension e) are positions-contiguous, so each is streamed from
-    // start to end, four rows at a time (four streams the prefetcher follows), and every load of K
-    // serves every query head of the group; the sums live in s, which stays in the L1 cache
-    const int64_t padded = (n + 15) / 16 * 16;
+    // scores, a block of 16 positions at a time: the block's d rows of 16 lie together (4 KB at
+    // d = 64), each load serves up to four query heads, and the sums stay in registers. Every
+    // block is whole in the cache (max_len rounds up to blocks); positions from n on get
+    // scores here that the softmax drops.
+    const int64_t padded = (n + kBlock - 1) / kBlock * kBlock;
     thread_local std::vector<float> s, inv;  // scratch, reused across items and calls
-    s.assign(static_cast<size_t>(g * padded), 0.f);
-    const int64_t blocks_end = padded <= max_len ? padded : n - n % 16;  // never read past the row
-    for (int64_t e0 = 0; e0 < d; e0 += kRows) {
-      const int64_t rows_here = std::min<int64_t>(kRows, d - e0);
-      for (int64_t l = 0; l < blocks_end; l += 16) {
-        v16 kr[kRows];
-        for (int64_t e = 0; e < rows_here; ++e) kr[e] = load16(kh + (e0 + e) * max_len + l);
-        for (int64_t j = 0; j < g; ++j) {
-          v16 acc = load16(s.data() + j * padded + l);
-          for (int64_t e = 0; e < rows_here; ++e) acc += qh[j * d + e0 + e] * kr[e];
-          std::memcpy(s.data() + j * padded + l, &acc, sizeof acc);
+    s.resize(static_cast<size_t>(g * padded));
+    for (int64_t l = 0; l < padded; l += kBlock) {
+      const float* kb = kh + l / kBlock * d * kBlock;
+      for (int64_t j0 = 0; j0 < g; j0 += kHeads) {
+        const int64_t m = std::min<int64_t>(kHeads, g - j0);
+        v16 acc[kHeads] = {};
+        for (int64_t e = 0; e < d; ++e) {
+          const v16 ke = load16(kb + e * kBlock);
+          for (int64_t j = 0; j < m; ++j) acc[j] += qh[(j0 + j) * d + e] * ke;
         }
+        for (int64_t j = 0; j < m; ++j) std::memcpy(s.data() + (j0 + j) * padded + l, &acc[j], sizeof(v16));
       }
     }
-    for (int64_t l = blocks_end; l < n; ++l)
-      for (int64_t j = 0; j < g; ++j) {
-        float acc = 0.f;
-        for (int64_t e = 0; e < d; ++e) acc += qh[j * d + e] * kh[e * max_len + l];
-        s[j * padded + l] = acc;
-      }
     // softmax in float32, then the weighted sum of V's rows
     inv.resize(static_cast<size_t>(g));
     for (int64_t j = 0; j < g; ++j) {
@@ -191,12 +188,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Result<ffi::Buffer<ffi::F32>> k, ffi::Result<ffi::Buffer<ffi::F32>> v, int64_t layer,
                            float scale) {
   const auto qd = q.dimensions(), kd = k_in.dimensions(), vd = v_in.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5)
-    return ffi::Error::InvalidArgument("attention: q [rows, kv, g, d], K [layers, rows, kv, d, max_len], "
+  if (qd.size() != 4 || kd.size() != 6 || vd.size() != 5)
+    return ffi::Error::InvalidArgument("attention: q [rows, kv, g, d], K [layers, rows, kv, blocks, d, 16], "
                                        "V [layers, rows, kv, max_len, d]");
-  const int64_t rows = qd[0], kv = qd[1], g = qd[2], d = qd[3], max_len = kd[4];
-  if (kd[1] != rows || kd[2] != kv || kd[3] != d || vd[0] != kd[0] || vd[1] != rows || vd[2] != kv ||
-      vd[3] != max_len || vd[4] != d || len.element_count() != static_cast<size_t>(rows) ||
+  const int64_t rows = qd[0], kv = qd[1], g = qd[2], d = qd[3], max_len = vd[3], blocks = kd[3];
+  if (kd[1] != rows || kd[2] != kv || kd[4] != d || kd[5] != kBlock || blocks * kBlock < max_len ||
+      vd[0] != kd[0] || vd[1] != rows || vd[2] != kv || vd[4] != d || len.element_count() != static_cast<size_t>(rows) ||
       out->element_count() != q.element_count() || k_new.element_count() != static_cast<size_t>(rows * kv * d) ||
       v_new.element_count() != static_cast<size_t>(rows * kv * d) ||
       k->element_count() != k_in.element_count() || v->element_count() != v_in.element_count())
@@ -209,7 +206,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     std::memcpy(v->typed_data(), v_in.typed_data(), sizeof(float) * v_in.element_count());
   auto call = std::make_shared<Attention>(Attention{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                                                     k->typed_data(), v->typed_data(), len.typed_data(),
-                                                    out->typed_data(), rows, kv, g, d, max_len, layer, scale});
+                                                    out->typed_data(), rows, kv, g, d, max_len, blocks, layer,
+                                                    scale});
   loraplane::run_parallel<Attention>(pool, call, rows * kv);
   return ffi::Error::Success();
 }
