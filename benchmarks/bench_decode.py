@@ -261,7 +261,7 @@ class RawDecode:
                  slots: np.ndarray, lora_impl: str = "segmented") -> None:
         self.runner, self.slots, self.lora_impl = runner, slots.astype(np.int32), lora_impl
         self.arrays = None if pool is None else pool.arrays  # the pool never changes here
-        self.cache = runner.new_cache()
+        self.cache = runner.new_cache(blocked=False if lora_impl == LOOP else None)  # XLA's layout for XLA alone
         first = np.zeros(BATCH, np.int32)
         for row in range(BATCH):
             logits, self.cache = runner.prefill(self.arrays, self.cache, prompts[row], PROMPT, row,
@@ -299,7 +299,7 @@ class DeepDecode:
 
     def __init__(self, runner: LlamaRunner, start: int, attention: str) -> None:
         self.runner, self.start, self.attention = runner, start, attention
-        self.cache = runner.new_cache()
+        self.cache = runner.new_cache(blocked=attention == "kernel")  # each attention with its own layout of K
         self.slots, self.active = np.full(BATCH, -1, np.int32), np.ones(BATCH, np.bool_)
 
     def round(self, steps: int, timing: Timing | None) -> None:

@@ -333,8 +333,9 @@ class LlamaRunner:
     def bucket(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
 
-    def new_cache(self) -> Any:
-        return init_cache(self.config, self.max_batch, self.max_len, self.params.dtype)
+    def new_cache(self, blocked: bool | None = None) -> Any:
+        """A zeroed KV cache for this runner; K's layout as init_cache picks it, or by `blocked`."""
+        return init_cache(self.config, self.max_batch, self.max_len, self.params.dtype, blocked=blocked)
 
     def prefill(self, pool: LoraPool, cache: Any, tokens: np.ndarray, length: int, row: int,
                 slot: int) -> tuple[np.ndarray, Any]:

@@ -27,15 +27,14 @@ LoRA (computed/lora.py) is added to q, k, v, o, gate, up and down wherever the
 pool has the module: `y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT
 does; slot -1 is the base model and adds nothing.
 
-KV cache for continuous batching (`KVCache`): K `[layers, max_batch, kv_heads,
-blocks, head_dim, 16]` (positions in blocks of 16, positions minor within a
-block) and V `[layers, max_batch, kv_heads, max_len, head_dim]` in the model
-dtype; each running sequence owns one batch row. Heads come before positions
-so that attention reads the cache in place (with positions first, XLA on CPU
-transposes every layer's K and V before each step's matmuls, and a decode
-step takes about three times as long). K's blocks keep a step's scores
-vector-wide over positions while a row's first positions lie together
-(`KVCache`). Decode attention is the native kernel
+KV cache for continuous batching (`KVCache`): V `[layers, max_batch, kv_heads,
+max_len, head_dim]` and K in blocks of 16 positions `[layers, max_batch,
+kv_heads, blocks, head_dim, 16]` for the attention kernel, or positions-minor
+`[layers, max_batch, kv_heads, head_dim, max_len]` for XLA's attention, in
+the model dtype; each running sequence owns one batch row. Heads come before
+positions so that attention reads the cache in place (with positions first,
+XLA on CPU transposes every layer's K and V before each step's matmuls, and a
+decode step takes about three times as long). Decode attention is the native kernel
 (computed/kernels/attention.cc) for a float32 cache where it is built, each
 row over its own positions; else XLA over a length bucket. Entry points, all
 jitted, the first two donating the cache so it is updated in place:
@@ -266,16 +265,20 @@ class LlamaParams:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    """K [layers, max_batch, kv_heads, ceil(max_len / 16), head_dim, 16] and V [layers, max_batch,
-    kv_heads, max_len, head_dim].
+    """V [layers, max_batch, kv_heads, max_len, head_dim]; K in one of two layouts, by what attends:
 
-    K holds positions in blocks of KV_BLOCK: block j, dimension e, lane c is position 16j + c.
-    Within a block positions are minor, so a decode step's scores take sixteen positions per
-    vector (a [g, d] x [d, 16] product per block), as with K wholly positions-minor, which
-    measured about 30% cheaper in XLA's attention than K laid out like V. But a row's first
-    positions lie together: with K wholly positions-minor ([head_dim, max_len]), a short row
-    touched head_dim scattered cache lines per (row, head), and the attention kernel spent its
-    time waiting on them. Positions past max_len in the last block are never read."""
+    - blocked, for the attention kernel: K [layers, max_batch, kv_heads, ceil(max_len / 16),
+      head_dim, 16], positions in blocks of KV_BLOCK (block j, dimension e, lane c is position
+      16j + c). A row's first positions lie together; with K wholly positions-minor, a short row
+      touched head_dim scattered cache lines per (row, head), and the kernel spent its time
+      waiting on them. Positions past max_len in the last block are never read.
+    - positions-minor, for XLA's attention: K [layers, max_batch, kv_heads, head_dim, max_len],
+      so a step's scores are a [g, d] x [d, L] product per row and head (measured about 30%
+      cheaper than K laid out like V). XLA read the blocked layout markedly slower deep in a
+      long cache.
+
+    Within a block positions are minor too, so both give the kernel and XLA sixteen positions per
+    vector."""
 
     k: jax.Array
     v: jax.Array
@@ -288,6 +291,11 @@ class KVCache:
     def max_len(self) -> int:
         return int(self.v.shape[3])
 
+    @property
+    def blocked(self) -> bool:
+        """Whether K is in blocks of positions (the attention kernel's layout)."""
+        return self.k.ndim == 6
+
 
 KV_BLOCK = 16  # positions per block of K (KVCache); computed/kernels/attention.cc assumes it
 
@@ -296,11 +304,16 @@ def _blocks(positions: int) -> int:
     return -(-positions // KV_BLOCK)
 
 
-def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32") -> KVCache:
-    """A zeroed cache of `max_batch` rows of `max_len` positions, in the model's dtype."""
+def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32", *,
+               blocked: bool | None = None) -> KVCache:
+    """A zeroed cache of `max_batch` rows of `max_len` positions, in the model's dtype; K blocked
+    for the attention kernel (`blocked` None: a float32 cache where the kernels are available) or
+    positions-minor for XLA's attention (KVCache)."""
+    if blocked is None:
+        blocked = jnp.dtype(dtype) == jnp.float32 and kernels.available()
     lead = (config.num_layers, max_batch, config.num_kv_heads)
-    return KVCache(k=jnp.zeros(lead + (_blocks(max_len), config.head_dim, KV_BLOCK), dtype),
-                   v=jnp.zeros(lead + (max_len, config.head_dim), dtype))
+    k_shape = (_blocks(max_len), config.head_dim, KV_BLOCK) if blocked else (config.head_dim, max_len)
+    return KVCache(k=jnp.zeros(lead + k_shape, dtype), v=jnp.zeros(lead + (max_len, config.head_dim), dtype))
 
 
 # --------------------------------------------------------------------------- loading
@@ -546,9 +559,11 @@ def _qkv(x: jax.Array, tables: RopeTables, layer: LayerParams, index: int, adapt
     return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v.reshape(*lead, kvh, hd)
 
 
-def _heads_first(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """[P, kv, d] -> [1, 1, kv, P, d]: V's layout, for one layer and row."""
-    return jnp.transpose(x, (1, 0, 2))[None, None].astype(dtype)
+def _heads_first(x: jax.Array, dtype: jnp.dtype, *, positions_minor: bool = False) -> jax.Array:
+    """[P, kv, d] -> [1, 1, kv, P, d] (V's layout for one layer and row), or with
+    `positions_minor` [1, 1, kv, d, P] (positions-minor K's)."""
+    x = jnp.transpose(x, (1, 2, 0) if positions_minor else (1, 0, 2))
+    return x[None, None].astype(dtype)
 
 
 def _k_blocks(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -614,8 +629,12 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
 
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         nonlocal k_cache, v_cache
-        # k [P, kv, d] goes to [kv, P / 16, d, 16], v to [kv, P, d], of layer i, row `row`
-        k_cache = jax.lax.dynamic_update_slice(k_cache, _k_blocks(k, k_cache.dtype), (i, row, 0, 0, 0, 0))
+        # k [P, kv, d] goes to [kv, P / 16, d, 16] or [kv, d, P], v to [kv, P, d], of layer i, row `row`
+        if cache.blocked:
+            k_cache = jax.lax.dynamic_update_slice(k_cache, _k_blocks(k, k_cache.dtype), (i, row, 0, 0, 0, 0))
+        else:
+            k_cache = jax.lax.dynamic_update_slice(k_cache, _heads_first(k, k_cache.dtype, positions_minor=True),
+                                                   (i, row, 0, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, _heads_first(v, v_cache.dtype), (i, row, 0, 0, 0))
         return _causal_attention(q, k, v, config)
 
@@ -654,8 +673,6 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
     n_rows, max_len = tokens.shape[0], cache.max_len
     rows = jnp.arange(n_rows)
     write_at = jnp.where(active, positions, max_len)  # out of range: dropped, the cache is untouched
-    block_at = jnp.where(active, positions // KV_BLOCK, cache.k.shape[3])  # likewise, for K's blocks
-    attend_blocks = _blocks(attend_len)
     visible = (jnp.arange(attend_len)[None, :] <= positions[:, None])[:, None, None, :]
     lengths = jnp.where(active, positions + 1, 0).astype(jnp.int32)
     k_cache, v_cache = cache.k, cache.v
@@ -666,12 +683,18 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         if attention == "kernel":  # writes k and v too
             out, k_cache, v_cache = attention_kernel(q, k_cache, v_cache, lengths, k, v, i, config.head_dim ** -0.5)
             return out.astype(q.dtype).reshape(n_rows, -1)
-        k_cache = k_cache.at[i, rows, :, block_at, :, positions % KV_BLOCK].set(k.astype(k_cache.dtype), mode="drop")
+        if cache.blocked:  # the kernel's layout, read by XLA (tests, comparisons)
+            block_at = jnp.where(active, positions // KV_BLOCK, cache.k.shape[3])  # out of range: dropped
+            k_cache = k_cache.at[i, rows, :, block_at, :, positions % KV_BLOCK].set(k.astype(k_cache.dtype),
+                                                                                   mode="drop")
+            keys = jax.lax.slice_in_dim(k_cache[i], 0, _blocks(attend_len), axis=2)  # [B, kv, L / 16, d, 16]
+            keys = jnp.swapaxes(keys, 2, 3).reshape(*keys.shape[:2], keys.shape[3], -1)[..., :attend_len]
+        else:
+            k_cache = k_cache.at[i, rows, :, :, write_at].set(k.astype(k_cache.dtype), mode="drop")
+            keys = jax.lax.slice_in_dim(k_cache[i], 0, attend_len, axis=3)  # [B, kv, d, L]
         v_cache = v_cache.at[i, rows, :, write_at].set(v.astype(v_cache.dtype), mode="drop")
-        keys = jax.lax.slice_in_dim(k_cache[i], 0, attend_blocks, axis=2)  # [B, kv, L / 16, d, 16]
         values = jax.lax.slice_in_dim(v_cache[i], 0, attend_len, axis=2)  # [B, kv, L, d]
-        scores = jnp.einsum("bkgd,bkndc->bkgnc", q, keys).reshape(*q.shape[:3], -1)[..., :attend_len]
-        scores = scores * (config.head_dim ** -0.5)
+        scores = jnp.einsum("bkgd,bkds->bkgs", q, keys) * (config.head_dim ** -0.5)
         probs = _softmax(scores, visible, q.dtype)
         return jnp.einsum("bkgs,bksd->bkgd", probs, values).reshape(n_rows, -1)
 
@@ -800,6 +823,8 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
         attention = attention_impl(cache)
     elif attention not in ("kernel", "xla"):
         raise ValueError(f"attention must be 'kernel' or 'xla', got {attention!r}")
+    if attention == "kernel" and not (cache.blocked and cache.k.dtype == jnp.float32):
+        raise ValueError("attention='kernel' needs a float32 cache with K in blocks: init_cache(..., blocked=True)")
     if attention == "kernel":
         attend_len = cache.max_len  # unused by the kernel: one compile for every length
     if lora_pool is None or lora_impl == "gather":
@@ -820,8 +845,8 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
 
 def attention_impl(cache: KVCache) -> str:
     """How decode attends by default: "kernel" (computed/kernels/attention.cc) for a float32 cache
-    where the native kernels are available, else "xla"."""
-    return "kernel" if cache.k.dtype == jnp.float32 and kernels.available() else "xla"
+    with K blocked (init_cache's default where the native kernels are available), else "xla"."""
+    return "kernel" if cache.blocked and cache.k.dtype == jnp.float32 and kernels.available() else "xla"
 
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,

@@ -271,10 +271,11 @@ class Request:
         return self.out is not None and len(self.out) == NEW_TOKENS
 
 
-@pytest.mark.parametrize("impl", ["kernels", "xla"])
+@pytest.mark.parametrize("impl", ["kernels", "xla", "xla-blocked"])
 def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
     """Decode through the native kernels (dense, LoRA and attention), and through XLA alone (unpacked
-    weights, the LoRA window loop with each step's window, attention over length buckets)."""
+    weights, the LoRA window loop with each step's window, attention over length buckets), on K
+    positions-minor as a replica without the kernels keeps it, and on the kernel's blocked K."""
     names = [a.name for a in setup.assets.adapters]
     params = setup.params if impl == "kernels" else setup.unpacked()
     requests = [
@@ -286,7 +287,7 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
         Request(None, prompt_of(setup, 15, 40), joins_at=2),              # bucket 64, base
         Request(names[-1], prompt_of(setup, 16, 6), joins_at=5),          # reuses a finished row
     ]
-    cache = init_cache(setup.config, MAX_BATCH, MAX_LEN)
+    cache = init_cache(setup.config, MAX_BATCH, MAX_LEN, blocked=impl != "xla")
     free = list(range(MAX_BATCH))
     running: list[Request] = []
     step = 0
