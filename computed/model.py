@@ -442,7 +442,7 @@ def with_layout(params: LlamaParams, *, packed: bool) -> LlamaParams:
     if params.config.tie_word_embeddings:  # one copy: the embedding, or its packed transpose
         if embed is None:
             assert isinstance(lm_head, PackedWeight)
-            embed = jnp.asarray(np.ascontiguousarray(np.asarray(unpack(lm_head)).T))
+            embed = unpack(lm_head).T
         embed, lm_head = (None, pack(embed.T, panel)) if panel else (embed, None)
     elif lm_head is not None:
         lm_head = convert(lm_head)
@@ -823,7 +823,7 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
         attention = attention_impl(cache)
     elif attention not in ("kernel", "xla"):
         raise ValueError(f"attention must be 'kernel' or 'xla', got {attention!r}")
-    if attention == "kernel" and not (cache.blocked and cache.k.dtype == jnp.float32):
+    if attention == "kernel" and not _kernel_layout(cache):
         raise ValueError("attention='kernel' needs a float32 cache with K in blocks: init_cache(..., blocked=True)")
     if attention == "kernel":
         attend_len = cache.max_len  # unused by the kernel: one compile for every length
@@ -846,7 +846,12 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
 def attention_impl(cache: KVCache) -> str:
     """How decode attends by default: "kernel" (computed/kernels/attention.cc) for a float32 cache
     with K blocked (init_cache's default where the native kernels are available), else "xla"."""
-    return "kernel" if cache.blocked and cache.k.dtype == jnp.float32 and kernels.available() else "xla"
+    return "kernel" if _kernel_layout(cache) and kernels.available() else "xla"
+
+
+def _kernel_layout(cache: KVCache) -> bool:
+    """Whether the attention kernel can read `cache`: float32, K in blocks."""
+    return cache.blocked and cache.k.dtype == jnp.float32
 
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,

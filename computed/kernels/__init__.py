@@ -48,7 +48,7 @@ log = logging.getLogger("computed.kernels")
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "sgmv.cc", HERE / "attention.cc", HERE / "dense.cc")
-HEADERS = (HERE / "parallel.h",)
+HEADERS = (HERE / "parallel.h", HERE / "vec.h")
 TARGETS = {"loraplane_sgmv": "LoraplaneSgmv", "loraplane_decode_attention": "LoraplaneDecodeAttention",
            "loraplane_dense": "LoraplaneDense"}
 SGMV, ATTENTION, DENSE = TARGETS

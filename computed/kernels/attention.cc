@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,16 +33,9 @@ namespace {
 constexpr int64_t kBlock = 16;  // positions per block of K (computed/model.py, KV_BLOCK)
 constexpr int64_t kHeads = 4;   // query heads whose scores share each load of K
 
-
-
-typedef float v16 __attribute__((vector_size(64)));
+using loraplane::load;
+using loraplane::v16;
 typedef int32_t v16i __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // e^x for 16 lanes, to about 1 ulp: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so
 // n ln 2 is exact enough), e^r by its Taylor series to r^7 (the next term is below 1e-8 of the
@@ -105,7 +99,7 @@ struct Attention {
         const int64_t m = std::min<int64_t>(kHeads, g - j0);
         v16 acc[kHeads] = {};
         for (int64_t e = 0; e < d; ++e) {
-          const v16 ke = load16(kb + e * kBlock);
+          const v16 ke = load<v16>(kb + e * kBlock);
           for (int64_t j = 0; j < m; ++j) acc[j] += qh[(j0 + j) * d + e] * ke;
         }
         for (int64_t j = 0; j < m; ++j) std::memcpy(s.data() + (j0 + j) * padded + l, &acc[j], sizeof(v16));
@@ -170,7 +164,7 @@ struct Attention {
     v16 acc[H][C] = {};
     for (int64_t l = 0; l < n; ++l) {
       for (int c = 0; c < C; ++c) {
-        const v16 vv = load16(v + l * d + 16 * c);
+        const v16 vv = load<v16>(v + l * d + 16 * c);
         for (int j = 0; j < H; ++j) acc[j][c] += p[j * stride + l] * vv;
       }
     }
