@@ -1,9 +1,10 @@
 """A strict reader for safetensors files.
 
 Every header is checked before any tensor is touched: the header length, the
-JSON, each tensor's dtype, shape and offsets (inside the data, no overlap, byte
-count equal to the shape's), so a file that lies is refused before anything is
-allocated for it.
+JSON, each tensor's dtype, shape and offsets (byte count equal to the shape's,
+and together tiling the data section exactly, as the reference reader requires:
+no gaps, no overlap, no trailing bytes), so a file that lies is refused before
+anything is allocated or read for it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -102,10 +103,19 @@ def parse_header(prefix: bytes, total_size: int, *, max_header: int = MAX_HEADER
         raise TensorFileError("__metadata__ must map strings to strings")
     data_len = total_size - 8 - n
     tensors = {name: _check_entry(name, entry, data_len) for name, entry in raw.items()}
-    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
-    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
-        if start < prev_end:
-            raise TensorFileError(f"tensors {prev!r} and {name!r} overlap")
+    end = 0  # in offset order (ties: empty tensors first), each tensor starts where the last ended
+    for start, stop, name in sorted((t.start, t.end, t.name) for t in tensors.values()):
+        if start < end:
+            raise TensorFileError(f"tensor {name!r} (data offsets {start}..{stop}) overlaps the "
+                                  f"tensor before it, which ends at {end}")
+        if start > end:
+            raise TensorFileError(f"a gap of {start - end} bytes before tensor {name!r} (data "
+                                  f"offset {start}, the tensor before it ends at {end}); "
+                                  "safetensors files have no gaps between tensors")
+        end = stop
+    if end != data_len:
+        raise TensorFileError(f"{data_len - end} bytes follow the last tensor; the safetensors "
+                              "format has no trailing bytes")
     return Header(tensors, metadata, 8 + n)
 
 
@@ -120,20 +130,26 @@ def read_header(path: Path) -> Header:
     except FileError as exc:
         raise TensorFileError(str(exc)) from None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if n <= MAX_HEADER_BYTES and 8 + n <= size:  # read only what the file can hold
-                head += f.read(n)
+        return read_header_of(f)
+
+
+def read_header_of(f: BinaryIO) -> Header:
+    """Parse the header of open file `f` (read from its start) without reading its tensors:
+    the file's size is checked against the header before anything else is read."""
+    size = os.fstat(f.fileno()).st_size
+    head = os.pread(f.fileno(), 8, 0)
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= MAX_HEADER_BYTES and 8 + n <= size:  # read only what the file can hold
+            head += os.pread(f.fileno(), n, 8)
     return parse_header(head, size)
 
 
-def _raw(buf: bytes | memoryview, header: Header, info: TensorInfo) -> memoryview:
+def _raw(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> memoryview:
     return memoryview(buf)[header.data_start + info.start:header.data_start + info.end]
 
 
-def is_finite(buf: bytes | memoryview, header: Header, info: TensorInfo) -> bool:
+def is_finite(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> bool:
     """True when a float tensor holds no NaN or Inf (checked on the raw bits)."""
     raw = _raw(buf, header, info)
     if info.dtype == "F32":
@@ -145,7 +161,7 @@ def is_finite(buf: bytes | memoryview, header: Header, info: TensorInfo) -> bool
     raise TensorFileError(f"tensor {info.name!r}: {info.dtype} is not a float dtype")
 
 
-def to_float32(buf: bytes | memoryview, header: Header, info: TensorInfo) -> np.ndarray:
+def to_float32(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> np.ndarray:
     """A float tensor as a float32 array (BF16 and F16 widened exactly)."""
     raw = _raw(buf, header, info)
     if info.dtype == "F32":

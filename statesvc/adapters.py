@@ -1,6 +1,7 @@
 """Validation of a PEFT LoRA directory against the pool, before anything is stored."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -9,16 +10,20 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from types import TracebackType
+from typing import Any, BinaryIO, Callable
 
 from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES
 from shared.events import PoolConfigured, lora_scaling
-from shared.files import FileError, read_regular
+from shared.files import Beneath, FileError, OutsideRoots, read_limited
 from shared.peft import LoraKey, parse_lora_name
-from shared.tensorfile import FLOAT_DTYPES, TensorFileError, is_finite, parse_bytes
+from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
+                               read_header_of)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+ANYWHERE = (Path("/"),)  # the roots when statesvc runs without --adapter-root
+READ_CHUNK = 8 << 20  # weights are read and hashed this much at a time, `progress` between
 
 
 class AdapterError(ValueError):
@@ -36,7 +41,7 @@ class Candidate:
     `weights` is None only when `inspect_adapter` answered from its cache of unchanged
     directories, which it does only for weights the caller said are already stored."""
 
-    weights: bytes | None
+    weights: bytearray | None
     sha256: str
     size: int
     rank: int
@@ -53,21 +58,92 @@ def _invalid(path: Path, what: str) -> AdapterError:
     return AdapterError("invalid_adapter", f"{path}: {what}")
 
 
-def _read(path: Path, name: str, limit: int) -> bytes:
-    try:
-        return read_regular(path / name, limit)
-    except (OSError, FileError) as exc:
-        raise _invalid(path, f"cannot read {name}: {getattr(exc, 'strerror', None) or exc}") \
-            from None
+class _Opened:
+    """An adapter directory and its two files, each opened once beneath the roots: every
+    check and every read uses these handles, so what is read is what was checked. A file
+    that is missing is None; one that cannot be opened is the error that using it raises."""
+
+    def __init__(self, path: Path, roots: tuple[Path, ...]) -> None:
+        self.path = path
+        beneath = Beneath(roots)
+        try:
+            self.fd, real = beneath.open_dir(path)
+        except OutsideRoots as exc:
+            raise _outside(path, exc.resolved, roots) from None
+        except OSError as exc:
+            missing = exc.errno in (errno.ENOENT, errno.ENOTDIR)
+            raise _invalid(path, "no such directory" if missing else
+                           f"cannot open the directory: {exc.strerror or exc}") from None
+        self.files: dict[str, BinaryIO | AdapterError | None] = {}
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            try:
+                self.files[name] = beneath.open_file(self.fd, real, name)
+            except OutsideRoots as exc:
+                self.close()
+                raise _outside(path / name, exc.resolved, roots) from None
+            except FileNotFoundError:
+                self.files[name] = None
+            except (OSError, FileError) as exc:
+                self.files[name] = _invalid(path, f"cannot read {name}: "
+                                            f"{getattr(exc, 'strerror', None) or exc}")
+
+    def file(self, name: str) -> BinaryIO | None:
+        f = self.files[name]
+        if isinstance(f, AdapterError):
+            raise f
+        return f
+
+    def has(self, name: str) -> bool:
+        """Whether the directory holds an entry `name`, of any kind."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
+    def _open_files(self) -> list[BinaryIO]:
+        return [f for f in self.files.values()
+                if f is not None and not isinstance(f, AdapterError)]
+
+    def stats(self) -> _Stats | None:
+        """The stat of the directory and of its two files, from their handles."""
+        fds = [self.fd] + [f.fileno() for f in self._open_files()]
+        if len(fds) != 3:
+            return None
+        return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                      st.st_mode) for st in map(os.fstat, fds))
+
+    def close(self) -> None:
+        for f in self._open_files():
+            f.close()
+        os.close(self.fd)
+
+    def __enter__(self) -> _Opened:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
+def _outside(path: Path, resolved: Path, roots: tuple[Path, ...]) -> AdapterError:
+    via = "" if resolved == path else f" (it resolves to {resolved})"
+    return AdapterError("forbidden", f"{path} is outside the adapter roots{via}; statesvc "
+                        f"loads only from under {', '.join(map(str, roots))} (--adapter-root)")
+
+
+def _read_config(d: _Opened) -> dict[str, Any]:
+    path, f = d.path, d.file(CONFIG_FILE)
+    if f is None:
         raise _invalid(path, f"no {CONFIG_FILE}; point at the directory PEFT's "
                        "save_pretrained() wrote")
     try:
-        cfg = json.loads(_read(path, CONFIG_FILE, MAX_CONFIG_BYTES))
+        raw = read_limited(f, MAX_CONFIG_BYTES, path / CONFIG_FILE)
+    except (OSError, FileError) as exc:
+        raise _invalid(path, f"cannot read {CONFIG_FILE}: "
+                       f"{getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        cfg = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
         raise _invalid(path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
@@ -124,23 +200,60 @@ def _as_float(value: Any) -> float | None:
         return math.inf
 
 
-def _read_weights(path: Path, max_bytes: int) -> bytes:
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        if (path / "adapter_model.bin").exists():
+def _weights_header(d: _Opened, max_bytes: int) -> tuple[BinaryIO, Header, int]:
+    """The weights' handle, header and size. The header is checked against the file's size
+    (the tensors must tile the file exactly) before any tensor is read: a file that lies
+    about its size or layout, sparse or not, is refused without reading it."""
+    path, f = d.path, d.file(WEIGHTS_FILE)
+    if f is None:
+        if d.has("adapter_model.bin"):
             raise AdapterError("unsupported", f"{path}: adapter_model.bin is a pickle file and "
                                "pickle files are refused; save the adapter with "
                                "save_pretrained(..., safe_serialization=True) to get "
                                f"{WEIGHTS_FILE}")
         raise _invalid(path, f"no {WEIGHTS_FILE}")
-    return _read(path, WEIGHTS_FILE, max_bytes)
-
-
-def _check_tensors(path: Path, data: bytes, pool: PoolConfigured, rank: int) -> tuple[str, ...]:
     try:
-        header = parse_bytes(data)
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise _invalid(path, f"cannot read {WEIGHTS_FILE}: it is {size} bytes, above the "
+                           f"{max_bytes}-byte limit (statesvc --max-adapter-bytes)")
+        return f, read_header_of(f), size
     except TensorFileError as exc:
         raise _invalid(path, f"{WEIGHTS_FILE}: {exc}") from None
+    except OSError as exc:
+        raise _invalid(path, f"cannot read {WEIGHTS_FILE}: {exc.strerror or exc}") from None
+
+
+def _read_weights(path: Path, f: BinaryIO, size: int,
+                  progress: Callable[[], None]) -> tuple[bytearray, str]:
+    """The file's `size` bytes (what its checked header covers) and their sha256, read and
+    hashed a chunk at a time with `progress()` after each. A file that changed size since its
+    header was checked is refused."""
+    data, digest = bytearray(size), hashlib.sha256()
+    view, done = memoryview(data), 0
+    try:
+        while done < size:
+            n = os.preadv(f.fileno(), [view[done:done + READ_CHUNK]], done)
+            if n == 0:
+                break
+            digest.update(view[done:done + n])
+            done += n
+            progress()
+        longer = os.pread(f.fileno(), 1, size) != b""
+    except OSError as exc:
+        raise _invalid(path, f"cannot read {WEIGHTS_FILE}: {exc.strerror or exc}") from None
+    finally:
+        view.release()
+    if done != size or longer:
+        raise _invalid(path, f"{WEIGHTS_FILE} changed size while it was read; load it again "
+                       "once it is written")
+    return data, digest.hexdigest()
+
+
+def _check_header(path: Path, header: Header, pool: PoolConfigured,
+                  rank: int) -> tuple[str, ...]:
+    """The tensors' names, dtypes and shapes against the pool, from the header alone; returns
+    the modules they target."""
     if not header.tensors:
         raise _invalid(path, f"{WEIGHTS_FILE} holds no tensors")
     keys: dict[LoraKey, str] = {}
@@ -167,8 +280,6 @@ def _check_tensors(path: Path, data: bytes, pool: PoolConfigured, rank: int) -> 
         if info.shape != want:
             raise _invalid(path, f"tensor {name!r} has shape {list(info.shape)}, expected "
                            f"{list(want)} (r={rank}, {key.module} is {in_f} -> {out_f})")
-        if not is_finite(data, header, info):
-            raise _invalid(path, f"tensor {name!r} contains NaN or Inf values")
         keys[key] = name
     for key, name in keys.items():
         other = LoraKey(key.layer, key.module, "B" if key.matrix == "A" else "A")
@@ -178,23 +289,29 @@ def _check_tensors(path: Path, data: bytes, pool: PoolConfigured, rank: int) -> 
 
 
 def inspect_adapter(path: Path, pool: PoolConfigured, *, max_bytes: int = MAX_ADAPTER_BYTES,
-                    stored: Callable[[str], bool] | None = None) -> Candidate:
+                    roots: tuple[Path, ...] = ANYWHERE,
+                    stored: Callable[[str], bool] | None = None,
+                    progress: Callable[[], None] = lambda: None) -> Candidate:
     """Validate a PEFT LoRA directory for `pool`; raises AdapterError saying what to fix.
 
-    With `stored` (is a blob with this sha256 already kept?), a directory inspected before
-    and unchanged since, whose weights are stored, is answered without reading it again
-    (the rule is at `_SEEN`)."""
-    path = Path(path)
-    if stored is None:
-        return _inspect(path, pool, max_bytes)
-    key = (str(path), pool.fingerprint, pool.targets, pool.num_layers, pool.max_rank, max_bytes)
-    started = time.time_ns()
-    stats = _stats(path)
-    seen = _SEEN.get(key)
-    if seen is not None and stats is not None and seen[0] == stats and stored(seen[1].sha256):
-        _SEEN.move_to_end(key)
-        return seen[1]
-    cand = _inspect(path, pool, max_bytes)
+    The directory and its files are opened beneath `roots` (symlinks that lead out of them
+    are `forbidden`) and read from those handles only. `progress` is called while large
+    weights are read and checked. With `stored` (is a blob with this sha256 already kept?),
+    a directory inspected before and unchanged since, whose weights are stored, is answered
+    without reading it again (the rule is at `_SEEN`)."""
+    path = Path(path).absolute()
+    with _Opened(path, roots) as d:
+        if stored is None:
+            return _inspect(d, pool, max_bytes, progress)
+        key = (str(path), roots, pool.fingerprint, pool.targets, pool.num_layers, pool.max_rank,
+               pool.dtype, max_bytes)
+        started = time.time_ns()
+        stats = d.stats()
+        seen = _SEEN.get(key)
+        if seen is not None and stats is not None and seen[0] == stats and stored(seen[1].sha256):
+            _SEEN.move_to_end(key)
+            return seen[1]
+        cand = _inspect(d, pool, max_bytes, progress)
     if stats is not None and _settled(stats, started):
         _SEEN[key] = (stats, replace(cand, weights=None))
         _SEEN.move_to_end(key)
@@ -203,10 +320,10 @@ def inspect_adapter(path: Path, pool: PoolConfigured, *, max_bytes: int = MAX_AD
     return cand
 
 
-def _inspect(path: Path, pool: PoolConfigured, max_bytes: int) -> Candidate:
-    if not os.path.isdir(path):  # Path.is_dir raises on ENAMETOOLONG and EACCES (3.11)
-        raise _invalid(path, "no such directory")
-    cfg = _read_config(path)
+def _inspect(d: _Opened, pool: PoolConfigured, max_bytes: int,
+             progress: Callable[[], None]) -> Candidate:
+    path = d.path
+    cfg = _read_config(d)
     _refuse_unsupported(path, cfg)
     rank, alpha = _rank_alpha(path, cfg, pool)
     declared = cfg.get("target_modules")
@@ -216,20 +333,29 @@ def _inspect(path: Path, pool: PoolConfigured, max_bytes: int) -> Candidate:
             raise _invalid(path, f"target_modules {outside} are not among the pool's targets "
                            f"({', '.join(pool.targets)}); configure a pool with --targets "
                            "including them")
-    data = _read_weights(path, max_bytes)
-    sha256 = hashlib.sha256(data).hexdigest()
-    targets = _checked_targets(path, data, sha256, pool, rank)
+    f, header, size = _weights_header(d, max_bytes)
+    targets = _check_header(path, header, pool, rank)
     if isinstance(declared, list) and not set(targets) <= set(declared):
         raise _invalid(path, f"weights target {list(targets)}, but target_modules lists only "
                        f"{declared}")
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(path, f"use_rslora must be true or false, got {use_rslora!r}")
+    data, sha256 = _read_weights(path, f, size, progress)
+    if sha256 not in _FINITE:  # the same bytes are finite or not whatever the pool
+        for name, info in sorted(header.tensors.items()):
+            if not is_finite(data, header, info):
+                raise _invalid(path, f"tensor {name!r} contains NaN or Inf values")
+            progress()
+        _FINITE[sha256] = None
+        if len(_FINITE) > _FINITE_MAX:
+            _FINITE.popitem(last=False)
+    _FINITE.move_to_end(sha256)
     return Candidate(data, sha256, len(data), rank, alpha, use_rslora, targets)
 
 
-# Directories inspected before, by path and pool: the stat of the directory and of its two
-# files taken before that inspection read them, and its verdict (without the bytes).
+# Directories inspected before, by path, roots and pool: the stat of the directory and of its
+# two files (from the handles that inspection read) and its verdict (without the bytes).
 #
 # The rule: an answer is reused only while all three stats are identical (device, inode,
 # size, mtime, ctime, mode) and were already settled when they were taken: every ctime and
@@ -247,37 +373,11 @@ _SEEN: OrderedDict[tuple[Any, ...], tuple[_Stats, Candidate]] = OrderedDict()
 _SEEN_MAX = 4096
 
 
-def _stats(path: Path) -> _Stats | None:
-    try:
-        base = str(path)
-        sts = [os.stat(base), os.stat(os.path.join(base, CONFIG_FILE)),
-               os.stat(os.path.join(base, WEIGHTS_FILE))]
-    except (OSError, ValueError):
-        return None
-    return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-                 for st in sts)
-
-
 def _settled(stats: _Stats, started_ns: int) -> bool:
     return all(st[4] < started_ns - RACY_NS and st[3] < started_ns - RACY_NS for st in stats)
 
 
-# Verdicts of _check_tensors for weights already checked, by content: the same bytes
-# checked for the same pool and rank always pass the same way, so a reload of a known
-# adapter costs one read and one hash, not a scan of every tensor.
-_CHECKED: OrderedDict[tuple[str, str, tuple[str, ...], int, int], tuple[str, ...]] = OrderedDict()
-_CHECKED_MAX = 4096
-
-
-def _checked_targets(path: Path, data: bytes, sha256: str, pool: PoolConfigured,
-                     rank: int) -> tuple[str, ...]:
-    key = (sha256, pool.fingerprint, pool.targets, pool.num_layers, rank)
-    targets = _CHECKED.get(key)
-    if targets is None:
-        targets = _check_tensors(path, data, pool, rank)
-        _CHECKED[key] = targets
-        if len(_CHECKED) > _CHECKED_MAX:
-            _CHECKED.popitem(last=False)
-    else:
-        _CHECKED.move_to_end(key)
-    return targets
+# The sha256 of weights already found free of NaN and Inf: a reload of a known adapter costs
+# one read and one hash, not a scan of every tensor.
+_FINITE: OrderedDict[str, None] = OrderedDict()
+_FINITE_MAX = 4096

@@ -4,8 +4,11 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Callable
 
 from shared.config import MAX_BLOB_CHUNK
+
+WRITE_CHUNK = 8 << 20  # blobs are written this much at a time, `progress` between
 
 
 def _fsync_dir(path: Path) -> None:
@@ -32,8 +35,8 @@ class BlobStore:
         # once per load: plain os.path, without building a Path
         return os.path.isfile(os.path.join(self._root, sha256[:2], sha256))
 
-    def put(self, data: bytes, sha256: str | None = None, *,
-            overwrite: bool = False) -> tuple[str, bool]:
+    def put(self, data: bytes | bytearray, sha256: str | None = None, *, overwrite: bool = False,
+            progress: Callable[[], None] = lambda: None) -> tuple[str, bool]:
         """Store `data` durably; returns (sha256, created). An existing blob is not rewritten
         unless `overwrite` (to repair a damaged copy)."""
         sha256 = sha256 or hashlib.sha256(data).hexdigest()
@@ -42,8 +45,10 @@ class BlobStore:
             return sha256, False
         final.parent.mkdir(exist_ok=True)
         tmp = self.tmp / f"{sha256}.{os.getpid()}"
-        with tmp.open("wb") as f:
-            f.write(data)
+        with tmp.open("wb") as f, memoryview(data) as view:
+            for start in range(0, len(view), WRITE_CHUNK):
+                f.write(view[start:start + WRITE_CHUNK])
+                progress()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -5,7 +5,8 @@ MAX_BATCH) and hands them to `StateService.handle` together, so concurrent
 commands share one durable commit; requests that arrive while the batch's
 writes are being validated join it before that commit. Diffs are published
 after the commit and before the replies; a heartbeat with the head seq goes
-out every second.
+out every second, also while a load reads and checks large weights (the
+service calls back into the loop for it).
 """
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ class Server:
         self.control = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.publish = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = False
+        self._next_beat = time.monotonic()
+        # the head that heartbeats announce: the last seq whose diff went out (a commit in
+        # the middle of a batch is announced with the batch's diffs, not before them)
+        self._announced = service.state.seq
+        service.progress = self._beat_if_due
 
     def stop(self, *_: Any) -> None:
         self._stop = True
@@ -74,14 +80,10 @@ class Server:
         signal.signal(signal.SIGINT, self.stop)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        next_beat = time.monotonic()
         try:
             while not self._stop:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._heartbeat()
-                    next_beat = now + self.heartbeat_interval
-                timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000)) + 1
+                self._beat_if_due()
+                timeout_ms = max(0, int((self._next_beat - time.monotonic()) * 1000)) + 1
                 if poller.poll(min(timeout_ms, 250)):
                     self._serve_batch()
         finally:
@@ -91,8 +93,14 @@ class Server:
                 self.auth.stop()
             self.ctx.term()
 
+    def _beat_if_due(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._heartbeat()
+            self._next_beat = now + self.heartbeat_interval
+
     def _heartbeat(self) -> None:
-        head = self.service.state.seq
+        head = self._announced
         self.pub.send_multipart([b"hb", pack({"head_seq": head,
                                               "digest": self.service.digest_at(head),
                                               "ts": time.time()})])
@@ -116,6 +124,7 @@ class Server:
                 log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
                 continue
             self.pub.send_multipart([b"diff", pack(diff_of_payload(ev.seq, ev.type, ev.payload))])
+        self._announced = self.service.state.seq
         for (envelope, req, _), ans in zip(batch, answers):
             if ans.error is not None:
                 frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)

@@ -24,7 +24,7 @@ from shared.fingerprint import ModelError, read_model
 from shared.protocol import Request
 from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, from_canonical,
                             logical_digest, require_pool, snapshot_bytes)
-from statesvc.adapters import AdapterError, Candidate, inspect_adapter
+from statesvc.adapters import ANYWHERE, AdapterError, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
 
@@ -100,6 +100,9 @@ class StateService:
         self.max_adapter_bytes = max_adapter_bytes
         self.adapter_roots = adapter_roots  # empty: anywhere
         self.clock = clock
+        # called now and then while a load reads and checks large weights: the server
+        # publishes its due heartbeats from it (one thread: it cannot from anywhere else)
+        self.progress: Callable[[], None] = lambda: None
         self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
         self._digests: OrderedDict[int, str] = OrderedDict()
         self.state = self.rebuild()
@@ -243,7 +246,7 @@ class StateService:
         new_state = apply(state, seq, body)
         if isinstance(body, AdapterLoaded):
             if blob is not None:  # None: the blob store already holds these bytes
-                sha, created = self.blobs.put(blob, body.sha256)
+                sha, created = self.blobs.put(blob, body.sha256, progress=self.progress)
                 if created:
                     batch.new_blob_files.append(sha)
             batch.blobs.append(NewBlob(body.sha256, body.size, seq))
@@ -280,7 +283,7 @@ class StateService:
         return body, None
 
     def _load(self, state: State, seq: int,
-              args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | None]:
+              args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | bytearray | None]:
         pool = require_pool(state)
         name = args["name"]
         if not ADAPTER_NAME_RE.fullmatch(name):
@@ -288,16 +291,21 @@ class StateService:
                                "[A-Za-z0-9][A-Za-z0-9._-]{0,63}: a letter or digit, then up to "
                                "63 letters, digits, '.', '_' or '-'", "args.name")
         path = _absolute(args["path"], "args.path")
-        if self.adapter_roots:
-            contained(path, self.adapter_roots)
-        # an unchanged directory whose weights are stored is not read again (adapters.py)
-        cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes,
-                               stored=self.blobs.has)
+        roots = self.adapter_roots or ANYWHERE
+        if self.adapter_roots and ".." in path.parts:
+            raise CommandError("forbidden", f"{path}: '..' is not allowed in adapter paths; give "
+                               f"the path under an --adapter-root "
+                               f"({', '.join(map(str, roots))})", "args.path")
+        # an unchanged directory whose weights are stored is not read again (adapters.py);
+        # symlinks that lead out of the roots are refused as `forbidden` there
+        cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
+                               stored=self.blobs.has, progress=self.progress)
         old = state.adapters.get(name)
         if old is not None and _same(old, cand, args["pin"]) and not self.blobs.verify(old.sha256):
             # a damaged stored copy: this load repairs it, with the bytes read now
             if cand.weights is None:
-                cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes)
+                cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
+                                       progress=self.progress)
             if cand.weights is not None and _same(old, cand, args["pin"]):
                 log.warning("blob %s of %s was damaged; rewritten from %s", old.sha256[:12],
                             name, args["path"])
@@ -403,29 +411,14 @@ def _same(old: AdapterLoaded, cand: Candidate, pin: bool) -> bool:
 
 
 def _absolute(path: str, field: str) -> Path:
+    if "\0" in path:  # no file name holds one: the OS refuses it
+        raise CommandError("bad_request", f"{field} contains a NUL byte, which no path on the "
+                           f"state service's host can hold: {path!r}", field)
     p = Path(path)
     if not p.is_absolute():
         raise CommandError("bad_request", f"{field} must be an absolute path on the state "
                            f"service's host, got {path!r} (loractl sends absolute paths)", field)
     return p
-
-
-def contained(path: Path, roots: tuple[Path, ...]) -> None:
-    """Refuse a path outside every root: `..` parts, absolute paths elsewhere, and symlinks
-    (of the directory or of the files PEFT reads) that lead out of the roots."""
-    roots_text = ", ".join(map(str, roots))
-    if ".." in path.parts:
-        raise CommandError("forbidden", f"{path}: '..' is not allowed in adapter paths; give "
-                           f"the path under an --adapter-root ({roots_text})", "args.path")
-    targets = [path] + [path / name for name in ("adapter_config.json",
-                                                 "adapter_model.safetensors")]
-    for target in targets:
-        real = target.resolve()
-        if not any(real.is_relative_to(root) for root in roots):
-            via = "" if real == target else f" (it resolves to {real})"
-            raise CommandError("forbidden", f"{target} is outside the adapter roots{via}; "
-                               f"statesvc loads only from under {roots_text} (--adapter-root)",
-                               "args.path")
 
 
 def _describe_pool(pool: PoolConfigured) -> str:
