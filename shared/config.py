@@ -39,3 +39,6 @@ MODULE_PARENT: dict[str, str] = {
 }
 MODULES: tuple[str, ...] = tuple(MODULE_PARENT)
 POOL_DTYPES = ("float32", "bfloat16")
+# The largest finite value of each pool dtype: an adapter's scaling must not exceed it.
+POOL_DTYPE_MAX: dict[str, float] = {"float32": 3.4028234663852886e38,
+                                    "bfloat16": 3.3895313892515355e38}

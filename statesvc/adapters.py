@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Callable
 
-from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES
+from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES, POOL_DTYPE_MAX
 from shared.events import PoolConfigured, lora_scaling
 from shared.files import Beneath, FileError, OutsideRoots, read_limited
 from shared.peft import LoraKey, parse_lora_name
@@ -341,6 +341,7 @@ def _inspect(d: _Opened, pool: PoolConfigured, max_bytes: int,
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(path, f"use_rslora must be true or false, got {use_rslora!r}")
+    _check_scaling(path, pool, alpha, rank, use_rslora)
     data, sha256 = _read_weights(path, f, size, progress)
     if sha256 not in _FINITE:  # the same bytes are finite or not whatever the pool
         for name, info in sorted(header.tensors.items()):
@@ -352,6 +353,18 @@ def _inspect(d: _Opened, pool: PoolConfigured, max_bytes: int,
             _FINITE.popitem(last=False)
     _FINITE.move_to_end(sha256)
     return Candidate(data, sha256, len(data), rank, alpha, use_rslora, targets)
+
+
+def _check_scaling(path: Path, pool: PoolConfigured, alpha: float, rank: int,
+                   use_rslora: bool) -> None:
+    """The pool multiplies by the scaling in its dtype: it must be finite there."""
+    scaling, largest = lora_scaling(alpha, rank, use_rslora), POOL_DTYPE_MAX[pool.dtype]
+    if not scaling <= largest:
+        divisor = math.sqrt(rank) if use_rslora else rank
+        raise _invalid(path, f"lora_alpha {alpha:g} gives a scaling of {scaling:g} (lora_alpha "
+                       f"/ {'sqrt(r)' if use_rslora else 'r'}, r={rank}), beyond the largest "
+                       f"{pool.dtype} ({largest:.6g}) the pool computes with; use a lora_alpha "
+                       f"of at most {largest * divisor:.6g} (PEFT's default is 8)")
 
 
 # Directories inspected before, by path, roots and pool: the stat of the directory and of its

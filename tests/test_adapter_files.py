@@ -1,6 +1,7 @@
 """Reading adapter files safely: what is read is what was checked (no symlink race out of
 --adapter-root), layouts checked before any tensor is read (gaps, trailing bytes, sparse
-files that lie), heartbeats while a large adapter is validated."""
+files that lie), heartbeats while a large adapter is validated, and scalings the pool can
+hold."""
 from __future__ import annotations
 
 import hashlib
@@ -335,3 +336,27 @@ def test_heartbeats_go_on_while_a_large_adapter_is_validated(tmp_path: Path) -> 
     during = [b for b in beats if b["head_seq"] == 1 and b["ts"] >= sent]
     # without heartbeats during the load, at most one (published just as it arrived) is here
     assert len(during) >= 3, f"{len(during)} heartbeats while the load was validated"
+
+
+# ---- item 11: scalings the pool can hold -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, alpha, rslora", [("float32", 1e300, False),
+                                                  ("float32", 1e39, True),
+                                                  ("bfloat16", 3.4e38 * 8, False)])
+def test_lora_alpha_whose_scaling_overflows_the_pool_dtype_is_refused(
+        tmp_path: Path, example: ExampleAssets, dtype: str, alpha: float, rslora: bool) -> None:
+    svc = open_service(tmp_path / "data")
+    try:
+        init_pool(svc, example.model_dir, dtype=dtype)
+        d = tmp_path / "alpha"
+        shutil.copytree(example.adapter_dirs[QV], d)  # r=8
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": alpha,
+                                                           "use_rslora": rslora}))
+        err = refused(svc, d)
+        assert err.code == "invalid_adapter"
+        assert f"beyond the largest {dtype}" in str(err)
+        assert "use a lora_alpha of at most" in str(err)
+    finally:
+        svc.store.close()
