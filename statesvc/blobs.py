@@ -1,6 +1,8 @@
 """The content-addressed blob store: adapter weights by sha256 under <data-dir>/blobs."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 from pathlib import Path
@@ -17,6 +19,27 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class StorageError(Exception):
+    """The blob store could not write: the message names the cause and the fix."""
+
+    code = "storage_error"
+
+
+def _storage_error(exc: OSError, root: Path) -> StorageError:
+    what = exc.strerror or str(exc)
+    where = Path(exc.filename).parent if exc.filename else root  # the directory that refused
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        fix = f"free space on the filesystem of {where} (or raise its quota or file size limit)"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = (f"make {where} writable by the user statesvc runs as (uid {os.geteuid()}), "
+               "on a filesystem mounted read-write")
+    else:
+        fix = f"check the disk that holds {where}"
+    return StorageError(f"cannot store the adapter's weights under {root}: {what} "
+                        f"[{errno.errorcode.get(exc.errno or 0, exc.errno)}]; nothing was "
+                        f"recorded; {fix}, then retry")
 
 
 class BlobStore:
@@ -38,21 +61,27 @@ class BlobStore:
     def put(self, data: bytes | bytearray, sha256: str | None = None, *, overwrite: bool = False,
             progress: Callable[[], None] = lambda: None) -> tuple[str, bool]:
         """Store `data` durably; returns (sha256, created). An existing blob is not rewritten
-        unless `overwrite` (to repair a damaged copy)."""
+        unless `overwrite` (to repair a damaged copy). StorageError when the disk refuses,
+        with the temporary file removed."""
         sha256 = sha256 or hashlib.sha256(data).hexdigest()
         final = self.path(sha256)
         if final.is_file() and not overwrite:
             return sha256, False
-        final.parent.mkdir(exist_ok=True)
         tmp = self.tmp / f"{sha256}.{os.getpid()}"
-        with tmp.open("wb") as f, memoryview(data) as view:
-            for start in range(0, len(view), WRITE_CHUNK):
-                f.write(view[start:start + WRITE_CHUNK])
-                progress()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        try:
+            final.parent.mkdir(exist_ok=True)
+            with tmp.open("wb") as f, memoryview(data) as view:
+                for start in range(0, len(view), WRITE_CHUNK):
+                    f.write(view[start:start + WRITE_CHUNK])
+                    progress()
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as exc:  # full, read-only, not permitted: no half-written file stays
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise _storage_error(exc, self.root) from None
         return sha256, True
 
     def size(self, sha256: str) -> int:

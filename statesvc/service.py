@@ -25,7 +25,7 @@ from shared.protocol import Request
 from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, from_canonical,
                             logical_digest, require_pool, snapshot_bytes)
 from statesvc.adapters import ANYWHERE, AdapterError, Candidate, inspect_adapter
-from statesvc.blobs import BlobStore
+from statesvc.blobs import BlobStore, StorageError
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
 
 log = logging.getLogger("statesvc")
@@ -166,7 +166,7 @@ class StateService:
                     answers[i].result = self._read(req)
             except CommandError as exc:
                 answers[i].error = exc
-            except (ReducerError, AdapterError) as exc:
+            except (ReducerError, AdapterError, StorageError) as exc:
                 answers[i].error = CommandError(exc.code, str(exc))
             except Exception as exc:  # a bug must cost one answer, never the service
                 log.exception("internal error on %s", req.cmd)

@@ -37,6 +37,7 @@ class StateSvc(_Process):
     publish: str = field(default_factory=loopback)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    wrapper: tuple[str, ...] = ()  # a command that execs statesvc (setpriv, prlimit ...)
     proc: subprocess.Popen[Any] | None = None
 
     @property
@@ -45,8 +46,8 @@ class StateSvc(_Process):
 
     def start(self) -> StateSvc:
         self.proc, _ = start_ready(
-            [str(BIN / "statesvc"), "serve", "--data-dir", str(self.data_dir), "--control",
-             self.control, "--publish", self.publish, *self.extra_args],
+            [*self.wrapper, str(BIN / "statesvc"), "serve", "--data-dir", str(self.data_dir),
+             "--control", self.control, "--publish", self.publish, *self.extra_args],
             log=self.log, env=self.env)
         return self
 

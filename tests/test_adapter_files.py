@@ -1,7 +1,7 @@
 """Reading adapter files safely: what is read is what was checked (no symlink race out of
 --adapter-root), layouts checked before any tensor is read (gaps, trailing bytes, sparse
-files that lie), heartbeats while a large adapter is validated, and scalings the pool can
-hold."""
+files that lie), heartbeats while a large adapter is validated, scalings the pool can hold,
+and blob writes the disk refuses."""
 from __future__ import annotations
 
 import hashlib
@@ -338,7 +338,7 @@ def test_heartbeats_go_on_while_a_large_adapter_is_validated(tmp_path: Path) -> 
     assert len(during) >= 3, f"{len(during)} heartbeats while the load was validated"
 
 
-# ---- item 11: scalings the pool can hold -----------------------------------------------------
+# ---- item 11: scaling the pool can hold; blob writes the disk refuses -------------------------
 
 
 @pytest.mark.parametrize("dtype, alpha, rslora", [("float32", 1e300, False),
@@ -360,3 +360,59 @@ def test_lora_alpha_whose_scaling_overflows_the_pool_dtype_is_refused(
         assert "use a lora_alpha of at most" in str(err)
     finally:
         svc.store.close()
+
+
+def _without_dac_override() -> tuple[str, ...]:
+    """What runs statesvc so that file modes bind it: nothing for a plain user; for root,
+    setpriv dropping the capabilities that let root ignore them."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: file modes cannot refuse a write")
+    return ("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--")
+
+
+@pytest.mark.parametrize("how", ["EACCES", "EFBIG"])
+def test_blob_writes_the_disk_refuses_are_storage_errors(tmp_path: Path, example: ExampleAssets,
+                                                         how: str) -> None:
+    """The blob store's directory made read-only (EACCES), or a write cut short by the file
+    size limit (EFBIG, RLIMIT_FSIZE: as a full disk cuts it): `storage_error` with the cause
+    and the fix, no temporary file left, nothing recorded; statesvc serves on and the same
+    load succeeds once the cause is gone."""
+    data = tmp_path / "data"
+    big = tmp_path / "big"  # 4 MiB: r=512 on every module of the example model
+    spec = AdapterSpec("big", r=512, lora_alpha=512, target_modules=tuple(MODULE_PARENT))
+    big.mkdir()
+    (big / "adapter_config.json").write_text(json.dumps(
+        adapter_config(spec, base_model_name_or_path="example")))
+    _sparse_safetensors(big / WEIGHTS, {n: _lora_shape(example.shape, spec, n)
+                                        for n in adapter_tensor_names(spec, example.shape)})
+    if how == "EACCES":
+        wrapper = _without_dac_override()
+    else:  # a limit below this adapter's size but above what the log and the db write
+        wrapper = ("prlimit", f"--fsize={(big / WEIGHTS).stat().st_size // 2}", "--")
+        if shutil.which("prlimit") is None:
+            pytest.skip("no prlimit")
+    svc = StateSvc(data, wrapper=wrapper).start()
+    tmp = data / "blobs" / "tmp"
+    try:
+        with ControlClient(svc.control) as c:
+            new_pool(c, example.model_dir, max_rank=512)
+            if how == "EACCES":
+                tmp.chmod(0o500)
+            with pytest.raises(RemoteError) as info:
+                load(c, "x", big)
+            err = info.value
+            assert err.code == "storage_error", err
+            cause = {"EACCES": "Permission denied [EACCES]", "EFBIG": "File too large [EFBIG]"}
+            assert cause[how] in str(err) and "nothing was recorded" in str(err)
+            assert ("writable by the user statesvc runs as" if how == "EACCES"
+                    else "free space on the filesystem") in str(err)
+            assert not list(tmp.iterdir()) and not list((data / "blobs").glob("??/*"))
+            assert c.call("status")["head_seq"] == 1
+            if how == "EACCES":
+                tmp.chmod(0o755)
+                assert load(c, "x", big)["seq"] == 2
+    finally:
+        tmp.chmod(0o755)
+        svc.stop()
