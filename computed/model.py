@@ -79,10 +79,10 @@ from computed import kernels, lora
 from computed.dense import PackedWeight, matmul, matmuls, pack, packing_panel, unpack
 from computed.pool import LoraPool
 from shared.config import MODULE_PARENT, MODULES
+from shared.modelconfig import Architecture, ModelConfigError, Rope, check_tensors, read_architecture
 from shared.tensorfile import TensorFileError, parse_header, to_float32
 
 DTYPES = ("float32", "bfloat16")
-ROPE_TYPES = ("default", "linear", "llama3")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
@@ -94,115 +94,22 @@ class ModelLoadError(ValueError):
 # --------------------------------------------------------------------------- config
 
 
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (transformers' `rope_parameters`, normalised)."""
-
-    theta: float
-    type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+RopeConfig = Rope  # rotary embedding parameters, normalised (shared/modelconfig.py)
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(Architecture):
     """The architecture, read from config.json; hashable (static under jit)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    max_position_embeddings: int = 2048
-
-    @property
-    def module_dims(self) -> dict[str, tuple[int, int]]:
-        """Target module -> (in_features, out_features), as PoolSpec wants them."""
-        h, q, kv, i = (self.hidden_size, self.num_heads * self.head_dim,
-                       self.num_kv_heads * self.head_dim, self.intermediate_size)
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
-        """Read a transformers 4.x or 5.x Llama config.json (as a dict)."""
-        if cfg.get("model_type") != "llama":
-            raise ModelLoadError(f"config.json: model_type must be 'llama', got {cfg.get('model_type')!r}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-        if cfg.get("pretraining_tp", 1) not in (None, 1):
-            raise ModelLoadError("config.json: pretraining_tp other than 1 is not supported")
+        """Read a transformers 4.x or 5.x Llama config.json (as a dict), with the checks `pool
+        init` makes (shared/modelconfig.py)."""
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or hidden // heads)
-            max_pos = int(cfg.get("max_position_embeddings", 2048))
-            config = cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=_rope_config(cfg, max_pos),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", False)),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                max_position_embeddings=max_pos,
-            )
-        except KeyError as exc:
-            raise ModelLoadError(f"config.json lacks {exc.args[0]!r}") from None
-        if heads % kv_heads:
-            raise ModelLoadError(f"config.json: num_attention_heads {heads} is not a multiple of "
-                                 f"num_key_value_heads {kv_heads}")
-        if head_dim % 2:
-            raise ModelLoadError(f"config.json: head_dim {head_dim} must be even for RoPE")
-        return config
-
-
-def _rope_config(cfg: Mapping[str, Any], max_pos: int) -> RopeConfig:
-    # transformers 5: rope_parameters {rope_type, rope_theta, ...}; 4.x: rope_theta at the top
-    # level and rope_scaling {type|rope_type, factor, ...} or null. A file may carry both.
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    if "layer_types" in cfg or any(isinstance(v, dict) for v in params.values()):
-        raise ModelLoadError("config.json: per-layer rope parameters are not supported")
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ModelLoadError(f"config.json: rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
-    if merged.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError("config.json: partial_rotary_factor other than 1 is not supported")
-    if kind == "default":
-        return RopeConfig(theta=float(theta))
-    try:
-        factor = float(merged["factor"])
-    except KeyError:
-        raise ModelLoadError(f"config.json: rope type {kind!r} needs a factor") from None
-    if kind == "linear":
-        return RopeConfig(theta=float(theta), type=kind, factor=factor)
-    try:
-        return RopeConfig(
-            theta=float(theta), type=kind, factor=factor,
-            low_freq_factor=float(merged["low_freq_factor"]),
-            high_freq_factor=float(merged["high_freq_factor"]),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", max_pos)))
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json: llama3 rope scaling lacks {exc.args[0]!r}") from None
+            arch = read_architecture(cfg)
+        except ModelConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
+        return cls(**{f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,17 +279,20 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
         raise ModelLoadError(f"{model_dir}: no config.json") from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
-    config = LlamaConfig.from_hf(raw)
+    try:
+        config = LlamaConfig.from_hf(raw)
+    except ModelLoadError as exc:  # the text `pool init` gives (shared/fingerprint.py)
+        raise ModelLoadError(f"{model_dir}/{exc}") from None
     jdt = jnp.dtype(dtype)
 
     with _open_shards(model_dir) as tensors:
+        try:
+            check_tensors(config, {name: info.shape for name, (_, _, info) in tensors.items()})
+        except ModelConfigError as exc:
+            raise ModelLoadError(f"{model_dir}: {exc}") from None
 
-        def get(name: str, shape: tuple[int, ...], *, transpose: bool = False) -> jax.Array:
-            if name not in tensors:
-                raise ModelLoadError(f"{model_dir}: the checkpoint has no tensor {name!r}")
-            buf, header, info = tensors[name]
-            if info.shape != shape:
-                raise ModelLoadError(f"{model_dir}: {name} has shape {info.shape}, config.json implies {shape}")
+        def get(name: str, *, transpose: bool = False) -> jax.Array:
+            buf, header, info = tensors[name]  # present, in this shape: check_tensors
             try:
                 arr = to_float32(buf, header, info)
             except TensorFileError as exc:
@@ -391,28 +301,25 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
                 arr = arr.T
             return jnp.asarray(np.ascontiguousarray(arr), dtype=jdt)
 
-        h, v = config.hidden_size, config.vocab_size
-        dims = config.module_dims
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}"
             weights, biases = {}, {}
             for m in MODULES:
-                n_in, n_out = dims[m]
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
-                weights[m] = get(f"{stem}.weight", (n_out, n_in), transpose=True)
+                weights[m] = get(f"{stem}.weight", transpose=True)
                 if (config.attention_bias and m in ATTN_MODULES) or (config.mlp_bias and m in MLP_MODULES):
-                    biases[m] = get(f"{stem}.bias", (n_out,))
-            layers.append(LayerParams(input_norm=get(f"{p}.input_layernorm.weight", (h,)),
-                                      post_attention_norm=get(f"{p}.post_attention_layernorm.weight", (h,)),
+                    biases[m] = get(f"{stem}.bias")
+            layers.append(LayerParams(input_norm=get(f"{p}.input_layernorm.weight"),
+                                      post_attention_norm=get(f"{p}.post_attention_layernorm.weight"),
                                       weights=weights, biases=biases))
         params = LlamaParams(
             config=config,
-            embed=get("model.embed_tokens.weight", (v, h)),
+            embed=get("model.embed_tokens.weight"),
             layers=tuple(layers),
-            norm=get("model.norm.weight", (h,)),
+            norm=get("model.norm.weight"),
             # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
-            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", (v, h), transpose=True),
+            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", transpose=True),
         )
     if packed is None:
         packed = packing_panel(dtype) > 0

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from shared.canonical import digest
-from shared.config import MAX_CONFIG_BYTES, MODULE_PARENT
+from shared.config import MAX_CONFIG_BYTES
 from shared.files import read_regular
+from shared.modelconfig import ModelConfigError, check_recordable, check_tensors, read_architecture
 from shared.tensorfile import TensorFileError, read_header
 
 
@@ -71,8 +72,13 @@ def _read_model(model_dir: Path) -> ModelInfo:
         raise ModelError(f"{model_dir}: no config.json") from None
     except json.JSONDecodeError as exc:
         raise ModelError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
-    if not isinstance(config, dict) or config.get("model_type") != "llama":
-        raise ModelError(f"{model_dir}/config.json: model_type must be 'llama'")
+    if not isinstance(config, dict):
+        raise ModelError(f"{model_dir}/config.json: must hold a JSON object")
+    try:  # what no replica can serve, in the words a replica start uses (computed/model.py)
+        check_recordable(config)
+        arch = read_architecture(config)
+    except ModelConfigError as exc:
+        raise ModelError(f"{model_dir}/{exc}") from None
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for shard in _shards(model_dir):
         try:
@@ -81,18 +87,11 @@ def _read_model(model_dir: Path) -> ModelInfo:
             raise ModelError(f"{shard}: {exc}") from None
         for name, info in header.tensors.items():
             tensors[name] = (info.shape, info.dtype)
-    num_layers = config.get("num_hidden_layers")
-    if type(num_layers) is not int or num_layers < 1:
-        raise ModelError(f"{model_dir}/config.json: num_hidden_layers must be a positive integer")
-    module_dims: dict[str, tuple[int, int]] = {}
-    for module, parent in MODULE_PARENT.items():
-        shapes = {tensors.get(f"model.layers.{i}.{parent}.{module}.weight", ((), ""))[0]
-                  for i in range(num_layers)}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise ModelError(f"{model_dir}: {parent}.{module}.weight is missing or has a different "
-                             "shape in some layer")
-        out_f, in_f = next(iter(shapes))
-        module_dims[module] = (in_f, out_f)
+    try:
+        check_tensors(arch, {name: shape for name, (shape, _) in tensors.items()})
+    except ModelConfigError as exc:
+        raise ModelError(f"{model_dir}: {exc}") from None
+    num_layers, module_dims = arch.num_layers, arch.module_dims
     fingerprint = digest({"config": config,
                           "tensors": sorted([n, list(s), d] for n, (s, d) in tensors.items())})
     return ModelInfo(fingerprint, config, num_layers, module_dims, tensors)
