@@ -19,6 +19,7 @@ from shared.files import Beneath, FileError, OutsideRoots, read_limited
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
                                read_header_of)
+from statesvc.peft_config import ConfigRefused, refuse_unsupported, resolve_targets, shown
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -151,29 +152,32 @@ def _read_config(d: _Opened) -> dict[str, Any]:
     return cfg
 
 
-def _refuse_unsupported(path: Path, cfg: dict[str, Any]) -> None:
-    def unsupported(option: str, why: str) -> AdapterError:
-        return AdapterError("unsupported", f"{path}: {option} is not supported yet ({why}); "
-                            "train or export the adapter without it")
+def _refuse_unsupported(d: _Opened, cfg: dict[str, Any], pool: PoolConfigured) -> None:
+    """Every option that changes what PEFT computes and the pool cannot serve (statesvc/peft_config.py)."""
+    base_has_bias = bool(pool.model_config.get("attention_bias") or pool.model_config.get("mlp_bias"))
+    try:
+        refuse_unsupported(cfg, base_has_bias=base_has_bias)
+    except ConfigRefused as exc:
+        raise AdapterError(exc.code, f"{d.path}: {exc}") from None
+    if d.has("added_tokens.json"):
+        raise AdapterError("unsupported", f"{d.path}: added_tokens.json is not supported: the "
+                           "adapter was trained with tokens added to the vocabulary, and the base "
+                           "model's vocabulary is fixed; retrain without adding tokens")
 
-    if cfg.get("peft_type") != "LORA":
-        raise _invalid(path, f"peft_type is {cfg.get('peft_type')!r}; only LORA adapters are "
-                       "supported")
-    if cfg.get("use_dora"):
-        raise unsupported("use_dora (DoRA)", "it needs a magnitude vector per module")
-    if cfg.get("modules_to_save"):
-        raise unsupported("modules_to_save", f"it saves whole modules {cfg['modules_to_save']}")
-    for pattern in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(pattern):
-            raise unsupported(f"a non-empty {pattern}", "every module must share r and lora_alpha")
-    if cfg.get("trainable_token_indices") or (path / "added_tokens.json").exists():
-        raise unsupported("added tokens", "the base model's vocabulary is fixed")
-    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
-        raise unsupported(f"bias={cfg.get('bias')!r}", "LoRA modules carry no bias here")
-    if cfg.get("fan_in_fan_out"):
-        raise unsupported("fan_in_fan_out", "Llama's linear layers are not Conv1D")
-    if cfg.get("layer_replication"):
-        raise unsupported("layer_replication", "the base model's layers are fixed")
+
+def _targeted(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> frozenset[tuple[int, str]]:
+    """The (layer, module) pairs PEFT puts LoRA on, each of a module the pool holds."""
+    try:
+        pairs = resolve_targets(cfg, num_layers=pool.num_layers)
+    except ConfigRefused as exc:
+        raise AdapterError(exc.code, f"{path}: {exc}") from None
+    outside = [m for m in MODULES if m not in pool.targets and any(p[1] == m for p in pairs)]
+    if outside:
+        raise _invalid(path, f"target_modules selects {', '.join(outside)}, which the pool does "
+                       f"not hold (pool targets: {', '.join(pool.targets)}); configure a new pool "
+                       "(a new --data-dir) with --targets including them, or retrain the adapter "
+                       "on the pool's targets")
+    return pairs
 
 
 def _rank_alpha(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> tuple[int, float]:
@@ -251,9 +255,9 @@ def _read_weights(path: Path, f: BinaryIO, size: int,
 
 
 def _check_header(path: Path, header: Header, pool: PoolConfigured,
-                  rank: int) -> tuple[str, ...]:
+                  rank: int) -> frozenset[tuple[int, str]]:
     """The tensors' names, dtypes and shapes against the pool, from the header alone; returns
-    the modules they target."""
+    the (layer, module) pairs they hold."""
     if not header.tensors:
         raise _invalid(path, f"{WEIGHTS_FILE} holds no tensors")
     keys: dict[LoraKey, str] = {}
@@ -261,8 +265,12 @@ def _check_header(path: Path, header: Header, pool: PoolConfigured,
         key = parse_lora_name(name)
         if key is None:
             if "embed_tokens" in name or "lm_head" in name:
-                raise AdapterError("unsupported", f"{path}: tensor {name!r} trains token "
-                                   "embeddings (added tokens); this is not supported yet")
+                raise AdapterError("unsupported", f"{path}: tensor {name!r} holds weights of the "
+                                   "token embeddings or the lm_head, and the pool holds LoRA for "
+                                   f"the layers' projections ({', '.join(MODULES)}) only; retrain "
+                                   "without LoRA on embed_tokens or lm_head, modules_to_save and "
+                                   "trainable_token_indices, and save with "
+                                   "save_pretrained(..., save_embedding_layers=False)")
             raise _invalid(path, f"tensor {name!r} is not a LoRA weight of a Llama layer; "
                            "expected names like base_model.model.model.layers.0.self_attn."
                            "q_proj.lora_A.weight")
@@ -271,8 +279,8 @@ def _check_header(path: Path, header: Header, pool: PoolConfigured,
                            f"has {pool.num_layers} layers")
         if key.module not in pool.targets:
             raise _invalid(path, f"tensor {name!r} targets {key.module}, which the pool does not "
-                           f"hold (pool targets: {', '.join(pool.targets)}); configure a pool "
-                           "with --targets including it")
+                           f"hold (pool targets: {', '.join(pool.targets)}); configure a new pool "
+                           "(a new --data-dir) with --targets including it")
         if info.dtype not in FLOAT_DTYPES:
             raise _invalid(path, f"tensor {name!r} has dtype {info.dtype}; use F32, F16 or BF16")
         in_f, out_f = pool.module_dims[key.module]
@@ -285,7 +293,7 @@ def _check_header(path: Path, header: Header, pool: PoolConfigured,
         other = LoraKey(key.layer, key.module, "B" if key.matrix == "A" else "A")
         if other not in keys:
             raise _invalid(path, f"tensor {name!r} has no matching lora_{other.matrix}")
-    return tuple(m for m in MODULES if any(k.module == m for k in keys))
+    return frozenset((k.layer, k.module) for k in keys)
 
 
 def inspect_adapter(path: Path, pool: PoolConfigured, *, max_bytes: int = MAX_ADAPTER_BYTES,
@@ -324,20 +332,19 @@ def _inspect(d: _Opened, pool: PoolConfigured, max_bytes: int,
              progress: Callable[[], None]) -> Candidate:
     path = d.path
     cfg = _read_config(d)
-    _refuse_unsupported(path, cfg)
+    _refuse_unsupported(d, cfg, pool)
     rank, alpha = _rank_alpha(path, cfg, pool)
-    declared = cfg.get("target_modules")
-    if isinstance(declared, list):
-        outside = [m for m in declared if m not in pool.targets]
-        if outside:
-            raise _invalid(path, f"target_modules {outside} are not among the pool's targets "
-                           f"({', '.join(pool.targets)}); configure a pool with --targets "
-                           "including them")
+    targeted = _targeted(path, cfg, pool)
     f, header, size = _weights_header(d, max_bytes)
-    targets = _check_header(path, header, pool, rank)
-    if isinstance(declared, list) and not set(targets) <= set(declared):
-        raise _invalid(path, f"weights target {list(targets)}, but target_modules lists only "
-                       f"{declared}")
+    present = _check_header(path, header, pool, rank)
+    ignored = sorted(present - targeted)
+    if ignored:
+        layer, module = ignored[0]
+        raise _invalid(path, f"{WEIGHTS_FILE} holds LoRA weights for layer {layer} {module}, which "
+                       f"target_modules {shown(cfg.get('target_modules'))} does not select, so "
+                       "PEFT would load the adapter without them; fix target_modules (or "
+                       "exclude_modules, layers_to_transform) in adapter_config.json")
+    targets = tuple(m for m in MODULES if any(p[1] == m for p in present))
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(path, f"use_rslora must be true or false, got {use_rslora!r}")

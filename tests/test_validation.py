@@ -129,7 +129,8 @@ def test_targets_outside_pool(tmp_path: Path, example: ExampleAssets) -> None:
     svc = open_service(tmp_path / "data")
     init_pool(svc, example.model_dir, targets=["q_proj", "v_proj"])
     err = refused(svc, example.adapter_dirs[ALL])
-    assert "not among the pool's targets (q_proj, v_proj)" in str(err)
+    assert "target_modules selects k_proj, o_proj, gate_proj, up_proj, down_proj, which the " \
+        "pool does not hold (pool targets: q_proj, v_proj)" in str(err)
     assert "--targets" in str(err)
 
 
@@ -137,7 +138,7 @@ def test_tensors_outside_pool_even_if_config_is_vague(tmp_path: Path,
                                                       example: ExampleAssets) -> None:
     svc = open_service(tmp_path / "data")
     init_pool(svc, example.model_dir, targets=["q_proj", "v_proj"])
-    path = variant(example, tmp_path, ALL, config=set_key("target_modules", "all-linear"))
+    path = variant(example, tmp_path, ALL, config=set_key("target_modules", r".*\.(q|v)_proj"))
     err = refused(svc, path)
     assert "which the pool does not hold (pool targets: q_proj, v_proj)" in str(err)
 
@@ -221,33 +222,33 @@ def test_lying_header(svc: StateService, example: ExampleAssets, tmp_path: Path)
 
 
 @pytest.mark.parametrize("key, value, named", [
-    ("use_dora", True, "use_dora (DoRA)"),
-    ("modules_to_save", ["lm_head"], "modules_to_save"),
-    ("rank_pattern", {"q_proj": 4}, "rank_pattern"),
-    ("alpha_pattern", {"q_proj": 4}, "alpha_pattern"),
-    ("trainable_token_indices", [5, 6], "added tokens"),
-    ("bias", "all", "bias='all'"),
+    ("use_dora", True, "use_dora=True"),
+    ("modules_to_save", ["lm_head"], "modules_to_save=['lm_head']"),
+    ("rank_pattern", {"q_proj": 4}, "rank_pattern {'q_proj': 4}"),
+    ("alpha_pattern", {"q_proj": 4}, "alpha_pattern {'q_proj': 4}"),
+    ("trainable_token_indices", [5, 6], "trainable_token_indices=[5, 6]"),
+    ("lora_bias", True, "lora_bias=True"),
 ])
 def test_unsupported_options_refused_by_name(svc: StateService, example: ExampleAssets,
                                              tmp_path: Path, key: str, value: Any,
                                              named: str) -> None:
     err = refused(svc, variant(example, tmp_path, config=set_key(key, value)))
     assert err.code == "unsupported"
-    assert f"{named} is not supported yet" in str(err)
+    assert f"{named} is not supported: " in str(err)
 
 
 def test_added_tokens_file(svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
     path = variant(example, tmp_path)
     (path / "added_tokens.json").write_text('{"<new>": 256}')
-    assert "added tokens is not supported yet" in str(refused(svc, path))
+    assert "added_tokens.json is not supported" in str(refused(svc, path))
 
 
-def test_embedding_tensor_is_added_tokens(svc: StateService, example: ExampleAssets,
-                                          tmp_path: Path) -> None:
+def test_embedding_tensor_is_refused(svc: StateService, example: ExampleAssets,
+                                     tmp_path: Path) -> None:
     def add(t: dict[str, np.ndarray]) -> None:
         t["base_model.model.model.embed_tokens.weight"] = np.zeros((260, 64), np.float32)
     err = refused(svc, variant(example, tmp_path, tensors=add))
-    assert err.code == "unsupported" and "added tokens" in str(err)
+    assert err.code == "unsupported" and "save_embedding_layers=False" in str(err)
 
 
 @pytest.mark.parametrize("key, value, why", [
