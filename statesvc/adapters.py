@@ -19,7 +19,8 @@ from shared.files import Beneath, FileError, OutsideRoots, read_limited
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
                                read_header_of)
-from statesvc.peft_config import ConfigRefused, refuse_unsupported, resolve_targets, shown
+from statesvc.peft_config import (ConfigRefused, refuse_unsupported, resolve_targets, shown,
+                                  unloaded_is_zero)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -344,6 +345,13 @@ def _inspect(d: _Opened, pool: PoolConfigured, max_bytes: int,
                        f"target_modules {shown(cfg.get('target_modules'))} does not select, so "
                        "PEFT would load the adapter without them; fix target_modules (or "
                        "exclude_modules, layers_to_transform) in adapter_config.json")
+    missing = sorted(targeted - present)
+    if missing and not unloaded_is_zero(cfg):
+        layer, module = missing[0]
+        raise _invalid(path, f"target_modules selects layer {layer} {module}, but {WEIGHTS_FILE} "
+                       "holds no weights for it, and with init_lora_weights="
+                       f"{shown(cfg.get('init_lora_weights'))} PEFT would give it random ones; "
+                       "add its weights, or leave it out of target_modules")
     targets = tuple(m for m in MODULES if any(p[1] == m for p in present))
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):

@@ -115,6 +115,9 @@ REFUSED: dict[str, tuple[str, str]] = {
 INIT_SERVED = (True, False, "gaussian", "eva", "orthogonal", "mica")
 INIT_REWRITES_BASE = ("pissa", "olora", "corda", "lora_ga")  # "pissa_niter_N" too
 OPTIONS = SERVED + INERT + tuple(REFUSED)
+# Inits that leave a LoRA term of zero (B or A zero) where the weights lack a selected module,
+# as PEFT leaves it at load; the others (false, "orthogonal") leave random weights there.
+INIT_ZERO = (True, "gaussian", "eva", "mica")
 
 
 def _on(value: Any) -> bool:
@@ -146,6 +149,12 @@ def refuse_unsupported(cfg: Mapping[str, Any], *, base_has_bias: bool) -> None:
                            f"retrain with bias='none', {MERGE_FIX}")
     if not isinstance(cfg.get("fan_in_fan_out", False), bool):
         raise _invalid(f"fan_in_fan_out must be true or false, got {shown(cfg['fan_in_fan_out'])}")
+
+
+def unloaded_is_zero(cfg: Mapping[str, Any]) -> bool:
+    """Whether a module that target_modules selects but the weights lack adds nothing in PEFT."""
+    init = cfg.get("init_lora_weights", True)
+    return init is True or (isinstance(init, str) and init in INIT_ZERO)
 
 
 def _check_init(init: Any) -> None:

@@ -322,6 +322,21 @@ def test_weights_peft_would_ignore_are_refused(svc: Any, served: Served, tmp_pat
     assert "PEFT would load the adapter without them" in str(err)
 
 
+@pytest.mark.parametrize("init, served_as_zero", [(True, True), ("gaussian", True),
+                                                   (False, False), ("orthogonal", False)])
+def test_a_selected_module_without_weights(svc: Any, served: Served, tmp_path: Path,
+                                           init: Any, served_as_zero: bool) -> None:
+    """PEFT leaves such a module at its initial value: zero for most inits, random for some."""
+    path = with_config(served.built["suffixes"].dir, tmp_path / "a", init_lora_weights=init,
+                       target_modules=["self_attn.q_proj", "mlp.down_proj", "k_proj"])
+    if served_as_zero:
+        assert call(svc, "load", name="ok", path=str(path))["created"]
+        return
+    err = refused(svc, path)
+    assert "selects layer 0 k_proj, but adapter_model.safetensors holds no weights" in str(err)
+    assert "PEFT would give it random ones" in str(err)
+
+
 def test_a_rank_pattern_that_differs_is_refused(svc: Any, served: Served, tmp_path: Path) -> None:
     err = refused(svc, with_config(served.built["suffixes"].dir, tmp_path / "a",
                                    rank_pattern={r"layers\.1\.mlp\.down_proj": 2}))
