@@ -63,7 +63,10 @@ def _invalid(what: str) -> ConfigRefused:
 
 def shown(value: Any) -> str:
     """`value` as a message shows it: its repr, cut to 80 characters."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # JSON nested nearly as deep as the decoder allows
+        return "(a deeply nested value)"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -202,17 +205,16 @@ def _projection(name: str) -> tuple[int, str] | None:
     return int(m.group(1)), m.group(3)
 
 
-def _strings(value: Any, option: str, *, allow_str: bool = True) -> list[str] | str | None:
+def _strings(value: Any, option: str) -> list[str] | str | None:
     """`value` as PEFT takes it: None, a string (a regex) or a list of strings."""
     if value is None:
         return None
-    if isinstance(value, str) and allow_str:
+    if isinstance(value, str):
         _compile(value, option)
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
-    raise _invalid(f"{option} must be {'a string or ' if allow_str else ''}a list of strings, "
-                   f"got {shown(value)}")
+    raise _invalid(f"{option} must be a string or a list of strings, got {shown(value)}")
 
 
 def _compile(pattern: str, option: str) -> re.Pattern[str]:
@@ -278,6 +280,12 @@ def _matcher(cfg: Mapping[str, Any]) -> _Matcher:
         targets = list(DEFAULT_TARGETS)
     exclude = _strings(cfg.get("exclude_modules"), "exclude_modules")
     layers = cfg.get("layers_to_transform")
+    # LoraConfig.__post_init__'s own refusals
+    if isinstance(targets, str) and (layers is not None or cfg.get("layers_pattern") is not None):
+        raise _invalid("layers_to_transform and layers_pattern do not apply to a target_modules "
+                       "string (PEFT refuses this config too); list the modules instead")
+    if cfg.get("layers_pattern") and layers is None:
+        raise _invalid("layers_pattern needs layers_to_transform (PEFT refuses this config too)")
     if isinstance(layers, list) and not layers:
         layers = None
     if not (layers is None or type(layers) is int

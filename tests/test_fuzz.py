@@ -1029,8 +1029,16 @@ CONFIG_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "lora_alpha": st.sampled_from([0, -1, 8, 1e-300, 1e308, math.inf, math.nan, 10**300,
                                    10**309, True, "8"]) | st.floats(),
     "use_rslora": st.sampled_from([True, False, "false", 0, None, [], {}]),
-    "target_modules": st.lists(st.sampled_from(MODULES + ("lm_head", "embed_tokens")),
-                               max_size=8) | st.sampled_from(["all-linear", ".*proj"]) | JSON,
+    "target_modules": st.lists(st.sampled_from(MODULES + (
+        "lm_head", "embed_tokens", "self_attn.q_proj", "mlp", "model.layers.1.mlp.down_proj",
+        "base_model.model.model.layers.0.self_attn.q_proj")), max_size=8)
+    | st.sampled_from(["all-linear", "ALL-LINEAR", ".*proj", "(", "(a+)+b", ""]) | JSON,
+    "exclude_modules": st.lists(st.sampled_from(MODULES + ("self_attn.q_proj", "[")))
+    | st.sampled_from([r".*\.0\..*", "(", ""]) | JSON,
+    "layers_to_transform": st.sampled_from([0, 1, 7, [0], [1, 5], [], "0", None, True]) | JSON,
+    "layers_pattern": st.sampled_from(["layers", "h", ["layers"], "(", None]) | JSON,
+    "init_lora_weights": st.sampled_from([True, False, "pissa", "pissa_niter_4", "olora",
+                                          "gaussian", "mica", "loftq", "orthogonal", "x"]) | JSON,
     "peft_type": st.sampled_from(["LORA", "lora", "LOHA", None]),
     "use_dora": st.booleans(), "modules_to_save": JSON, "rank_pattern": JSON,
     "alpha_pattern": JSON, "bias": st.sampled_from(["none", "all", "lora_only"]) | JSON,

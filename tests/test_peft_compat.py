@@ -315,6 +315,19 @@ def test_targets_peft_or_the_pool_cannot_serve(svc: Any, served: Served, tmp_pat
     assert "--targets" not in str(err)  # no pool holds these: the fix is in the adapter
 
 
+@pytest.mark.parametrize("changes, said", [
+    ({"target_modules": "all-linear", "layers_to_transform": [0]},
+     "layers_to_transform and layers_pattern do not apply to a target_modules string"),
+    ({"layers_pattern": "layers"}, "layers_pattern needs layers_to_transform"),
+])
+def test_configs_peft_refuses_are_refused(svc: Any, served: Served, tmp_path: Path,
+                                          changes: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValueError):  # PEFT's own refusal
+        peft.LoraConfig(**changes)
+    err = refused(svc, with_config(served.built["suffixes"].dir, tmp_path / "a", **changes))
+    assert err.code == "invalid_adapter" and said in str(err)
+
+
 def test_weights_peft_would_ignore_are_refused(svc: Any, served: Served, tmp_path: Path) -> None:
     err = refused(svc, with_config(served.built["suffixes"].dir, tmp_path / "a",
                                    layers_to_transform=[1]))
