@@ -208,6 +208,27 @@ def test_targets_resolve_to_the_modules_peft_adapts(served: Served, name: str) -
     assert resolve_targets(cfg, num_layers=2) == built.targeted
 
 
+INERT_VALUES: dict[str, Any] = {
+    "init_lora_weights": "eva", "lora_dropout": 0.3, "task_type": "CAUSAL_LM",
+    "inference_mode": False, "runtime_config": {"ephemeral_gpu_offload": False},
+    "megatron_core": "megatron.core", "qalora_group_size": 8, "eva_config": {"rho": 2.0},
+    "future_option": None,
+}
+
+
+@pytest.mark.parametrize("option", sorted(INERT_VALUES))
+def test_options_that_leave_the_math_alone_are_served(served: Served, base: Any, svc: Any,
+                                                      tmp_path: Path, option: str) -> None:
+    """PEFT loads the adapter with the option set to the same logits, and load stores the same
+    weights with the same rank, alpha and targets."""
+    plain = served.built["suffixes"]
+    path = with_config(plain.dir, tmp_path / "a", **{option: INERT_VALUES[option]})
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(path)).eval()
+    close(logits(model, served.tokens), plain.logits)
+    call(svc, "load", name="plain", path=str(plain.dir))
+    assert call(svc, "load", name="plain", path=str(path))["created"] is False  # same content
+
+
 @pytest.mark.parametrize("shape", [ModelShape(), ModelShape(num_hidden_layers=3,
                                                              tie_word_embeddings=True)])
 def test_module_names_are_transformers_own(shape: ModelShape, tmp_path: Path) -> None:
