@@ -324,8 +324,8 @@ def resolve_targets(cfg: Mapping[str, Any], *, num_layers: int) -> frozenset[tup
         else:
             raise _invalid(f"target_modules {shown(cfg.get('target_modules'))} selects {key}, "
                            "which is not a linear layer (PEFT refuses this adapter too); name "
-                           f"the projections, e.g. q_proj, self_attn.q_proj or "
-                           f"model.layers.0.self_attn.q_proj")
+                           "the projections, e.g. q_proj, self_attn.q_proj or "
+                           "model.layers.0.self_attn.q_proj")
     if not pairs:
         raise _invalid(f"target_modules {shown(cfg.get('target_modules'))} (with exclude_modules "
                        "and layers_to_transform) selects no module of the base model, so PEFT "
