@@ -93,7 +93,8 @@ def _seeds(target: str, props: Any, example: Any) -> list[bytes]:
                                (d / "adapter_model.safetensors").read_bytes())
                 for d in example.adapter_dirs.values()]
     state, bases = props.diff_cases(props.example_pool(example.model_dir))
-    return [pack(b) for b in bases] + [pack(diff_of(9, state.adapters["a"]))]
+    return [pack(b) for b in bases] + [pack(diff_of(9, state.adapters["a"],
+                                                    log_id=props.LOG_ID))]
 
 
 def _adapter_input(config: bytes, weights: bytes) -> bytes:

@@ -25,20 +25,22 @@ import numpy as np
 import zmq
 
 from computed.engine import Done, Engine
-from computed.replica import GapError, ModelMismatch, Phase, Replica
+from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
-from shared.events import EventError
+from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
-from shared.protocol import (Field, ProtocolError, encode_request, error_reply, int_range,
-                             ok_reply, request_id_of, str_len, unpack, validate)
+from shared.protocol import (PUBLISHED_HEARTBEAT, Field, ProtocolError, encode_request,
+                             error_reply, int_range, ok_reply, request_id_of, str_len, unpack,
+                             validate)
 from shared.reducer import ReducerError, body_of_diff
 
 log = logging.getLogger("computed")
 
 RETRY_S = 1.0
-SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError)
+SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError,
+               ForeignLog)
 
 REPLICA_REQUEST = {
     "v": Field(int, check=int_range(1, 1)),
@@ -62,7 +64,7 @@ class SyncLoop(threading.Thread):
         self.replica_id = replica_id
         self.listen = listen
         self.state_addr, self.diffs_addr = state, diffs
-        self.queue: dict[int, dict[str, Any]] = {}
+        self.queue: dict[int, tuple[str | None, Body]] = {}  # seq -> (its log, the event)
         self.heard_at = time.monotonic()
         self.remote_head = 0
         self.next_sync = 0.0
@@ -106,6 +108,7 @@ class SyncLoop(threading.Thread):
             self.beat.close(0)
 
     def _drain_sub(self) -> None:
+        r = self.replica
         while True:
             try:
                 topic, frame = self.sub.recv_multipart(zmq.NOBLOCK)
@@ -117,14 +120,22 @@ class SyncLoop(threading.Thread):
             try:
                 msg = unpack(frame, max_bytes=MAX_WIRE_BYTES)
                 if topic == b"hb":
-                    self.remote_head = max(self.remote_head, int(msg["head_seq"]))
+                    hb = validate(PUBLISHED_HEARTBEAT, msg, "hb")
+                    r.check_log(hb["log_id"])
+                    self.remote_head = max(self.remote_head, hb["head_seq"])
                 elif topic == b"diff":
-                    seq = int(msg["seq"])
+                    seq, body = body_of_diff(msg)
+                    r.check_log(msg.get("log_id"))
                     self.remote_head = max(self.remote_head, seq)
-                    if seq > self.replica.applied_seq:
-                        self.queue[seq] = msg
-            except (ProtocolError, KeyError, TypeError, ValueError):
-                log.warning("dropped a malformed message on the diff stream")
+                    if seq > r.applied_seq:
+                        self.queue[seq] = (msg.get("log_id"), body)
+            except (ProtocolError, EventError) as exc:
+                log.warning("dropped a malformed %r message on the diff stream: %s", topic[:16],
+                            exc)
+            except ForeignLog as exc:
+                if str(exc) != r.last_error:
+                    log.warning("sync: %s", exc)
+                r.last_error = str(exc)
 
     def _sync(self) -> None:
         r = self.replica
@@ -159,13 +170,15 @@ class SyncLoop(threading.Thread):
         r = self.replica
         for seq in [s for s in self.queue if s <= r.applied_seq]:
             del self.queue[seq]  # duplicates, and what a catch-up already applied
-        run = []
+        run: list[tuple[int, Body]] = []
+        log_id = None
         seq = r.applied_seq + 1
-        while seq in self.queue:
-            run.append(body_of_diff(self.queue[seq]))
+        while seq in self.queue and (not run or self.queue[seq][0] == log_id):
+            log_id, body = self.queue[seq]
+            run.append((seq, body))
             seq += 1
         if run:
-            r.apply_events(run)
+            r.apply_events(run, log_id=log_id)
             for s, _ in run:
                 self.queue.pop(s, None)
         if self.queue:  # something newer than what follows: a gap
@@ -252,6 +265,7 @@ class Daemon:
                 [pool.slot_digest(s) for s in range(pool.spec.slots)],
                 "syncing_seq": r.syncing_seq,
                 "head_seq_seen": self.sync.remote_head, "last_error": r.last_error,
+                "log_id": r.log_id,
                 "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
                 "inference": None if self.engine is None else {
                     "warm": self.engine.warm, "running": sum(x is not None for x in self.engine.rows),

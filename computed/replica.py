@@ -9,6 +9,10 @@ cleared, so replaying any log reads weights only for adapters live at the
 head. Weights are fetched and parsed before anything changes: a blob that
 cannot be fetched or parsed leaves the state and the pool as they were, and the
 advance is retried.
+
+Every answer statesvc gives names its log (docs/protocol.md §9b). A replica holds one
+log from its first applied event on (kept with its local state): it refuses another
+log's events, state and pool untouched, and stays REFUSED until its own log answers.
 """
 from __future__ import annotations
 
@@ -40,10 +44,15 @@ class Phase(enum.Enum):
     INITIAL = "INITIAL"    # nothing applied yet
     SYNCING = "SYNCING"    # fetching the snapshot and the events after it
     ACTIVE = "ACTIVE"      # following the diff stream
+    REFUSED = "REFUSED"    # statesvc answers for another log: nothing of it is applied
 
 
 class ModelMismatch(Exception):
     """The replica's model is not the one the pool was configured for: it must not serve."""
+
+
+class ForeignLog(Exception):
+    """statesvc answers for another log than the one this replica's state comes from."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class Replica:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobCache(self.cache_dir / "blobs", client)
         self.state = State()
+        self.log_id: str | None = None  # the log the state comes from; None until one is held
         self.phase = Phase.INITIAL
         self.pool: MemoryPool | None = None
         self.holders: dict[int, SlotHolder] = {}  # what each pool slot holds now
@@ -110,33 +120,58 @@ class Replica:
     def bootstrap(self) -> None:
         """Reach the head from the local state (warm cache), statesvc's latest snapshot, or,
         with `from_zero`, from an empty state and every event of the log."""
-        self.phase = Phase.SYNCING
+        if self.phase is not Phase.REFUSED:  # a refused replica stays so until this succeeds
+            self.phase = Phase.SYNCING
         base = None if self.from_zero else self._local_state()
+        log_id = self.log_id
         if base is None and self.from_zero:
             base = State()
         elif base is None:
             snap = self.client.call("snapshot")
+            self.check_log(snap.get("log_id"))
+            log_id = snap.get("log_id")
             base = from_canonical(snap["seq"], snap["state"])
             if logical_digest(base) != snap["digest"]:
                 raise BlobError(f"snapshot at seq {snap['seq']} does not match its digest")
         try:
-            self.catch_up(base)
+            self.catch_up(base, log_id=log_id)
         except BlobError:
             if base.seq > self.state.seq:  # serve what can be served while the rest is retried
                 try:
-                    self._advance_to(base)
+                    self._advance_to(base, log_id)
                 except BlobError:
                     pass
             raise
         self.phase = Phase.ACTIVE
 
-    def catch_up(self, base: State | None = None) -> int:
+    def check_log(self, remote: str | None) -> None:
+        """Refuse an answer of statesvc's that is for another log than the one this replica
+        holds (a statesvc restarted with another data dir on the same address): REFUSED."""
+        if self.log_id is None or remote == self.log_id:
+            return
+        self.phase = Phase.REFUSED
+        theirs = f"log {remote}" if remote else "a log with no events yet"
+        raise ForeignLog(f"statesvc at {self.client.address} serves {theirs}, but this "
+                         f"replica's state comes from log {self.log_id}: nothing of it is "
+                         "applied. Restart this replica with an empty --cache-dir to follow "
+                         f"the new log, or point --state and --diffs at the statesvc of log "
+                         f"{self.log_id}")
+
+    def catch_up(self, base: State | None = None, *, log_id: str | None = None) -> int:
         """Fetch every event after `base` (default: the applied state), reduce their metadata
-        up to the head, then reconcile the pool once; returns how many events were read."""
+        up to the head, then reconcile the pool once; returns how many events were read.
+        `log_id` is the log `base` comes from (default: the one the replica holds)."""
         state = self.state if base is None else base
+        log_id = log_id or self.log_id
         read = 0
         while True:
-            page = self.client.call("events", {"since": state.seq})["events"]
+            reply = self.client.call("events", {"since": state.seq})
+            self.check_log(reply.get("log_id"))
+            if log_id is not None and reply.get("log_id") != log_id:  # changed under a catch-up
+                raise ForeignLog(f"statesvc's log changed from {log_id} to "
+                                 f"{reply.get('log_id')} during a catch-up; retrying")
+            log_id = reply.get("log_id")
+            page = reply["events"]
             if not page:
                 break
             for ev in page:
@@ -144,11 +179,13 @@ class Replica:
             read += len(page)
             self.syncing_seq = state.seq
         if state is not self.state:
-            self._advance_to(state)
+            self._advance_to(state, log_id)
         return read
 
-    def apply_events(self, events: list[tuple[int, Body]]) -> None:
-        """Apply consecutive events from applied+1 on (older ones are dropped)."""
+    def apply_events(self, events: list[tuple[int, Body]], *, log_id: str | None) -> None:
+        """Apply consecutive events of log `log_id` from applied+1 on (older ones are
+        dropped)."""
+        self.check_log(log_id)
         events = [e for e in events if e[0] > self.state.seq]
         if not events:
             return
@@ -157,9 +194,9 @@ class Replica:
         state = self.state
         for seq, body in events:
             state = apply(state, seq, body)
-        self._advance_to(state)
+        self._advance_to(state, log_id)
 
-    def _advance_to(self, new: State) -> None:
+    def _advance_to(self, new: State, log_id: str | None) -> None:
         if new.pool is not None:
             self._check_model(new.pool)
         pool = self.pool
@@ -184,6 +221,7 @@ class Replica:
                 if self.slow_write_s:  # test-only fault: widen the window for a crash here
                     time.sleep(self.slow_write_s)
             self.pool, self.holders, self.state = pool, wanted, new
+            self.log_id = log_id
         self.applied_at = time.time()
         self.last_error = None
         self._save_local_state()
@@ -202,30 +240,40 @@ class Replica:
     # ---- the warm cache -----------------------------------------------------------
 
     def _local_state(self) -> State | None:
+        """The state saved in the cache dir when statesvc's log still holds it; its log
+        becomes the one this replica holds."""
         path = self.cache_dir / "state.msgpack"
         try:
             saved = msgpack.unpackb(path.read_bytes())
             state = from_canonical(saved["seq"], saved["state"])
+            saved_log = saved.get("log_id")  # absent in a cache from before log ids
+            if saved_log is not None and not isinstance(saved_log, str):
+                raise ValueError(f"log_id {saved_log!r}")
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if state.seq == 0:
             return None
+        self.log_id = saved_log or self.log_id
+        head = self.client.call("events", {"since": state.seq, "limit": 1})
+        self.check_log(head.get("log_id"))
         # the log this cache followed must be the log statesvc has now
-        try:
-            remote = self.client.call("digest", {"seq": state.seq})["digest"]
-        except Exception as exc:  # not_found: statesvc's log is shorter, i.e. another log
-            log.warning("discarding the local state at seq %d: %s", state.seq, exc)
+        if head["head_seq"] < state.seq:
+            log.warning("discarding the local state at seq %d: statesvc's log ends at seq %d",
+                        state.seq, head["head_seq"])
             return None
+        remote = self.client.call("digest", {"seq": state.seq})["digest"]
         if remote != logical_digest(state):
             log.warning("discarding the local state at seq %d: statesvc's digest differs",
                         state.seq)
             return None
+        self.log_id = head.get("log_id")  # a cache from before log ids takes statesvc's
         return state
 
     def _save_local_state(self) -> None:
         path = self.cache_dir / "state.msgpack"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(canonical_bytes({"seq": self.state.seq, "state": canonical(self.state)}))
+        tmp.write_bytes(canonical_bytes({"seq": self.state.seq, "state": canonical(self.state),
+                                         "log_id": self.log_id}))
         os.replace(tmp, path)
 
 
@@ -244,4 +292,5 @@ class GapError(Exception):
         self.got = got
 
 
-__all__ = ["AdapterLoaded", "BlobError", "GapError", "ModelMismatch", "Phase", "Replica"]
+__all__ = ["AdapterLoaded", "BlobError", "ForeignLog", "GapError", "ModelMismatch", "Phase",
+           "Replica"]

@@ -25,6 +25,8 @@ MAX_ADAPTER_BYTES = 4 << 30
 MAX_CONFIG_BYTES = 1 << 20
 
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# event ids and log ids: a lowercase UUID (any version)
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 # LoRA target modules of the Llama architecture, in canonical order, with the
 # submodule that holds each one.

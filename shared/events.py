@@ -6,10 +6,11 @@ actor) around one of the typed bodies below; `payload` is the body as JSON.
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
-from shared.config import MODULES
+from shared.config import MODULES, UUID_RE
 
 
 class EventError(ValueError):
@@ -34,6 +35,9 @@ class PoolConfigured:
     max_rank: int
     targets: tuple[str, ...]
     dtype: str
+    # the log's identity, a uuid4 chosen by statesvc at pool.init; None in a log written before
+    # log ids existed (see `log_id_of`), and then left out of the payload, so its digests stay
+    log_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,23 @@ def encode_body(body: Body) -> dict[str, Any]:
     if isinstance(body, PoolConfigured):
         out["model_config"] = dict(body.model_config)
         out["module_dims"] = {m: list(d) for m, d in body.module_dims.items()}
+        if body.log_id is None:
+            del out["log_id"]
     return out
+
+
+# Names the logs written before log ids existed (`log_id_of`); never change it.
+LEGACY_LOG_NAMESPACE = uuid.UUID("6f1c4a52-2d0e-4b7f-9a1e-3c5d8e0b7a41")
+
+
+def log_id_of(genesis: Event) -> str:
+    """The identity of the log that `genesis` (its pool.configured event) begins: the log_id
+    recorded in it or, in a log written before log ids existed, a uuid5 of the genesis's
+    event_id and recorded_at, which are stored with it and never change."""
+    recorded = genesis.payload.get("log_id")
+    if isinstance(recorded, str):
+        return recorded
+    return str(uuid.uuid5(LEGACY_LOG_NAMESPACE, f"{genesis.event_id} {genesis.recorded_at}"))
 
 
 def _ordered_targets(value: Any) -> tuple[str, ...]:
@@ -116,7 +136,7 @@ _FIELD_TYPES: dict[str, type] = {
     "fingerprint": str, "model_config": dict, "num_layers": int, "max_loras": int,
     "max_rank": int, "dtype": str, "name": str, "version": int, "slot": int, "sha256": str,
     "size": int, "rank": int, "alpha": float, "scaling": float, "use_rslora": bool,
-    "pinned": bool}
+    "pinned": bool, "log_id": str}
 
 
 def _check_types(type_: str, payload: dict[str, Any]) -> None:
@@ -136,6 +156,8 @@ def decode_body(type_: str, payload: dict[str, Any]) -> Body:
     if not isinstance(payload, dict) or not set(payload) <= names:
         raise EventError(f"{type_} payload has unexpected fields: {sorted(set(payload) - names)}")
     _check_types(type_, payload)
+    if "log_id" in payload and not UUID_RE.fullmatch(payload["log_id"]):
+        raise EventError(f"{type_}.log_id must be a lowercase UUID, got {payload['log_id']!r}")
     try:
         data = dict(payload)
         if "targets" in data:

@@ -14,9 +14,8 @@ from typing import Any, Callable, Mapping
 import msgpack
 
 from shared.config import (MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, MODULES,
-                           POOL_DTYPES, PROTOCOL_VERSION)
+                           POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
 
-_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
 _PLAIN = (type(None), bool, int, float, str, bytes)
@@ -157,7 +156,7 @@ def validate(schema: Schema, data: Any, where: str) -> dict[str, Any]:
     return out
 
 
-EVENT_ID = Field(str, check=matches(_UUID_RE, "a lowercase UUID such as "
+EVENT_ID = Field(str, check=matches(UUID_RE, "a lowercase UUID such as "
                                     "'0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a'"))
 EXPECT_HEAD = Field(int, required=False, check=int_range(0, 2**62))
 SEQ = Field(int, check=int_range(0, 2**62))
@@ -199,13 +198,20 @@ COMMANDS: dict[str, Schema] = {
     "status": {},
     "heartbeat": {
         "id": NAME, "address": Field(str, check=str_len(256)),
-        "state": Field(str, check=one_of("INITIAL", "SYNCING", "ACTIVE")),
+        "state": Field(str, check=one_of("INITIAL", "SYNCING", "ACTIVE", "REFUSED")),
         "applied_seq": SEQ, "logical_digest": DIGEST,
         "pool_digest": Field(str, check=matches(_POOL_DIGEST_RE, "64 lowercase hex digits, "
                                                 "'none' or 'pending'")),
     },
 }
 WRITE_COMMANDS = frozenset({"pool.init", "load", "unload"})
+
+# The log's identity (docs/protocol.md §9b): null until the log has its genesis event.
+LOG_ID = Field(str, required=False, check=matches(UUID_RE, "null or a lowercase UUID"))
+# statesvc's heartbeat on the diff stream (topic "hb"); a replica drops one that does not fit.
+PUBLISHED_HEARTBEAT: Schema = {
+    "head_seq": SEQ, "digest": DIGEST, "ts": Field(float), "log_id": LOG_ID,
+}
 
 REQUEST: Schema = {
     "v": Field(int, check=int_range(PROTOCOL_VERSION, PROTOCOL_VERSION)),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.canonical import canonical_bytes, digest
-from shared.config import ADAPTER_NAME_RE
+from shared.config import ADAPTER_NAME_RE, UUID_RE
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, EventError, PoolConfigured,
                            decode_body, encode_body, lora_scaling)
 
@@ -143,37 +143,47 @@ def from_canonical(seq: int, data: dict[str, Any]) -> State:
     return State(seq, pool, {a.name: a for a in adapters if isinstance(a, AdapterLoaded)})
 
 
-def diff_of(seq: int, body: Body) -> dict[str, Any]:
-    """What one event changes, as published on the diff stream."""
+def diff_of(seq: int, body: Body, *, log_id: str | None) -> dict[str, Any]:
+    """What one event changes, as published on the diff stream, with the log it belongs to."""
     if isinstance(body, PoolConfigured):
-        return {"seq": seq, "op": "configure", "pool": encode_body(body)}
+        return {"seq": seq, "op": "configure", "log_id": log_id, "pool": encode_body(body)}
     if isinstance(body, AdapterLoaded):
-        d = {k: v for k, v in encode_body(body).items()}
-        return {"seq": seq, "op": "load", **d}
-    return {"seq": seq, "op": "unload", **encode_body(body)}
+        return {"seq": seq, "op": "load", "log_id": log_id, **encode_body(body)}
+    return {"seq": seq, "op": "unload", "log_id": log_id, **encode_body(body)}
 
 
 _OP_TYPES = {"configure": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
              "unload": AdapterUnloaded.TYPE}
 _TYPE_OPS = {t: op for op, t in _OP_TYPES.items()}
+_DIFF_ENVELOPE = ("seq", "op", "log_id")
 
 
-def diff_of_payload(seq: int, type_: str, payload: dict[str, Any]) -> dict[str, Any]:
+def diff_of_payload(seq: int, type_: str, payload: dict[str, Any], *,
+                    log_id: str | None) -> dict[str, Any]:
     """`diff_of(seq, body)` from the body's payload as `encode_body` made it (every field, in
     order), without decoding it: for events the state service has just appended."""
     op = _TYPE_OPS[type_]
     if op == "configure":
-        return {"seq": seq, "op": op, "pool": payload}
-    return {"seq": seq, "op": op, **payload}
+        return {"seq": seq, "op": op, "log_id": log_id, "pool": payload}
+    return {"seq": seq, "op": op, "log_id": log_id, **payload}
 
 
 def body_of_diff(diff: dict[str, Any]) -> tuple[int, Body]:
-    """Inverse of `diff_of`: (seq, body); raises EventError on a malformed diff."""
+    """Inverse of `diff_of`: (seq, body); raises EventError on a malformed diff. Its `log_id`
+    (absent, null or a lowercase UUID) is checked here and read by the caller."""
     try:
-        seq, op = int(diff["seq"]), diff["op"]
+        seq, op, log_id = diff["seq"], diff["op"], diff.get("log_id")
+        if type(seq) is not int or not 1 <= seq <= 2**62:
+            raise EventError(f"diff seq must be an int from 1 to 2**62, got {seq!r}")
+        if log_id is not None and not (isinstance(log_id, str) and UUID_RE.fullmatch(log_id)):
+            raise EventError(f"diff log_id must be null or a lowercase UUID, got {log_id!r}")
+        fields_ = {k: v for k, v in diff.items() if k not in _DIFF_ENVELOPE}
         if op == "configure":
+            if set(fields_) != {"pool"}:
+                raise EventError(f"a configure diff holds only its pool, got {sorted(fields_)}")
             return seq, decode_body(PoolConfigured.TYPE, diff["pool"])
-        fields_ = {k: v for k, v in diff.items() if k not in ("seq", "op")}
         return seq, decode_body(_OP_TYPES[op], fields_)
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+    except EventError:
+        raise
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise EventError(f"malformed diff: {exc}") from None

@@ -289,7 +289,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _emit(res)
         return
-    out.print(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}")
+    out.print(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}, "
+              f"log {res['log_id'] or 'none yet (no pool init)'}")
     if not res["replicas"]:
         out.print("no replicas have reported")
         return

@@ -103,7 +103,8 @@ class Server:
         head = self._announced
         self.pub.send_multipart([b"hb", pack({"head_seq": head,
                                               "digest": self.service.digest_at(head),
-                                              "ts": time.time()})])
+                                              "ts": time.time(),
+                                              "log_id": self.service.log_id})])
 
     def _serve_batch(self) -> None:
         batch: list[tuple[list[bytes], Request, str]] = []
@@ -123,7 +124,8 @@ class Server:
             if ev.seq in self.drop_diffs:
                 log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
                 continue
-            self.pub.send_multipart([b"diff", pack(diff_of_payload(ev.seq, ev.type, ev.payload))])
+            self.pub.send_multipart([b"diff", pack(diff_of_payload(
+                ev.seq, ev.type, ev.payload, log_id=self.service.log_id))])
         self._announced = self.service.state.seq
         for (envelope, req, _), ans in zip(batch, answers):
             if ans.error is not None:

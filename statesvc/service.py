@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import msgpack
 from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MODULES,
                            REPLICA_STALE_AFTER_S)
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
-                           Replaced, encode_body)
+                           Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
 from shared.protocol import Request
 from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, from_canonical,
@@ -31,6 +32,9 @@ from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
 log = logging.getLogger("statesvc")
 
 FORGET_AFTER_S = 3600.0  # a replica silent this long leaves `status`
+# the reads whose results carry `log_id`: all but `blob` (content-addressed, the same bytes in
+# every log) and `heartbeat` (the replica learns the log from the diff stream and catch-up)
+LOG_READS = frozenset({"list", "events", "snapshot", "digest", "status"})
 _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
@@ -106,6 +110,8 @@ class StateService:
         self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
         self._digests: OrderedDict[int, str] = OrderedDict()
         self.state = self.rebuild()
+        genesis = store.read(0, 1)
+        self.log_id = log_id_of(genesis[0]) if genesis else None  # docs/protocol.md §9b
         orphans = blobs.sweep(store.blob_hashes())
         if orphans:
             log.warning("removed %d blob(s) no event refers to: %s", len(orphans),
@@ -163,7 +169,7 @@ class StateService:
                     if batch.events:
                         committed += self._commit(batch, answers)
                         batch = _Batch(self.state, by_event_id=known)
-                    answers[i].result = self._read(req)
+                    answers[i].result = self._with_log_id(req.cmd, self._read(req))
             except CommandError as exc:
                 answers[i].error = exc
             except (ReducerError, AdapterError, StorageError) as exc:
@@ -214,6 +220,8 @@ class StateService:
                                                 f"stored ({exc}); nothing was recorded, retry")
             return []
         self.state = batch.state
+        if self.log_id is None and events and events[0].seq == 1:  # the genesis names the log
+            self.log_id = log_id_of(events[0])
         for i, result in batch.answers:
             answers[i].result = result
         return events
@@ -273,7 +281,7 @@ class StateService:
             m for m in MODULES if m in args["targets"])
         body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
                               model.module_dims, args["max_loras"], args["max_rank"], targets,
-                              args["dtype"])
+                              args["dtype"], log_id=str(uuid.uuid4()))
         if state.pool is not None:
             if _pool_view(state.pool) == _pool_view(body):
                 return {"seq": 1, "created": False, **_pool_view(state.pool)}
@@ -344,6 +352,12 @@ class StateService:
         return AdapterUnloaded(cur.name, cur.version, cur.slot), None
 
     # ---- reads ---------------------------------------------------------------
+
+    def _with_log_id(self, cmd: str, result: Any) -> Any:
+        """Reads that describe the log say which log it is (docs/protocol.md §9b)."""
+        if cmd in LOG_READS:
+            result["log_id"] = self.log_id
+        return result
 
     def _read(self, req: Request) -> Any:
         args, state = req.args, self.state

@@ -61,11 +61,12 @@ from computed.replica import Replica
 from computed.weights import BlobError, slot_weights
 from shared.client import ControlClient
 from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
-                           MAX_FRAME_BYTES, MAX_WIRE_BYTES, MODULES)
+                           MAX_FRAME_BYTES, MAX_WIRE_BYTES, MODULES, UUID_RE)
 from shared.events import AdapterLoaded, AdapterUnloaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
-from shared.protocol import (COMMANDS, WRITE_COMMANDS, ProtocolError, Request, decode_request,
-                             error_reply, ok_reply, pack, request_id_of, unpack, validate)
+from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, WRITE_COMMANDS, ProtocolError,
+                             Request, decode_request, error_reply, ok_reply, pack, request_id_of,
+                             unpack, validate)
 from shared.reducer import ReducerError, State, apply, body_of_diff, diff_of, logical_digest
 from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, Header, TensorFileError,
                                parse_bytes, parse_header, read_header)
@@ -76,6 +77,7 @@ from tests.fleet import Fleet
 from tests.inproc import call, init_pool, open_service
 
 REPO = Path(__file__).resolve().parent.parent
+LOG_ID = "0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a"  # the identity of the log the diffs come from
 EXAMPLES_ENV = "LORAPLANE_FUZZ_EXAMPLES"
 
 
@@ -1106,7 +1108,7 @@ def example_pool(model_dir: Path) -> PoolConfigured:
     """The pool `init_pool` configures for the example model: every module, max rank 16."""
     info = read_model(model_dir)
     return PoolConfigured(info.fingerprint, info.config, info.num_layers, info.module_dims,
-                          4, 16, MODULES, "float32")
+                          4, 16, MODULES, "float32", log_id=LOG_ID)
 
 
 @pytest.fixture(scope="module")
@@ -1160,7 +1162,8 @@ def diff_cases(pool: PoolConfigured) -> tuple[State, list[dict[str, Any]]]:
     loaded = AdapterLoaded("a", 2, 0, "0" * 64, 10, 2, 8.0, 4.0, False, ("q_proj",), False)
     state = apply(apply(State(), 1, pool), 2, loaded)
     other = AdapterLoaded("b", 3, 1, "1" * 64, 10, 2, 8.0, 4.0, False, ("q_proj",), True)
-    return state, [diff_of(1, pool), diff_of(3, other), diff_of(3, AdapterUnloaded("a", 2, 0))]
+    return state, [diff_of(1, pool, log_id=LOG_ID), diff_of(3, other, log_id=LOG_ID),
+                   diff_of(3, AdapterUnloaded("a", 2, 0), log_id=LOG_ID)]
 
 
 @pytest.fixture(scope="module")
@@ -1195,6 +1198,11 @@ def check_diff(diff: Any, state: State) -> str:
     if isinstance(got, Refused):
         return "refused"
     seq, body = got
+    # the identity fields that got in: the diff's log and, in a configure diff, the pool's
+    assert type(seq) is int and 1 <= seq <= 2**62
+    assert diff.get("log_id") is None or UUID_RE.fullmatch(diff["log_id"])
+    assert not isinstance(body, PoolConfigured) or body.log_id is None \
+        or UUID_RE.fullmatch(body.log_id)
     after = decode(lambda: apply(state, seq, body), (ReducerError, EventError),
                    known=("diff-types",))
     return "applied" if isinstance(after, State) else "refused by apply"
@@ -1206,6 +1214,46 @@ def test_body_of_diff_raises_only_event_errors(diffs: tuple[State, list[dict[str
                                                data: st.DataObject) -> None:
     state, bases = diffs
     event(check_diff(data.draw(mutated_diffs(bases), label="diff"), state))
+
+
+# ---- the diff stream's heartbeats: PUBLISHED_HEARTBEAT ------------------------------------
+
+HEARTBEAT = {"head_seq": 3, "digest": "0" * 64, "ts": 1795964703.02, "log_id": LOG_ID}
+
+
+@st.composite
+def mutated_heartbeats(draw: st.DrawFn) -> Any:
+    if draw(st.integers(0, 9)) == 0:
+        return draw(WIRE)
+    hb: dict[str, Any] = dict(HEARTBEAT)
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(sorted(hb)) | st.text(max_size=8))
+        if draw(st.integers(0, 4)) == 0:
+            hb.pop(key, None)
+        else:
+            hb[key] = draw(st.sampled_from([math.inf, -math.inf, math.nan, 10**400, -1, 2**62 + 1,
+                                            True, "1", LOG_ID.upper(), LOG_ID + "0", [1]])
+                           | LEAVES)
+    return hb
+
+
+def check_heartbeat(hb: Any) -> str:
+    """The oracle for a replica's reading of statesvc's heartbeat: a ProtocolError, or a
+    heartbeat whose head is an int in range and whose log id is null or a lowercase UUID."""
+    got = decode(lambda: validate(PUBLISHED_HEARTBEAT, hb, "hb"), ProtocolError)
+    if isinstance(got, Refused):
+        assert got.error.code == "bad_request" and (got.error.field or "hb").startswith("hb")
+        return "refused"
+    assert type(got["head_seq"]) is int and 0 <= got["head_seq"] <= 2**62
+    assert got["log_id"] is None or UUID_RE.fullmatch(got["log_id"])
+    assert isinstance(got["ts"], float)
+    return "accepted"
+
+
+@budget(300)
+@given(hb=mutated_heartbeats())
+def test_published_heartbeat_schema_raises_only_protocol_errors(hb: Any) -> None:
+    event(check_heartbeat(hb))
 
 
 # ---- regression tests: inputs the fuzzers found ------------------------------------------
