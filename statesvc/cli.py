@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import IO
 
 import click
+from sqlalchemy.exc import DatabaseError
 
 from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
                            DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES)
 from statesvc.blobs import BlobStore
-from statesvc.store import SqliteEventStore, make_engine, sqlite_url, upgrade_to_head
+from statesvc.store import (SqliteEventStore, StoreError, make_engine, recovery_steps,
+                            sqlite_url, upgrade_to_head)
 
 DATA_DIR = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
                         default=DEFAULT_DATA_DIR, show_default=True,
@@ -123,14 +125,24 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
                     f"refusing to bind {address} without authentication: bind loopback "
                     "(tcp://127.0.0.1:PORT) or pass --auth DIR (see `statesvc keys init`)")
     lock = _lock_data_dir(data_dir)
-    store = SqliteEventStore(db_url or sqlite_url(data_dir))
-    service = StateService(store, BlobStore(data_dir / "blobs"), snapshot_every=snapshot_every,
-                           max_adapter_bytes=max_adapter_bytes,
-                           adapter_roots=tuple(r.resolve() for r in adapter_roots))
+    try:
+        store = SqliteEventStore(db_url or sqlite_url(data_dir))
+    except StoreError as exc:  # damaged, or behind its high-water mark: nothing was changed
+        raise click.ClickException(str(exc)) from None
+    try:
+        service = StateService(store, BlobStore(data_dir / "blobs"),
+                               snapshot_every=snapshot_every, max_adapter_bytes=max_adapter_bytes,
+                               adapter_roots=tuple(r.resolve() for r in adapter_roots))
+    except DatabaseError as exc:  # a page of the log could not be read
+        store.close()
+        raise click.ClickException(f"the event store {db_url or sqlite_url(data_dir)} is damaged "
+                                   f"({exc.orig}); statesvc changed nothing. "
+                                   + recovery_steps(data_dir.resolve())) from None
     server = Server(service, control=control, publish=publish,
                     heartbeat_interval=heartbeat_interval, auth_dir=auth_dir)
     log = logging.getLogger("statesvc")
-    log.info("data dir %s, head seq %d", data_dir.resolve(), service.state.seq)
+    log.info("data dir %s, head seq %d, log %s", data_dir.resolve(), service.state.seq,
+             service.log_id or "(none until pool init)")
     if auth_dir is None:
         log.warning("control %s, diffs %s: NO AUTHENTICATION, loopback only; anyone on this "
                     "host may issue commands (pass --auth DIR to require keys)",

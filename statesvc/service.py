@@ -27,7 +27,7 @@ from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, 
                             logical_digest, require_pool, snapshot_bytes)
 from statesvc.adapters import ANYWHERE, AdapterError, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore, StorageError
-from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot
+from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
 
 log = logging.getLogger("statesvc")
 
@@ -112,13 +112,29 @@ class StateService:
         self.state = self.rebuild()
         genesis = store.read(0, 1)
         self.log_id = log_id_of(genesis[0]) if genesis else None  # docs/protocol.md §9b
-        orphans = blobs.sweep(store.blob_hashes())
-        if orphans:
-            log.warning("removed %d blob(s) no event refers to: %s", len(orphans),
-                        ", ".join(o[:12] for o in orphans))
+        self._sweep_blobs()
         missing = [a.name for a in self.state.adapters.values() if not blobs.has(a.sha256)]
         if missing:
             log.error("blobs missing for loaded adapters %s; replicas cannot fetch them", missing)
+
+    def _sweep_blobs(self) -> None:
+        """Delete the blobs no event refers to (left by a crash between blob and event) and
+        temp files, but only where the store's high-water mark shows that the log holds every
+        event it held before (the store refuses to open one behind it): a log that lost events
+        would take every blob of theirs for an orphan."""
+        keep = self.store.blob_hashes()
+        if self.store.recorded_head is None:  # a data dir from before high-water marks
+            unreferenced = self.blobs.all() - keep
+            if unreferenced:
+                log.warning("keeping %d blob(s) no event refers to: the log has no high-water "
+                            "mark yet to show that it lost no events. If events were lost, "
+                            "stop statesvc. %s", len(unreferenced),
+                            recovery_steps(self.blobs.root.parent))
+                keep |= unreferenced
+        orphans = self.blobs.sweep(keep)
+        if orphans:
+            log.warning("removed %d blob(s) no event refers to: %s", len(orphans),
+                        ", ".join(o[:12] for o in orphans))
 
     # ---- state ---------------------------------------------------------------
 

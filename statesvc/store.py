@@ -9,10 +9,16 @@ The write path (`append`, and `by_event_ids` once per batch) runs plain SQL on o
 connection the store keeps checked out of the engine's pool: SQLAlchemy's
 per-statement work cost more CPU than SQLite's commit. Its errors are raised as
 SQLAlchemy's (IntegrityError, OperationalError, ...), like the rest of the store's.
+
+A SQLite log also keeps a high-water mark (`HighWater`, state.db.head): the head after
+its last commit. A log found behind it at open lost events (most likely its state.db-wal),
+and is refused before anything is written to it.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -21,12 +27,17 @@ from typing import Any, Collection, Protocol, Sequence
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, exc, func, select
+from sqlalchemy import Engine, create_engine, event, exc, func, inspect, make_url, select, text
 
 from shared.events import Event
 from statesvc.models import BlobRow, EventRow, SnapshotRow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+class StoreError(RuntimeError):
+    """The store cannot be served as it is; the message says why and what to do. Nothing in
+    it was changed."""
 
 
 def utc_now() -> str:
@@ -70,7 +81,57 @@ class EventStore(Protocol):
 
     def blob_hashes(self) -> set[str]: ...
 
+    # the head the store recorded after its last commit before this open (its high-water
+    # mark), or None where it keeps none yet
+    recorded_head: int | None
+
     def close(self) -> None: ...
+
+
+def recovery_steps(data_dir: Path) -> str:
+    """What an operator can do about a log that lost events or a damaged database file."""
+    return (f"To recover: restore state.db together with its state.db-wal into {data_dir} "
+            "(from a backup, or the copy they came from) and start again; or, if those events "
+            f"are gone for good, move {data_dir} aside, start statesvc with a new --data-dir, "
+            "run `loractl pool init` and `loractl load` again, and restart every replica with "
+            "an empty --cache-dir (they refuse a new log while they hold the old one).")
+
+
+class HighWater:
+    """The head after the last commit, in a small file next to the database (state.db.head).
+
+    Written in place with a plain write after every commit, never synced: it survives a
+    killed process (which is what a deleted state.db-wal needs to be noticed) at no fsync per
+    commit; a power loss is SQLite's to cover (synchronous=FULL), and a mark it leaves behind
+    is only lower. The file is created by the first commit."""
+
+    WIDTH = 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def read(self) -> int | None:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if not re.fullmatch(rb" *[0-9]{1,%d}\n" % self.WIDTH, raw):
+            raise StoreError(f"{self.path} does not hold a seq (it holds {raw[:40]!r}); statesvc "
+                             "writes the head there after every commit and checks at start that "
+                             "the log is not behind it. If state.db is complete, delete "
+                             f"{self.path.name} and start again.")
+        return int(raw)
+
+    def write(self, seq: int) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._fd, b"%*d\n" % (self.WIDTH, seq), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def sqlite_url(data_dir: Path) -> str:
@@ -128,13 +189,51 @@ _INSERT_SNAPSHOT = "INSERT INTO snapshots (seq, state, digest, created_at) VALUE
 
 class SqliteEventStore:
     def __init__(self, url: str, *, migrate: bool = True) -> None:
+        database = make_url(url).database
+        path = Path(database).resolve() if database and database != ":memory:" else None
+        self.high_water = None if path is None else HighWater(path.with_name(path.name + ".head"))
+        self.recorded_head = None if self.high_water is None else self.high_water.read()
         self.engine = make_engine(url)
-        if migrate:
-            upgrade_to_head(self.engine)
-        # the write path's connection, set up by make_engine's connect hook (WAL,
-        # synchronous=FULL, no implicit transactions); held until close
-        self._writer = self.engine.raw_connection()
+        try:
+            # before anything is written: a log behind its high-water mark stays as it is
+            head = self._stored_head()
+            if self.high_water is not None and self.recorded_head is not None \
+                    and head < self.recorded_head:
+                raise StoreError(
+                    f"the log in {path} ends at seq {head}, but it held events up to seq "
+                    f"{self.recorded_head} ({self.recorded_head - head} lost; the head after "
+                    f"every commit is kept in {self.high_water.path}): most likely "
+                    "state.db-wal, SQLite's write-ahead log, was deleted or not copied along "
+                    "with state.db. "
+                    "statesvc serves no shorter log, since replicas would take other events "
+                    "under the same seqs, and changed nothing. "
+                    + recovery_steps(self.high_water.path.parent))
+            if migrate:
+                upgrade_to_head(self.engine)
+            # the write path's connection, set up by make_engine's connect hook (WAL,
+            # synchronous=FULL, no implicit transactions); held until close
+            self._writer = self.engine.raw_connection()
+        except exc.DatabaseError as err:
+            self.engine.dispose()
+            where = path or url
+            if isinstance(err.orig, sqlite3.OperationalError):
+                raise StoreError(f"cannot open the event store {where}: {err.orig}; check that "
+                                 "the path exists and statesvc may read and write it") from None
+            data_dir = path.parent if path is not None else Path(".")
+            raise StoreError(f"{where} is not a readable SQLite database ({err.orig}): it is "
+                             "damaged or not statesvc's. statesvc changed nothing. "
+                             + recovery_steps(data_dir)) from None
+        except StoreError:
+            self.engine.dispose()
+            raise
         self._db: sqlite3.Connection = self._writer.driver_connection  # type: ignore[assignment]
+
+    def _stored_head(self) -> int:
+        """The head as stored, before migrations: 0 where there is no events table yet."""
+        with self.engine.begin() as conn:
+            if not inspect(conn).has_table("events"):
+                return 0
+            return int(conn.execute(text("SELECT coalesce(max(seq), 0) FROM events")).scalar_one())
 
     def head(self) -> int:
         with self.engine.begin() as conn:
@@ -166,6 +265,8 @@ class SqliteEventStore:
                 raise
         except sqlite3.Error as err:
             raise exc.DBAPIError.instance(sql, None, err, sqlite3.Error) from err
+        if self.high_water is not None and events:
+            self.high_water.write(events[-1].seq)
         return [Event(e.seq, e.event_id, e.type, e.payload, now, e.actor) for e in events]
 
     def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
@@ -204,3 +305,5 @@ class SqliteEventStore:
     def close(self) -> None:
         self._writer.close()
         self.engine.dispose()
+        if self.high_water is not None:
+            self.high_water.close()
