@@ -21,7 +21,7 @@ Two engines, the same oracles (the check_* functions of tests/test_fuzz.py):
 Targets: frames (decode_request), generate (unpack, then Engine.submit), safetensors
 (parse_bytes, checked against the reference reader), adapter (inspect_adapter on a
 directory whose adapter_config.json and adapter_model.safetensors come from the input),
-diffs (unpack, then body_of_diff and apply). Open bugs listed in KNOWN_BUGS are stepped
+diffs (unpack, then body_of_diff and apply, and the heartbeat schema). Open bugs listed in KNOWN_BUGS are stepped
 over, as in `make test`; --strict makes them fail again.
 """
 from __future__ import annotations
@@ -93,8 +93,8 @@ def _seeds(target: str, props: Any, example: Any) -> list[bytes]:
                                (d / "adapter_model.safetensors").read_bytes())
                 for d in example.adapter_dirs.values()]
     state, bases = props.diff_cases(props.example_pool(example.model_dir))
-    return [pack(b) for b in bases] + [pack(diff_of(9, state.adapters["a"],
-                                                    log_id=props.LOG_ID))]
+    return [pack(b) for b in bases] + [pack(diff_of(9, state.adapters["a"], log_id=props.LOG_ID)),
+                                       pack(props.HEARTBEAT)]
 
 
 def _adapter_input(config: bytes, weights: bytes) -> bytes:
@@ -126,9 +126,14 @@ def _oracle(target: str, props: Any, example: Any, scratch: Path) -> Callable[[b
         return lambda data: void(props.check_tensor_file(data))
     if target == "generate":
         return lambda data: void(props.check_submit(unpacked(data)))
-    if target == "diffs":
+    if target == "diffs":  # the diff stream: each input read as a diff and as a heartbeat
         state, _ = props.diff_cases(props.example_pool(example.model_dir))
-        return lambda data: void(props.check_diff(unpacked(data), state))
+
+        def stream(data: bytes) -> None:
+            msg = unpacked(data)
+            props.check_diff(msg, state)
+            props.check_heartbeat(msg)
+        return stream
     pool = props.example_pool(example.model_dir)
     adapter = scratch / "adapter"
     adapter.mkdir()

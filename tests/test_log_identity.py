@@ -23,7 +23,7 @@ from statesvc.service import StateService
 from statesvc.store import NewEvent, SqliteEventStore, sqlite_url
 from tests.fleet import Fleet
 from tests.inproc import call, init_pool, open_service
-from tests.procs import StateSvc, wait_for
+from tests.procs import StateSvc, loractl, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -119,6 +119,7 @@ def test_heartbeats_and_diffs_carry_the_log_id(statesvc: StateSvc, example: Exam
                 seen[topic] = msgpack.unpackb(frame)
         assert seen[b"diff"]["log_id"] == log_id == seen[b"diff"]["pool"]["log_id"]
         assert seen[b"hb"]["log_id"] == log_id
+        assert log_id in loractl(statesvc, "status").stdout
     finally:
         sub.close(0)
 
@@ -190,3 +191,21 @@ def test_a_restarted_replica_refuses_another_log_with_its_cache(
     wait_for(lambda: fleet.converged(fresh), what="a fresh replica on log B")
     with fleet.client() as c:
         assert fresh.status()["log_id"] == c.call("status")["log_id"] != log_a
+
+
+def test_a_replica_cache_from_before_log_ids_takes_the_log_of_statesvc(fleet: Fleet) -> None:
+    r1 = fleet.replica("r1")
+    fleet.init()
+    fleet.load("chat", "attn-qv-r8")
+    wait_for(lambda: fleet.converged(r1), what="r1 at the head")
+    log_id = r1.status()["log_id"]
+    r1.stop()
+    path = r1.cache_dir / "state.msgpack"
+    saved = msgpack.unpackb(path.read_bytes())
+    del saved["log_id"]  # as today's code wrote it
+    path.write_bytes(msgpack.packb(saved))
+    fleet.load("sql", "mlp-only-r16")
+    r1.start()
+    wait_for(lambda: fleet.converged(r1), what="r1 at the head again")
+    assert r1.status()["log_id"] == log_id
+    assert msgpack.unpackb(path.read_bytes())["log_id"] == log_id
