@@ -206,7 +206,8 @@ class SqliteEventStore:
                     "state.db-wal, SQLite's write-ahead log, was deleted or not copied along "
                     "with state.db. "
                     "statesvc serves no shorter log, since replicas would take other events "
-                    "under the same seqs, and changed nothing. "
+                    "under the same seqs, and changed nothing. A copy that ends before seq "
+                    f"{self.recorded_head} is refused as well. "
                     + recovery_steps(self.high_water.path.parent))
             if migrate:
                 upgrade_to_head(self.engine)
