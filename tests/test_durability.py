@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,29 @@ def test_a_database_file_of_garbage_is_refused_with_a_message(tmp_path: Path) ->
         assert (data / "state.db").read_bytes() == garbage
     finally:
         svc.stop()
+
+
+def test_a_damaged_page_of_the_log_is_refused_with_a_message(tmp_path: Path,
+                                                            example: ExampleAssets) -> None:
+    data = tmp_path / "data"
+    svc = open_service(data, snapshot_every=1)
+    init_pool(svc, example.model_dir)
+    svc.store.close()  # checkpointed into state.db
+    db = sqlite3.connect(data / "state.db")
+    [(root,)] = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'snapshots'")
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    with (data / "state.db").open("r+b") as f:  # the header and the log itself still read
+        f.seek((root - 1) * page_size)
+        f.write(b"\x77" * page_size)
+    damaged = (data / "state.db").read_bytes()
+    restarted = StateSvc(data)
+    try:
+        log = refused_start(restarted)
+        assert "is damaged (database disk image is malformed)" in log and "from a backup" in log
+        assert (data / "state.db").read_bytes() == damaged
+    finally:
+        restarted.stop()
 
 
 def test_orphan_blobs_are_swept_only_under_a_high_water_mark(tmp_path: Path,
