@@ -220,11 +220,12 @@ def measure_replica(settings: Settings, root: Path, model_dir: Path,
             replica.bootstrap()
 
             def apply_next() -> tuple[float, list[tuple[int, Any]]]:
-                page = c.call("events", {"since": replica.applied_seq})["events"]
-                bodies = [(ev["seq"], decode_body(ev["type"], ev["payload"])) for ev in page]
+                reply = c.call("events", {"since": replica.applied_seq})
+                bodies = [(ev["seq"], decode_body(ev["type"], ev["payload"]))
+                          for ev in reply["events"]]
                 assert len(bodies) == 1, len(bodies)
                 t0 = time.perf_counter()
-                replica.apply_events(bodies)
+                replica.apply_events(bodies, log_id=reply["log_id"])
                 assert replica.pool is not None
                 jax.block_until_ready(replica.pool.arrays)
                 return time.perf_counter() - t0, bodies
