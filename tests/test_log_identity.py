@@ -23,7 +23,7 @@ from statesvc.service import StateService
 from statesvc.store import NewEvent, SqliteEventStore, sqlite_url
 from tests.fleet import Fleet
 from tests.inproc import call, init_pool, open_service
-from tests.procs import StateSvc, loractl, wait_for
+from tests.procs import Computed, StateSvc, loractl, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -124,21 +124,32 @@ def test_heartbeats_and_diffs_carry_the_log_id(statesvc: StateSvc, example: Exam
         sub.close(0)
 
 
-def test_a_replica_refuses_another_log_on_the_same_ports(tmp_path: Path, example: ExampleAssets,
-                                                         fleet: Fleet) -> None:
+def replica_on_log_a(fleet: Fleet) -> tuple[Computed, str]:
+    """A replica r1 at the head (seq 2) of the fleet's log, and that log's id."""
     r1 = fleet.replica("r1")
     fleet.init()
     fleet.load("chat", "attn-qv-r8")
     wait_for(lambda: fleet.converged(r1), what="r1 at the head of log A")
+    status = r1.status()
+    assert status["log_id"] is not None and status["applied_seq"] == 2
+    return r1, status["log_id"]
+
+
+def restart_on_same_ports(fleet: Fleet, data_dir: Path) -> StateSvc:
+    """Stop the fleet's statesvc and start one on the same ports with `data_dir`."""
+    fleet.statesvc.stop()
+    fleet.statesvc = StateSvc(data_dir, control=fleet.statesvc.control,
+                              publish=fleet.statesvc.publish).start()
+    return fleet.statesvc
+
+
+def test_a_replica_refuses_another_log_on_the_same_ports(tmp_path: Path, fleet: Fleet) -> None:
+    r1, log_a = replica_on_log_a(fleet)
     before = r1.status()
-    log_a = before["log_id"]
-    assert log_a is not None and before["state"] == "ACTIVE" and before["applied_seq"] == 2
 
     # statesvc restarted on the same ports with another data dir: log B, empty at first
-    fleet.statesvc.stop()
-    log_b_svc = StateSvc(tmp_path / "data-b", control=fleet.statesvc.control,
-                         publish=fleet.statesvc.publish)
-    fleet.statesvc = log_b_svc.start()
+    data_a = fleet.statesvc.data_dir
+    restart_on_same_ports(fleet, tmp_path / "data-b")
     wait_for(lambda: r1.status()["state"] == "REFUSED", what="r1 refusing the empty log B")
     assert "no events yet" in r1.status()["last_error"]
     fleet.init()
@@ -156,25 +167,17 @@ def test_a_replica_refuses_another_log_on_the_same_ports(tmp_path: Path, example
         assert after[key] == before[key], key
 
     # its own log back on the ports: it follows it again
-    fleet.statesvc.stop()
-    fleet.statesvc = StateSvc(fleet.tmp / "data", control=log_b_svc.control,
-                              publish=log_b_svc.publish).start()
+    restart_on_same_ports(fleet, data_a)
     fleet.load("sql", "mlp-only-r16")
     wait_for(lambda: fleet.converged(r1), what="r1 back on log A")
     assert r1.status()["log_id"] == log_a and r1.status()["last_error"] is None
 
 
-def test_a_restarted_replica_refuses_another_log_with_its_cache(
-        tmp_path: Path, example: ExampleAssets, fleet: Fleet) -> None:
-    r1 = fleet.replica("r1")
-    fleet.init()
-    fleet.load("chat", "attn-qv-r8")
-    wait_for(lambda: fleet.converged(r1), what="r1 at the head of log A")
-    log_a = r1.status()["log_id"]
+def test_a_restarted_replica_refuses_another_log_with_its_cache(tmp_path: Path,
+                                                                fleet: Fleet) -> None:
+    r1, log_a = replica_on_log_a(fleet)
     r1.stop()
-    fleet.statesvc.stop()
-    fleet.statesvc = StateSvc(tmp_path / "data-b", control=fleet.statesvc.control,
-                              publish=fleet.statesvc.publish).start()
+    restart_on_same_ports(fleet, tmp_path / "data-b")
     fleet.init()
     fleet.load("code", "all-r2")
     fleet.load("sql", "mlp-only-r16")
@@ -194,11 +197,7 @@ def test_a_restarted_replica_refuses_another_log_with_its_cache(
 
 
 def test_a_replica_cache_from_before_log_ids_takes_the_log_of_statesvc(fleet: Fleet) -> None:
-    r1 = fleet.replica("r1")
-    fleet.init()
-    fleet.load("chat", "attn-qv-r8")
-    wait_for(lambda: fleet.converged(r1), what="r1 at the head")
-    log_id = r1.status()["log_id"]
+    r1, log_id = replica_on_log_a(fleet)
     r1.stop()
     path = r1.cache_dir / "state.msgpack"
     saved = msgpack.unpackb(path.read_bytes())
