@@ -14,8 +14,7 @@ from sqlalchemy.exc import DatabaseError
 from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
                            DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES)
 from statesvc.blobs import BlobStore
-from statesvc.store import (SqliteEventStore, StoreError, make_engine, recovery_steps,
-                            sqlite_url, upgrade_to_head)
+from statesvc.store import SqliteEventStore, StoreError, recovery_steps, sqlite_url
 
 DATA_DIR = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
                         default=DEFAULT_DATA_DIR, show_default=True,
@@ -85,9 +84,10 @@ def keys_init(directory: Path) -> None:
 def migrate(data_dir: Path, db_url: str | None) -> None:
     """Upgrade the event store's schema to head, then exit."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    engine = make_engine(db_url or sqlite_url(data_dir))
-    upgrade_to_head(engine)
-    engine.dispose()
+    try:  # the store's own checks first: a damaged log, or one that lost events, stays as it is
+        SqliteEventStore(db_url or sqlite_url(data_dir)).close()
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo("schema is at head")
 
 

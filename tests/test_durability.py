@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from shared.client import ControlClient, new_event_id
 from statesvc.example import ExampleAssets
 from tests.inproc import call, init_pool, open_service
-from tests.procs import StateSvc
+from tests.procs import BIN, StateSvc
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,6 +69,10 @@ def test_a_database_file_of_garbage_is_refused_with_a_message(tmp_path: Path) ->
         log = refused_start(svc)
         assert "is not a readable SQLite database" in log and "file is not a database" in log
         assert "from a backup" in log
+        migrate = subprocess.run([str(BIN / "statesvc"), "migrate", "--data-dir", str(data)],
+                                 capture_output=True, text=True, timeout=60)
+        assert migrate.returncode == 1 and "Traceback" not in migrate.stderr
+        assert "is not a readable SQLite database" in migrate.stderr
         assert (data / "state.db").read_bytes() == garbage
     finally:
         svc.stop()
