@@ -116,6 +116,8 @@ class HighWater:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
+        if not raw.strip(b"\0"):  # created, then a power loss before its data reached the disk
+            return None
         if not re.fullmatch(rb" *[0-9]{1,%d}\n" % self.WIDTH, raw):
             raise StoreError(f"{self.path} does not hold a seq (it holds {raw[:40]!r}); statesvc "
                              "writes the head there after every commit and checks at start that "
