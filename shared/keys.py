@@ -9,7 +9,9 @@ being its certificate's file stem; every event records it as its actor.
 """
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,10 +19,14 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+log = logging.getLogger("keys")
 
 ROLES = ("operators", "replicas")  # statesvc's control and diff sockets
 INFERENCE_ROLES = ("clients", "operators")  # a replica's listen socket
 KEY_ENV, SERVER_KEY_ENV = "LORAPLANE_KEY", "LORAPLANE_SERVER_KEY"
+MAX_KEY_FILE_BYTES = 64 << 10  # a certificate is ~300 bytes
 
 
 class KeyError_(ValueError):
@@ -44,7 +50,7 @@ class ClientKeys:
 def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     try:
         public, sec = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, IndexError) as exc:  # IndexError: `public-key` without =
         raise KeyError_(f"cannot read the key file {path}: {exc}") from None
     if secret and not sec:
         raise KeyError_(f"{path} holds no secret key; pass the *.key_secret file")
@@ -110,20 +116,74 @@ class _RoleAuthenticator(ThreadAuthenticator):
         super().__init__(ctx)
         self.directory = directory
         self.roles = roles
+        self._skipped: dict[Path, tuple[object, ...]] = {}
 
     def _role_keys(self) -> dict[bytes, str]:
         out = {}
         for role in self.roles:
             for cert in sorted((self.directory / role).glob("*.key")):
                 try:
-                    public, _ = zmq.auth.load_certificate(str(cert))
-                except (OSError, ValueError):
+                    public = public_key_of(cert)
+                except KeyError_ as exc:  # one bad file must not lock every key out
+                    self._skip(cert, str(exc))
                     continue
                 out[public] = f"{role.removesuffix('s')}:{cert.stem}"
         return out
 
+    def _skip(self, cert: Path, why: str) -> None:
+        """Log a skipped key file once per version of it (keys are re-read per connection)."""
+        try:
+            st = os.lstat(cert)
+            version: tuple[object, ...] = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            version = ()
+        if self._skipped.get(cert) != version:
+            self._skipped[cert] = version
+            log.warning("skipping key file %s: %s", cert, why)
+
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self._role_keys()
+        try:
+            return key in self._role_keys()
+        except Exception:  # the ZAP thread must survive anything: refuse this one connection
+            log.exception("key check failed; connection refused")
+            return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self._role_keys().get(zmq.utils.z85.encode(client_public_key), "unknown")
+        try:
+            return self._role_keys().get(z85.encode(client_public_key), "unknown")
+        except Exception:
+            log.exception("key lookup failed")
+            return "unknown"
+
+
+def public_key_of(cert: Path) -> bytes:
+    """The z85 public key of a `*.key` certificate; KeyError_ for anything else (a directory, a
+    FIFO, a huge or garbled file, a missing `public-key` line, a key that is not 32 bytes)."""
+    try:
+        fd = os.open(cert, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the ZAP thread
+    except OSError as exc:
+        raise KeyError_(f"cannot open it ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyError_("not a regular file")
+        if st.st_size > MAX_KEY_FILE_BYTES:
+            raise KeyError_(f"{st.st_size} bytes, above the {MAX_KEY_FILE_BYTES}-byte limit "
+                            "for a certificate")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            text = f.read(MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    for line in text.splitlines():
+        name, eq, value = line.strip().partition(b"=")
+        if name.strip() == b"public-key" and eq:
+            key = value.strip(b" \t'\"")
+            try:
+                if len(key) == 40 and len(z85.decode(key)) == 32:
+                    return key
+            except (ValueError, KeyError):  # KeyError: a character outside z85's alphabet
+                pass
+            raise KeyError_("its public-key is not 40 z85 characters (a 32-byte CURVE key); "
+                            "write it again with `loractl keys new`")
+    raise KeyError_("no `public-key = \"...\"` line; copy the NAME.key that `loractl keys "
+                    "new` wrote")

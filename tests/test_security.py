@@ -1,4 +1,5 @@
-"""CURVE authentication and roles on statesvc, contained adapter sources, loopback-only default."""
+"""CURVE authentication and roles on statesvc, key dirs with bad files, contained adapter
+sources, loopback-only default."""
 from __future__ import annotations
 
 import json
@@ -83,6 +84,41 @@ def test_only_allowed_keys_connect_and_only_operators_append(
                      what="its heartbeat")
     finally:
         replica.stop()
+
+
+def test_malformed_key_files_are_skipped_and_every_good_key_still_connects(
+        tmp_path: Path) -> None:
+    keydir, clients = tmp_path / "server-keys", tmp_path / "client-keys"
+    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    for name in ("alice", "bob"):
+        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
+    shutil.copy(clients / "alice.key", keydir / "operators" / "alice.key")
+    ops = keydir / "operators"
+    (ops / "garbage.key").write_bytes(os.urandom(300))
+    (ops / "no-equals.key").write_text("public-key\n")
+    (ops / "short.key").write_text('public-key = "abc"\n')
+    (ops / "alphabet.key").write_text('public-key = "' + "~" * 40 + '"\n')
+    (ops / "empty.key").write_text("")
+    (ops / "huge.key").write_text("#" * (1 << 17))
+    (ops / "a-directory.key").mkdir()
+    os.mkfifo(ops / "fifo.key")
+    (ops / "dangling.key").symlink_to(tmp_path / "nowhere")
+    svc = StateSvc(tmp_path / "data", extra_args=("--auth", str(keydir))).start()
+    try:
+        for _ in range(3):  # keys are read again for each connection
+            with ControlClient(svc.control, timeout_s=5, retries=0,
+                               keys=keys(keydir, clients, "alice")) as c:
+                assert c.call("status")["head_seq"] == 0
+        shutil.copy(clients / "bob.key", ops / "bob.key")  # added while serving: still read
+        with ControlClient(svc.control, timeout_s=5, retries=0,
+                           keys=keys(keydir, clients, "bob")) as c:
+            assert c.call("status")["head_seq"] == 0
+    finally:
+        svc.stop()
+    logged = svc.log.read_text()
+    for name in ("garbage", "no-equals", "short", "alphabet", "empty", "huge", "a-directory",
+                 "fifo", "dangling"):
+        assert logged.count(f"skipping key file {ops / name}.key") == 1, name
 
 
 def test_without_keys_statesvc_binds_loopback_only(tmp_path: Path) -> None:
