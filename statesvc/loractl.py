@@ -2,7 +2,9 @@
 
 Every command takes --json for scripts; without it, readable tables. Errors go
 to stderr: exit 1 when the service refused the command, 3 when it did not
-answer (2 is a usage error, as click reports it).
+answer (2 is a usage error, as click reports it). Everything a service or a
+replica sent is printed through `shown`: no terminal control sequence and no
+rich markup from the wire reaches the terminal.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import functools
 import json
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import click
 import zmq
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
@@ -23,12 +27,21 @@ from shared.keys import ClientKeys, KeyError_, client_keys
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, MODULES, POOL_DTYPES, STATE_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0), default=None,
                            help="Refuse (conflict) unless the log's head is at this seq.")
+
+
+def shown(value: Any) -> str:
+    """A value from the wire as text to print: control and format characters as escapes
+    (\\x1b, \\u202e: nothing moves the cursor or recolours the terminal), rich markup escaped
+    (printed as written, never parsed, so `[/x]` in a name cannot crash the print)."""
+    return escape("".join(ch.encode("unicode_escape").decode("ascii")
+                          if unicodedata.category(ch) in ("Cc", "Cf") else ch
+                          for ch in str(value)))
 
 
 def _short(targets: list[str]) -> str:
@@ -51,10 +64,10 @@ def handles_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except RemoteError as exc:
-            err.print(f"[bold red]error[/] ({exc.code}): {exc}", markup=True)
+            err.print(f"[bold red]error[/] ({shown(exc.code)}): {shown(exc)}")
             sys.exit(1)
         except Unavailable as exc:
-            err.print(f"[bold red]error[/] (unavailable): {exc}", markup=True)
+            err.print(f"[bold red]error[/] (unavailable): {shown(exc)}")
             sys.exit(3)
     return wrapper  # type: ignore[return-value]
 
@@ -125,9 +138,9 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_rank: int, ta
         _emit(res)
     else:
         verb = "configured" if res["created"] else "already configured with these settings"
-        out.print(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots, max rank "
-                  f"{res['max_rank']}, targets {','.join(res['targets'])}, {res['dtype']}, "
-                  f"model {res['fingerprint'][:12]}")
+        out.print(shown(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots, max rank "
+                        f"{res['max_rank']}, targets {','.join(res['targets'])}, "
+                        f"{res['dtype']}, model {res['fingerprint'][:12]}"))
 
 
 @main.command()
@@ -149,11 +162,11 @@ def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
     if as_json:
         _emit({k: res[k] for k in ("seq", "name", "version", "slot")})
     elif res["created"]:
-        out.print(f"loaded {res['name']} version {res['version']} into slot {res['slot']} "
-                  f"(seq {res['seq']})")
+        out.print(shown(f"loaded {res['name']} version {res['version']} into slot "
+                        f"{res['slot']} (seq {res['seq']})"))
     else:
-        out.print(f"{res['name']} is already loaded with this content: version {res['version']} "
-                  f"in slot {res['slot']}; nothing recorded")
+        out.print(shown(f"{res['name']} is already loaded with this content: version "
+                        f"{res['version']} in slot {res['slot']}; nothing recorded"))
 
 
 @main.command()
@@ -172,8 +185,8 @@ def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
     if as_json:
         _emit(res)
     else:
-        out.print(f"unloaded {res['name']} version {res['version']} from slot {res['slot']} "
-                  f"(seq {res['seq']})")
+        out.print(shown(f"unloaded {res['name']} version {res['version']} from slot "
+                        f"{res['slot']} (seq {res['seq']})"))
 
 
 @main.command("list")
@@ -191,19 +204,20 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     if pool_ is None:
         out.print("the pool is not configured yet (loractl pool init ...)")
         return
-    table = Table(title=f"{len(res['adapters'])} of {pool_['max_loras']} slots used, head seq "
-                  f"{res['head_seq']}")
+    table = Table(title=shown(f"{len(res['adapters'])} of {pool_['max_loras']} slots used, "
+                              f"head seq {res['head_seq']}"))
     for col in ("name", "version", "slot", "rank", "alpha", "scaling", "targets", "sha256",
                 "pinned"):
         table.add_column(col, justify="right" if col in ("version", "slot", "rank") else "left")
     for a in res["adapters"]:
-        table.add_row(a["name"], str(a["version"]), str(a["slot"]), str(a["rank"]),
-                      f"{a['alpha']:g}", f"{a['scaling']:.4g}", _short(a["targets"]),
-                      a["sha256"][:12], "yes" if a["pinned"] else "")
+        table.add_row(*map(shown, (a["name"], a["version"], a["slot"], a["rank"],
+                                   f"{a['alpha']:g}", f"{a['scaling']:.4g}")),
+                      shown(_short(a["targets"])), shown(a["sha256"][:12]),
+                      "yes" if a["pinned"] else "")
     out.print(table)
 
 
-EVENT_KEYS = ("seq", "event_id", "type", "payload", "recorded_at")
+EVENT_KEYS = ("seq", "event_id", "type", "payload", "recorded_at", "actor")
 
 
 def _event_summary(ev: dict[str, Any]) -> str:
@@ -270,12 +284,15 @@ def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bo
 
 def _print_events(evs: list[dict[str, Any]]) -> None:
     table = Table()
-    for col in ("seq", "recorded_at", "type", "what", "event_id"):
+    for col in ("seq", "recorded_at", "type", "what", "actor", "event_id"):
         table.add_column(col)
     for e in evs:
-        table.add_row(str(e["seq"]), e["recorded_at"][:23], e["type"], _event_summary(e),
-                      e["event_id"][:8])
+        table.add_row(*map(shown, (e["seq"], e["recorded_at"][:23], e["type"],
+                                   _event_summary(e), e["actor"], e["event_id"][:8])))
     out.print(table)
+
+
+AGREES = {True: "[green]yes[/]", False: "[bold red]NO[/]"}
 
 
 @main.command()
@@ -289,8 +306,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _emit(res)
         return
-    out.print(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}, "
-              f"log {res['log_id'] or 'none yet (no pool init)'}")
+    out.print(shown(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}, "
+                    f"log {res['log_id'] or 'none yet (no pool init)'}"))
     if not res["replicas"]:
         out.print("no replicas have reported")
         return
@@ -298,9 +315,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
     for col in ("replica", "address", "state", "applied", "logical", "pool", "agrees"):
         table.add_column(col)
     for r in res["replicas"]:
-        table.add_row(r["id"], r["address"], r["state"], str(r["applied_seq"]),
-                      r["logical_digest"][:12], r["pool_digest"][:12],
-                      "[green]yes[/]" if r["agrees"] else "[bold red]NO[/]")
+        address = r["address"] + (f" (was {r['previous_address']})"
+                                   if r.get("previous_address") else "")
+        table.add_row(*map(shown, (r["id"], address, r["state"], r["applied_seq"],
+                                   r["logical_digest"][:12], r["pool_digest"][:12])),
+                      AGREES[r["agrees"]])
     out.print(table)
 
 
@@ -352,10 +371,12 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
         return
     who = (f"{res['adapter']['name']} v{res['adapter']['version']}" if res["adapter"]
            else "base model")
-    out.print(f"{who} (replica at seq {res['seq']}): {','.join(map(str, res['output_ids']))}")
+    out.print(shown(f"{who} (replica at seq {res['seq']}): "
+                    f"{','.join(map(str, res['output_ids']))}"))
     t = res["timings"]
-    out.print(f"[dim]queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
-              f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms[/]")
+    out.print("[dim]" + shown(f"queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
+                              f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms")
+              + "[/]")
 
 
 @main.command()
@@ -391,7 +412,7 @@ def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
                            key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
                            else None).run(kill)
         except DrillError as exc:
-            err.print(f"[bold red]error[/] (drill): {exc}")
+            err.print(f"[bold red]error[/] (drill): {shown(exc)}")
             sys.exit(3)
     if as_json:
         _emit(report.to_json())
@@ -401,13 +422,14 @@ def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
         for col in ("replica", "check", "result", "detail"):
             table.add_column(col)
         for c in report.checks:
-            table.add_row(c.replica, c.check, "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]",
-                          c.detail)
+            table.add_row(shown(c.replica), shown(c.check),
+                          "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]", shown(c.detail))
         out.print(table)
         out.print("  ".join(f"{k} {v:.2f} s" for k, v in report.timings.items()))
     for c in report.checks:
         if not c.ok:
-            err.print(f"[bold red]disagreement[/]: replica {c.replica}: {c.check} {c.detail}")
+            err.print(f"[bold red]disagreement[/]: replica {shown(c.replica)}: {shown(c.check)} "
+                      f"{shown(c.detail)}")
     sys.exit(0 if report.ok else 1)
 
 

@@ -1,5 +1,5 @@
-"""CURVE authentication and roles on statesvc, key dirs with bad files, contained adapter
-sources, loopback-only default."""
+"""CURVE authentication and roles on statesvc, key dirs with bad files, the audit trail,
+contained adapter sources, loopback-only default."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.keys import ClientKeys, client_keys
 from statesvc.example import ExampleAssets
-from tests.procs import BIN, Computed, StateSvc, free_port, wait_for
+from tests.procs import BIN, Computed, StateSvc, free_port, loractl, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,6 +119,22 @@ def test_malformed_key_files_are_skipped_and_every_good_key_still_connects(
     for name in ("garbage", "no-equals", "short", "alphabet", "empty", "huge", "a-directory",
                  "fifo", "dangling"):
         assert logged.count(f"skipping key file {ops / name}.key") == 1, name
+
+
+def test_events_show_who_recorded_them(keyed: tuple[StateSvc, Path, Path],
+                                       example: ExampleAssets) -> None:
+    svc, keydir, clients = keyed
+    as_alice = ("--key", str(clients / "alice.key_secret"), "--server-key",
+                str(keydir / "server.key"))
+    loractl(svc, *as_alice, "pool", "init", "--model", str(example.model_dir), "--max-loras",
+            "2", "--max-rank", "8", "--targets", "all")
+    [event] = json.loads(loractl(svc, *as_alice, "events", "--json").stdout)
+    assert event["actor"] == "operator:alice"
+    table = subprocess.run([str(BIN / "loractl"), "--state", svc.control, *as_alice, "events"],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "actor" in table and "operator:alice" in table
+
 
 
 def test_without_keys_statesvc_binds_loopback_only(tmp_path: Path) -> None:

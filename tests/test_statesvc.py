@@ -83,7 +83,9 @@ def test_lifecycle_through_loractl_and_restart(statesvc: StateSvc, example: Exam
 
     events = js(loractl(statesvc, "events", "--json"))
     assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
-    assert all(set(e) == {"seq", "event_id", "type", "payload", "recorded_at"} for e in events)
+    assert all(set(e) == {"seq", "event_id", "type", "payload", "recorded_at", "actor"}
+               for e in events)
+    assert {e["actor"] for e in events} == {"local"}  # no --auth: every event is local
     assert [e["type"] for e in events] == ["pool.configured"] + ["adapter.loaded"] * 4 + \
         ["adapter.unloaded"]
     assert events[3]["event_id"] == event_id
@@ -255,3 +257,21 @@ def test_a_call_with_no_peer_gives_up_within_its_timeouts() -> None:
     with ControlClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.2, retries=1) as c:
         with pytest.raises(Unavailable, match="2 tries"):
             c.call("status")
+
+
+def test_loractl_prints_markup_and_control_characters_from_the_wire_as_text(
+        statesvc: StateSvc, example: ExampleAssets, tmp_path: Path) -> None:
+    hostile = "[/x]\x1b]0;owned\x07\x1b[2J"
+    loractl(statesvc, "pool", "init", "--model", str(example.model_dir), "--max-loras", "2",
+            "--max-rank", "8", "--targets", "all")
+    res = loractl(statesvc, "unload", hostile, check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "not_found" in res.stderr and "[/x]" in res.stderr
+    assert "\x1b" not in res.stderr and "\x07" not in res.stderr and "\\x1b]0;owned" in res.stderr
+    adapter = tmp_path / "hostile"
+    shutil.copytree(example.adapter_dirs["all-r2"], adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "peft_type": hostile}))
+    res = loractl(statesvc, "load", "x", str(adapter), check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "invalid_adapter" in res.stderr and "\x1b" not in res.stderr
