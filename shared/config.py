@@ -19,6 +19,8 @@ MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's
 REPLICA_SILENCE_S = 3.0             # a replica that hears nothing this long catches up
 REPLICA_STALE_AFTER_S = 10.0        # status shows a replica STALE after this long without heartbeat
+MAX_REPLICAS = 1024                 # replica ids statesvc keeps (`statesvc serve --max-replicas`)
+MAX_REPLICAS_CEILING = 16384        # largest --max-replicas: rows < 1 KiB, so `status` fits MAX_WIRE_BYTES
 DEFAULT_SNAPSHOT_EVERY = 100
 # Largest adapter_model.safetensors accepted by `load` (bytes).
 MAX_ADAPTER_BYTES = 4 << 30

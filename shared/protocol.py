@@ -13,11 +13,14 @@ from typing import Any, Callable, Mapping
 
 import msgpack
 
-from shared.config import (MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, MODULES,
-                           POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
+from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
+                           MAX_FRAME_BYTES, MODULES, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
+# a replica's listen address as it reports it: one plain endpoint, printable, no `;` lists
+REPLICA_ENDPOINT_RE = re.compile(r"tcp://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}"
+                                 r"|ipc://[!-:<-~]+")
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
@@ -109,6 +112,13 @@ def _targets(v: Any) -> str | None:
     return None
 
 
+def _replica_endpoint(v: str) -> str | None:
+    if len(v) <= 256 and REPLICA_ENDPOINT_RE.fullmatch(v):
+        return None
+    return ("must be one ZeroMQ endpoint of at most 256 characters, tcp://HOST:PORT or "
+            "ipc://PATH, printable and without ';'")
+
+
 def _kind_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool):
@@ -197,7 +207,10 @@ COMMANDS: dict[str, Schema] = {
     },
     "status": {},
     "heartbeat": {
-        "id": NAME, "address": Field(str, check=str_len(256)),
+        "id": Field(str, check=matches(ADAPTER_NAME_RE, "a replica id like an adapter name: a "
+                                       "letter or digit, then up to 63 letters, digits, '.', "
+                                       "'_' or '-'")),
+        "address": Field(str, check=_replica_endpoint),
         "state": Field(str, check=one_of("INITIAL", "SYNCING", "ACTIVE", "REFUSED")),
         "applied_seq": SEQ, "logical_digest": DIGEST,
         "pool_digest": Field(str, check=matches(_POOL_DIGEST_RE, "64 lowercase hex digits, "

@@ -12,7 +12,8 @@ import click
 from sqlalchemy.exc import DatabaseError
 
 from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
-                           DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES)
+                           DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES,
+                           MAX_REPLICAS, MAX_REPLICAS_CEILING)
 from statesvc.blobs import BlobStore
 from statesvc.store import SqliteEventStore, StoreError, recovery_steps, sqlite_url
 
@@ -111,9 +112,12 @@ def migrate(data_dir: Path, db_url: str | None) -> None:
 @click.option("--adapter-root", "adapter_roots", multiple=True,
               type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Only load adapters from under this directory (repeatable).")
+@click.option("--max-replicas", type=click.IntRange(1, MAX_REPLICAS_CEILING),
+              default=MAX_REPLICAS, show_default=True, help="Replica ids kept in the registry (at most "
+              f"{MAX_REPLICAS_CEILING}: `status` must fit one reply).")
 def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapshot_every: int,
           heartbeat_interval: float, max_adapter_bytes: int, auth_dir: Path | None,
-          adapter_roots: tuple[Path, ...]) -> None:
+          adapter_roots: tuple[Path, ...], max_replicas: int) -> None:
     """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
     from statesvc.server import Server
     from statesvc.service import StateService
@@ -132,7 +136,8 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
     try:
         service = StateService(store, BlobStore(data_dir / "blobs"),
                                snapshot_every=snapshot_every, max_adapter_bytes=max_adapter_bytes,
-                               adapter_roots=tuple(r.resolve() for r in adapter_roots))
+                               adapter_roots=tuple(r.resolve() for r in adapter_roots),
+                               max_replicas=max_replicas)
     except DatabaseError as exc:  # a page of the log could not be read
         store.close()
         raise click.ClickException(f"the event store {db_url or sqlite_url(data_dir)} is damaged "

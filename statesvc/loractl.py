@@ -292,7 +292,8 @@ def _print_events(evs: list[dict[str, Any]]) -> None:
     out.print(table)
 
 
-AGREES = {True: "[green]yes[/]", False: "[bold red]NO[/]"}
+AGREES = {True: "[green]yes[/]", False: "[bold red]NO[/]",
+          None: "[yellow]behind[/]"}  # None: at a seq older than statesvc's recent heads
 
 
 @main.command()

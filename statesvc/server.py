@@ -153,6 +153,10 @@ class Server:
                         and not actor.startswith("operator:")):
                     raise ProtocolError("forbidden", f"{actor} may not issue {req.cmd}: only "
                                         "operator keys may change the log")
+                if (self.auth is not None and req.cmd == "heartbeat"
+                        and not actor.startswith("replica:")):
+                    raise ProtocolError("forbidden", f"{actor} may not heartbeat: only replica "
+                                        "keys (the key dir's replicas/) register replicas")
                 batch.append((envelope, req, actor))
             except ProtocolError as exc:
                 self.router.send_multipart(envelope + [

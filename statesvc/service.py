@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import msgpack
 
-from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MODULES,
-                           REPLICA_STALE_AFTER_S)
+from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES,
+                           MAX_REPLICAS, MODULES, REPLICA_STALE_AFTER_S)
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
                            Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
@@ -35,6 +35,7 @@ FORGET_AFTER_S = 3600.0  # a replica silent this long leaves `status`
 # the reads whose results carry `log_id`: all but `blob` (content-addressed, the same bytes in
 # every log) and `heartbeat` (the replica learns the log from the diff stream and catch-up)
 LOG_READS = frozenset({"list", "events", "snapshot", "digest", "status"})
+RECENT_HEADS = 256  # heads whose digests `status` compares replicas with
 _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
@@ -69,6 +70,20 @@ class _Batch:
     writers: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Registered:
+    """A replica id in the registry: who registered it, and its last heartbeat."""
+
+    owner: str  # the actor of its first heartbeat: a replica key under --auth, else `local`
+    seen: float
+    beat: dict[str, Any]
+    previous_address: str | None = None  # set when the id moved to another address
+
+    @property
+    def address(self) -> str:
+        return str(self.beat["address"])
+
+
 def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
     if isinstance(body, PoolConfigured):
         return {"seq": seq, "created": True, **_pool_view(body)}
@@ -97,6 +112,7 @@ class StateService:
                  snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
                  max_adapter_bytes: int = MAX_ADAPTER_BYTES,
                  adapter_roots: tuple[Path, ...] = (),
+                 max_replicas: int = MAX_REPLICAS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.blobs = blobs
@@ -107,11 +123,15 @@ class StateService:
         # called now and then while a load reads and checks large weights: the server
         # publishes its due heartbeats from it (one thread: it cannot from anywhere else)
         self.progress: Callable[[], None] = lambda: None
-        self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.max_replicas = max_replicas
+        self.replicas: dict[str, _Registered] = {}
         self._digests: OrderedDict[int, str] = OrderedDict()
+        # the last RECENT_HEADS heads, digested when first asked: `status` never rebuilds
+        self._heads: OrderedDict[int, State | str] = OrderedDict()
         self.state = self.rebuild()
         genesis = store.read(0, 1)
         self.log_id = log_id_of(genesis[0]) if genesis else None  # docs/protocol.md §9b
+        self._remember_head()
         self._sweep_blobs()
         missing = [a.name for a in self.state.adapters.values() if not blobs.has(a.sha256)]
         if missing:
@@ -151,7 +171,22 @@ class StateService:
             for ev in page:
                 state = apply(state, ev.seq, ev.body)
 
+    def _remember_head(self) -> None:
+        self._heads[self.state.seq] = self.state
+        while len(self._heads) > RECENT_HEADS:
+            self._heads.popitem(last=False)
+
+    def head_digest(self, seq: int) -> str | None:
+        """The digest at `seq` if it was one of the recent heads, else None (never rebuilt)."""
+        known = self._heads.get(seq)
+        if isinstance(known, State):
+            known = self._heads[seq] = logical_digest(known)
+        return known
+
     def digest_at(self, seq: int) -> str:
+        recent = self.head_digest(seq)
+        if recent is not None:
+            return recent
         if seq not in self._digests:
             state = self.state if seq == self.state.seq else self.rebuild(until=seq)
             self._digests[seq] = logical_digest(state)
@@ -185,7 +220,7 @@ class StateService:
                     if batch.events:
                         committed += self._commit(batch, answers)
                         batch = _Batch(self.state, by_event_id=known)
-                    answers[i].result = self._with_log_id(req.cmd, self._read(req))
+                    answers[i].result = self._with_log_id(req.cmd, self._read(req, actor))
             except CommandError as exc:
                 answers[i].error = exc
             except (ReducerError, AdapterError, StorageError) as exc:
@@ -238,6 +273,7 @@ class StateService:
         self.state = batch.state
         if self.log_id is None and events and events[0].seq == 1:  # the genesis names the log
             self.log_id = log_id_of(events[0])
+        self._remember_head()
         for i, result in batch.answers:
             answers[i].result = result
         return events
@@ -375,7 +411,7 @@ class StateService:
             result["log_id"] = self.log_id
         return result
 
-    def _read(self, req: Request) -> Any:
+    def _read(self, req: Request, actor: str) -> Any:
         args, state = req.args, self.state
         if req.cmd == "list":
             return {"head_seq": state.seq,
@@ -399,10 +435,7 @@ class StateService:
         if req.cmd == "blob":
             return self._blob(args)
         if req.cmd == "heartbeat":
-            now = self.clock()
-            self.replicas[args["id"]] = (now, dict(args))
-            for rid in [r for r, (seen, _) in self.replicas.items() if now - seen > FORGET_AFTER_S]:
-                del self.replicas[rid]  # gone for an hour: no longer part of the fleet
+            self._heartbeat(args, actor)
             return {"head_seq": state.seq}
         if req.cmd == "status":
             return self.status()
@@ -419,19 +452,70 @@ class StateService:
         data = self.blobs.read_chunk(sha, args["offset"], args["length"])
         return {"sha256": sha, "offset": args["offset"], "size": size, "data": data}
 
-    def status(self) -> dict[str, Any]:
+    def _heartbeat(self, args: dict[str, Any], actor: str) -> None:
+        """Register or refresh a replica id. An id belongs to the actor that registered it (a
+        replica key under --auth; without --auth every peer is `local`, first come) and moves
+        to another address only once it is STALE: a peer cannot take over a live replica's id."""
         now = self.clock()
+        rid, address = args["id"], args["address"]
+        for gone in [r for r, reg in self.replicas.items() if now - reg.seen > FORGET_AFTER_S]:
+            del self.replicas[gone]  # gone for an hour: no longer part of the fleet
+        reg = self.replicas.get(rid)
+        if reg is None:
+            self._make_room(now)
+            log.info("replica %s registered by %s at %s", rid, actor, address)
+            self.replicas[rid] = _Registered(actor, now, dict(args))
+            return
+        if reg.owner != actor:
+            raise CommandError("forbidden", f"replica id {rid!r} is registered to {reg.owner}; "
+                               f"{actor} may not heartbeat for it (give this replica its own "
+                               "--replica-id)", "args.id")
+        if address != reg.address:
+            silent = now - reg.seen
+            if silent < REPLICA_STALE_AFTER_S:
+                raise CommandError("conflict", f"replica id {rid!r} is live at {reg.address} "
+                                   f"(last heartbeat {silent:.1f} s ago); another address may "
+                                   f"take it only after {REPLICA_STALE_AFTER_S:g} s without "
+                                   "one (STALE); give this replica its own --replica-id",
+                                   "args.id")
+            log.warning("replica %s moved from %s to %s (%s; it was STALE)", rid, reg.address,
+                        address, actor)
+            reg.previous_address = reg.address
+        reg.seen, reg.beat = now, dict(args)
+
+    def _make_room(self, now: float) -> None:
+        """Room for one more id: forget the longest-silent STALE one at the cap, or refuse."""
+        if len(self.replicas) < self.max_replicas:
+            return
+        rid, reg = min(self.replicas.items(), key=lambda item: item[1].seen)
+        if now - reg.seen < REPLICA_STALE_AFTER_S:
+            raise CommandError("overloaded", f"the replica registry is full: {self.max_replicas} "
+                               "live replica ids (--max-replicas); restart statesvc with a "
+                               "larger --max-replicas, or stop replicas that should not be there")
+        log.warning("replica registry full (--max-replicas %d): forgot STALE replica %s at %s",
+                    self.max_replicas, rid, reg.address)
+        del self.replicas[rid]
+
+    def status(self) -> dict[str, Any]:
+        """Head, digest and every registered replica. Its cost depends only on the registry's
+        size: `agrees` compares with the digests of recent heads, never rebuilds a state."""
+        now, head = self.clock(), self.state.seq
         replicas = []
         for rid in sorted(self.replicas):
-            seen, hb = self.replicas[rid]
-            applied = hb["applied_seq"]
-            agrees = applied <= self.state.seq and self.digest_at(applied) == hb["logical_digest"]
-            replicas.append({"id": rid, "address": hb["address"],
-                             "state": hb["state"] if now - seen < REPLICA_STALE_AFTER_S else "STALE",
-                             "applied_seq": applied, "logical_digest": hb["logical_digest"],
-                             "pool_digest": hb["pool_digest"], "agrees": agrees})
-        return {"head_seq": self.state.seq, "digest": self.digest_at(self.state.seq),
-                "replicas": replicas}
+            reg = self.replicas[rid]
+            hb, applied = reg.beat, reg.beat["applied_seq"]
+            known = self.head_digest(applied)
+            # None: an older seq than the recent heads (the replica is behind; not rebuilt)
+            agrees = (False if applied > head else None if known is None
+                      else known == hb["logical_digest"])
+            row = {"id": rid, "address": reg.address,
+                   "state": hb["state"] if now - reg.seen < REPLICA_STALE_AFTER_S else "STALE",
+                   "applied_seq": applied, "logical_digest": hb["logical_digest"],
+                   "pool_digest": hb["pool_digest"], "agrees": agrees}
+            if reg.previous_address is not None:
+                row["previous_address"] = reg.previous_address
+            replicas.append(row)
+        return {"head_seq": head, "digest": self.digest_at(head), "replicas": replicas}
 
 
 def _same(old: AdapterLoaded, cand: Candidate, pin: bool) -> bool:

@@ -1,0 +1,182 @@
+"""Who may register a replica id, and what the replica registry holds (issue 13)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from shared.client import ControlClient, RemoteError
+from shared.config import MAX_REPLICAS, MAX_WIRE_BYTES, REPLICA_STALE_AFTER_S
+from shared.keys import ClientKeys, client_keys
+from statesvc.blobs import BlobStore
+from statesvc.example import ExampleAssets
+from statesvc.service import StateService
+from statesvc.store import SqliteEventStore, sqlite_url
+from tests.inproc import CommandError, call, init_pool, open_service
+from tests.procs import BIN, StateSvc
+
+pytestmark = pytest.mark.timeout(180)
+
+DIGEST = "0" * 64
+
+
+def beat(rid: str, address: str = "tcp://127.0.0.1:7200", *, applied_seq: int = 0,
+         logical_digest: str = DIGEST) -> dict[str, Any]:
+    return {"id": rid, "address": address, "state": "ACTIVE", "applied_seq": applied_seq,
+            "logical_digest": logical_digest, "pool_digest": "none"}
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=60)
+
+
+def make_keys(tmp: Path, roles: dict[str, str | None]) -> tuple[Path, Path]:
+    """A server key dir and client key pairs NAME -> role folder (None: not allowed)."""
+    keydir, clients = tmp / "server-keys", tmp / "client-keys"
+    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    for name, role in roles.items():
+        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
+        if role:
+            shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
+    return keydir, clients
+
+
+def keys_of(keydir: Path, clients: Path, name: str) -> ClientKeys:
+    k = client_keys(str(clients / f"{name}.key_secret"), str(keydir / "server.key"))
+    assert k is not None
+    return k
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[StateSvc, Path, Path]]:
+    keydir, clients = make_keys(tmp_path, {"alice": "operators", "r1": "replicas",
+                                           "mallory": "replicas"})
+    svc = StateSvc(tmp_path / "data", extra_args=("--auth", str(keydir)))
+    try:
+        yield svc.start(), keydir, clients
+    finally:
+        svc.stop()
+
+
+# ---- the registry -------------------------------------------------------------------------
+
+
+def test_under_auth_a_replica_id_belongs_to_the_key_that_registered_it(
+        keyed: tuple[StateSvc, Path, Path]) -> None:
+    svc, keydir, clients = keyed
+    with ControlClient(svc.control, keys=keys_of(keydir, clients, "r1")) as r1, \
+            ControlClient(svc.control, keys=keys_of(keydir, clients, "mallory")) as mallory, \
+            ControlClient(svc.control, keys=keys_of(keydir, clients, "alice")) as alice:
+        r1.call("heartbeat", beat("r1", "tcp://127.0.0.1:7301"))
+        with pytest.raises(RemoteError) as taken:  # another replica key claims r1
+            mallory.call("heartbeat", beat("r1", "tcp://127.0.0.1:7666"))
+        assert taken.value.code == "forbidden" and "registered to replica:r1" in str(taken.value)
+        with pytest.raises(RemoteError) as operator:  # only replica keys register replicas
+            alice.call("heartbeat", beat("ops", "tcp://127.0.0.1:7667"))
+        assert operator.value.code == "forbidden" and "only replica keys" in str(operator.value)
+        with pytest.raises(RemoteError) as moved:  # the owner, elsewhere, while it is live
+            r1.call("heartbeat", beat("r1", "tcp://127.0.0.1:7302"))
+        assert moved.value.code == "conflict" and "STALE" in str(moved.value)
+        [row] = alice.call("status")["replicas"]
+    assert (row["id"], row["address"]) == ("r1", "tcp://127.0.0.1:7301")
+    assert "previous_address" not in row
+
+
+def test_without_auth_a_live_id_moves_only_once_stale_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    svc = StateService(SqliteEventStore(sqlite_url(tmp_path)), BlobStore(tmp_path / "blobs"),
+                       clock=lambda: now[0])
+    call(svc, "heartbeat", **beat("r1", "tcp://127.0.0.1:7301"))
+    now[0] += REPLICA_STALE_AFTER_S - 1
+    with pytest.raises(CommandError) as refused:  # a key-less peer claims a live id
+        call(svc, "heartbeat", **beat("r1", "tcp://127.0.0.1:7666"))
+    assert refused.value.code == "conflict" and "live at tcp://127.0.0.1:7301" in str(
+        refused.value)
+    assert [r["address"] for r in svc.status()["replicas"]] == ["tcp://127.0.0.1:7301"]
+    now[0] += 2  # silent for longer than REPLICA_STALE_AFTER_S: STALE, the id may move
+    assert svc.status()["replicas"][0]["state"] == "STALE"
+    with caplog.at_level("WARNING", logger="statesvc"):
+        call(svc, "heartbeat", **beat("r1", "tcp://127.0.0.1:7302"))
+    [row] = svc.status()["replicas"]
+    assert (row["address"], row["previous_address"]) == ("tcp://127.0.0.1:7302",
+                                                         "tcp://127.0.0.1:7301")
+    assert "moved from tcp://127.0.0.1:7301 to tcp://127.0.0.1:7302" in caplog.text
+
+
+def raw_calls(address: str, calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Pipeline requests on one DEALER; the replies in request order."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+    sock.connect(address)
+    try:
+        ids = [uuid.uuid4().hex for _ in calls]
+        for req_id, (cmd, args) in zip(ids, calls):
+            sock.send(msgpack.packb({"v": 1, "id": req_id, "cmd": cmd, "args": args}))
+        replies = {}
+        while len(replies) < len(ids):
+            assert sock.poll(30_000), "no reply"
+            reply = msgpack.unpackb(sock.recv())
+            replies[reply["id"]] = reply
+        return [replies[i] for i in ids]
+    finally:
+        sock.close(0)
+
+
+def test_registry_refuses_bad_ids_and_addresses(statesvc: StateSvc) -> None:
+    bad = [beat("[/x]"), beat("r1\x1b[2J"), beat("a b"), beat("x" * 65),
+           beat("r1", "tcp://127.0.0.1:0;0.0.0.0:7100"), beat("r1", "tcp://h\x1b[31m:1"),
+           beat("r1", "ipc:///" + "a" * 300), beat("r1", "inproc://x")]
+    replies = raw_calls(statesvc.control, [("heartbeat", b) for b in bad])
+    for b, reply in zip(bad, replies):
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request", b
+        assert reply["error"]["field"] in ("args.id", "args.address"), b
+    assert "ZeroMQ endpoint" in replies[4]["error"]["message"]
+    with ControlClient(statesvc.control) as c:
+        assert c.call("status")["replicas"] == []
+
+
+def test_registry_is_bounded_and_status_fits_one_reply(statesvc: StateSvc) -> None:
+    longest = "ipc:///" + "a" * 249  # 256 characters, the longest address
+    beats = [("heartbeat", beat(f"r{i:04d}-" + "x" * 58, longest)) for i in range(MAX_REPLICAS)]
+    assert all(r["ok"] for r in raw_calls(statesvc.control, beats))
+    [over] = raw_calls(statesvc.control, [("heartbeat", beat("one-too-many", longest))])
+    assert over["ok"] is False and over["error"]["code"] == "overloaded"
+    assert f"{MAX_REPLICAS} live replica ids (--max-replicas)" in over["error"]["message"]
+    with ControlClient(statesvc.control) as c:  # the client's reply limit: MAX_WIRE_BYTES
+        assert len(c.call("status")["replicas"]) == MAX_REPLICAS
+
+
+def test_status_never_rebuilds_a_state_for_what_replicas_report(
+        tmp_path: Path, example: ExampleAssets, monkeypatch: pytest.MonkeyPatch) -> None:
+    svc = open_service(tmp_path / "d")
+    init_pool(svc, example.model_dir)
+    call(svc, "load", name="a", path=str(example.adapter_dirs["all-r2"]))
+    call(svc, "load", name="b", path=str(example.adapter_dirs["attn-qv-r8"]))
+    svc = open_service(tmp_path / "d")  # restarted: seqs 0-2 were never its heads
+    head = svc.status()
+    rebuilds: list[int | None] = []
+    real = StateService.rebuild
+
+    def counted(self: StateService, **kw: Any) -> Any:
+        rebuilds.append(kw.get("until"))
+        return real(self, **kw)
+
+    monkeypatch.setattr(StateService, "rebuild", counted)
+    for seq in range(3):
+        call(svc, "heartbeat", **beat(f"old{seq}", applied_seq=seq))
+    call(svc, "heartbeat", **beat("head", applied_seq=3, logical_digest=head["digest"]))
+    call(svc, "heartbeat", **beat("liar", applied_seq=3))
+    call(svc, "heartbeat", **beat("ahead", applied_seq=2**40))
+    agrees = {r["id"]: r["agrees"] for r in svc.status()["replicas"]}
+    assert rebuilds == []
+    assert agrees == {"old0": None, "old1": None, "old2": None, "head": True, "liar": False,
+                      "ahead": False}
