@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN
+from shared.config import (ADAPTER_NAME_RE, DEFAULT_CONTROL, DEFAULT_PUBLISH,
+                           DEFAULT_REPLICA_LISTEN)
 
 # Test-only fault switch: the slot this replica writes wrong (drills must catch it).
 PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
@@ -37,7 +38,8 @@ def main() -> None:
               help="This replica's ROUTER address (status; inference).")
 @click.option("--replica-id", default=None, help="[default: HOST-PORT of --listen]")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Blob cache and local state [default: ./var/replicas/ID].")
+              help="Blob cache, local state and run.json (what drills restart from) "
+                   "[default: ./var/replicas/ID].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="The base model's compute dtype.")
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=32, show_default=True,
@@ -76,6 +78,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
     from shared.client import ControlClient
+    from shared import runfile
     from shared.fingerprint import ModelError, read_model
 
     log = logging.getLogger("computed")
@@ -84,6 +87,10 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
     replica_id = replica_id or f"{socket.gethostname()}-{listen.rsplit(':', 1)[-1]}"
+    if not ADAPTER_NAME_RE.fullmatch(replica_id):
+        raise click.BadParameter(f"{replica_id!r}: a replica id is a letter or digit, then up "
+                                 "to 63 letters, digits, '.', '_' or '-'",
+                                 param_hint="--replica-id")
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
     # the client's socket is made on first use, in the sync thread that alone uses it
     from shared.keys import KeyError_, client_keys
@@ -113,9 +120,11 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
                         client_limit=client_queue_limit)
     daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state, diffs=diffs,
                     engine=engine, warmup=warmup, heartbeat=heartbeat, keys=keys,
-                    auth_dir=auth_dir,
-                    about={"pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(),
-                           "model": str(model.resolve())})
+                    auth_dir=auth_dir, about={"model": str(model.resolve())})
+    # what `loractl drill --kill` trusts to kill and restart this replica (shared/runfile.py)
+    runfile.write(cache_dir / runfile.RUN_FILE, runfile.RunFile(
+        replica_id, os.getpid(), runfile.own_cmdline(), os.getcwd(), daemon.listen,
+        str(model.resolve())))
     log.info("replica %s: model %s (%s), statesvc %s / %s, cache %s", replica_id, model,
              info.fingerprint[:12], state, diffs, cache_dir)
     print(f"READY listen={daemon.listen} id={replica_id}", flush=True)

@@ -9,7 +9,9 @@ it is and is retried.
 
 The main thread owns the ROUTER at --listen: status, slot reads and
 `generate`, which the engine batches continuously; while requests run it steps
-the engine between polls.
+the engine between polls. Under --auth, slot reads and the process details in
+`status` are for operator keys only; without it the socket is loopback-only and
+every local caller gets everything.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class SyncLoop(threading.Thread):
         self.remote_head = 0
         self.next_sync = 0.0
         self.fatal: BaseException | None = None
+        self.beat_refused = ""  # statesvc's last refusal of a heartbeat, to log it once
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -96,7 +99,7 @@ class SyncLoop(threading.Thread):
                     self._drain_sub()
                 if self.beat in ready:
                     while self.beat.poll(0):
-                        self.beat.recv()
+                        self._beat_reply(self.beat.recv())
                 self._sync()
                 if self.heartbeat and time.monotonic() >= next_beat:
                     self._heartbeat()
@@ -184,6 +187,18 @@ class SyncLoop(threading.Thread):
         if self.queue:  # something newer than what follows: a gap
             raise GapError(r.applied_seq + 1, min(self.queue))
 
+    def _beat_reply(self, frame: bytes) -> None:
+        """Say once why statesvc refuses our heartbeats (an id another replica holds, ...)."""
+        try:
+            reply = unpack(frame, max_bytes=MAX_WIRE_BYTES)
+        except ProtocolError:
+            return
+        error = reply.get("error") if isinstance(reply, dict) else None
+        refused = f"{error.get('code')}: {error.get('message')}" if isinstance(error, dict) else ""
+        if refused and refused != self.beat_refused:
+            log.warning("statesvc refuses this replica's heartbeat (%s)", refused)
+        self.beat_refused = refused
+
     def _heartbeat(self) -> None:
         args = {"id": self.replica_id, "address": self.listen, **digests(self.replica)}
         try:
@@ -204,7 +219,7 @@ class Daemon:
                  keys: ClientKeys | None = None, auth_dir: Path | None = None) -> None:
         self.replica = replica
         self.warmup = warmup
-        self.about = about or {}  # how this process was started: pid, argv, model (drills)
+        self.about = about or {}  # process details (the model dir): operators only under --auth
         self.replica_id = replica_id
         self.engine = engine
         ctx = zmq.Context.instance()
@@ -257,10 +272,11 @@ class Daemon:
         self.engine.warmup()
         log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, details: bool = True) -> dict[str, Any]:
         r = self.replica
         pool = r.pool
-        return {"id": self.replica_id, "address": self.listen, **digests(r), **self.about,
+        return {"id": self.replica_id, "address": self.listen, **digests(r),
+                **(self.about if details else {}),
                 "slot_digests": None if pool is None or pool.pending else
                 [pool.slot_digest(s) for s in range(pool.spec.slots)],
                 "syncing_seq": r.syncing_seq,
@@ -285,12 +301,15 @@ class Daemon:
     def _serve_clients(self) -> None:
         for _ in range(256):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                raw = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) < 2:
+            if len(raw) < 2:
                 continue
+            frames = [f.bytes for f in raw]
             envelope, body = frames[:-1], frames[-1]
+            # with CURVE, the authenticator named the client (ROLE:NAME); without, it is local
+            operator = self.auth is None or str(raw[-1].get("User-Id")).startswith("operator:")
             req_id = None
             try:
                 msg = unpack(body)
@@ -306,15 +325,19 @@ class Daemon:
                     if immediate is not None:
                         self._send([immediate])
                     continue
-                reply = ok_reply(req_id, self._command(env["cmd"], env["args"] or {}))
+                reply = ok_reply(req_id, self._command(env["cmd"], env["args"] or {},
+                                                       operator=operator))
             except ProtocolError as exc:
                 reply = error_reply(req_id, exc.code, str(exc), exc.field)
             self.router.send_multipart(envelope + [reply])
 
-    def _command(self, cmd: str, raw_args: dict[str, Any]) -> Any:
+    def _command(self, cmd: str, raw_args: dict[str, Any], *, operator: bool) -> Any:
         if cmd == "status":
             validate({}, raw_args, "args")
-            return self.status()
+            return self.status(details=operator)
+        if not operator:
+            raise ProtocolError("forbidden", "slot hands out an adapter's weights: only operator "
+                                "keys (the key dir's operators/) may read it")
         args = validate(SLOT_ARGS, raw_args, "args")
         pool = self.replica.pool
         if pool is None:

@@ -22,6 +22,15 @@ def loopback(port: int | None = None) -> str:
     return f"tcp://127.0.0.1:{port or free_port()}"
 
 
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, killed and not yet reaped, is not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def start_ready(argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None,
                 timeout: float = 60.0) -> tuple[subprocess.Popen[Any], str]:
     """Start a service that prints a `READY ...` line on stdout; returns it and that line."""

@@ -1,7 +1,7 @@
 """`make demo`: the main job end to end, from nothing, on the embedded defaults.
 
-A generated example model and adapters; statesvc and two replicas on free
-loopback ports; three adapters loaded; one batch that mixes the base model and
+A generated example model and adapters; CURVE keys for everyone; statesvc and
+two replicas on free loopback ports, all with --auth; three adapters loaded; one batch that mixes the base model and
 all three adapters; an unload and a request for it refused; a drill that kills
 a replica and rebuilds it by replay with matching digests; a clean shutdown
 with no process left behind. Every process started here is stopped here.
@@ -25,8 +25,9 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from shared.client import ControlClient
-from shared.processes import loopback, start_ready, stop_pid
+from shared import runfile
+from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
+from shared.processes import alive, loopback, start_ready, stop_pid
 
 BIN = Path(sys.executable).parent
 console = Console(highlight=False, soft_wrap=True)
@@ -38,6 +39,14 @@ class Demo:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.control, self.publish = loopback(), loopback()
+        # statesvc's key dir (operators/, replicas/) and the replicas' (operators/, clients/)
+        self.keys, self.replica_keys, self.mine = (root / "keys", root / "replica-keys",
+                                                   root / "client-keys")
+        for server in (self.keys, self.replica_keys):
+            init_server_keys(server)
+        public, self.operator = new_client_keys(self.mine, "admin")
+        for server in (self.keys, self.replica_keys):
+            (server / "operators" / public.name).write_bytes(public.read_bytes())
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self.extra_pids: list[int] = []  # processes the drill restarted
         self.env = {**os.environ, "COLUMNS": str(max(console.width, 120))}
@@ -49,17 +58,29 @@ class Demo:
         return ready
 
     def start_replica(self, name: str, model: str) -> str:
+        public, secret = new_client_keys(self.mine, name)
+        (self.keys / "replicas" / public.name).write_bytes(public.read_bytes())
         ready = self.start(name, [str(BIN / "computed"), "serve", "--model", model, "--state",
                                   self.control, "--diffs", self.publish, "--listen", loopback(),
                                   "--replica-id", name, "--cache-dir", str(self.root / name),
-                                  "--max-batch", "8", "--max-len", "64"])
+                                  "--max-batch", "8", "--max-len", "64", "--key", str(secret),
+                                  "--server-key", str(self.keys / "server.key"),
+                                  "--auth", str(self.replica_keys)])
         return ready.split("listen=")[1].split()[0]
+
+    def replica_client_keys(self) -> ClientKeys:
+        """The operator's key toward the replicas' listen sockets."""
+        keys = client_keys(str(self.operator), str(self.replica_keys / "server.key"))
+        assert keys is not None
+        return keys
 
     def loractl(self, *args: str, show: bool = True, expect_fail: bool = False) -> str:
         shown = [a if not a.startswith(str(self.root)) else "…" + a[len(str(self.root)):]
                  for a in args]
         console.print(f"[bold cyan]$ loractl {shlex.join(shown)}[/]")
-        res = subprocess.run([str(BIN / "loractl"), "--state", self.control, *args],
+        res = subprocess.run([str(BIN / "loractl"), "--state", self.control, "--key",
+                              str(self.operator), "--server-key", str(self.keys / "server.key"),
+                              *args],
                              capture_output=True, text=True, timeout=300, env=self.env)
         if show:
             sys.stdout.write(res.stdout)
@@ -79,23 +100,17 @@ class Demo:
                 pass
         deadline = time.monotonic() + 15
         pids = [p.pid for p in self.procs.values()] + self.extra_pids
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.1)
-        return [p for p in pids if _alive(p)]
+        return [p for p in pids if alive(p)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def mixed_batch(address: str, adapters: list[str | None]) -> dict[str | None, Any]:
+def mixed_batch(address: str, adapters: list[str | None],
+                keys: ClientKeys) -> dict[str | None, Any]:
     """Send one request per adapter at once (one decode batch), and gather the replies."""
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    keys.apply(sock)
     sock.connect(address)
     try:
         ids = {}
@@ -125,10 +140,10 @@ def run(root: Path) -> None:
     console.print(f"Llama checkpoint (GQA, untied) and PEFT adapters {', '.join(dirs)}")
     report: list[tuple[str, bool]] = []
     try:
-        console.print(Rule("2. statesvc and two replicas on loopback"))
+        console.print(Rule("2. statesvc and two replicas on loopback, every socket with --auth"))
         demo.start("statesvc", [str(BIN / "statesvc"), "serve", "--data-dir",
                                 str(root / "data"), "--control", demo.control, "--publish",
-                                demo.publish])
+                                demo.publish, "--auth", str(demo.keys)])
         r1 = demo.start_replica("replica-1", assets["model"])
         demo.start_replica("replica-2", assets["model"])
         console.print(Rule("3. configure the pool, load three adapters"))
@@ -139,9 +154,10 @@ def run(root: Path) -> None:
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
         console.print(Rule("4. one batch mixing the base model and all three adapters"))
         # min_seq: the replica answers once it has applied our last load
-        demo.loractl("generate", "--replica", r1, "--adapter", "support-bot", "--input-ids",
-                     ",".join(map(str, PROMPT)), "--min-seq", str(head))
-        replies = mixed_batch(r1, [None, *ADAPTERS])
+        replica_key = ("--replica-server-key", str(demo.replica_keys / "server.key"))
+        demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "support-bot",
+                     "--input-ids", ",".join(map(str, PROMPT)), "--min-seq", str(head))
+        replies = mixed_batch(r1, [None, *ADAPTERS], demo.replica_client_keys())
         table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
         for col in ("adapter", "version", "output_ids", "total ms"):
             table.add_column(col)
@@ -158,21 +174,23 @@ def run(root: Path) -> None:
         console.print(Rule("5. unload one; a request for it is refused"))
         demo.loractl("unload", "summarizer")
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
-        demo.loractl("generate", "--replica", r1, "--adapter", "summarizer", "--input-ids",
-                     "1,2,3", "--min-seq", str(head), expect_fail=True)
+        demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "summarizer",
+                     "--input-ids", "1,2,3", "--min-seq", str(head), expect_fail=True)
         report.append(("request for an unloaded adapter refused with unknown_adapter", True))
         time.sleep(1.5)  # one heartbeat period, so the replicas have reported the head
         demo.loractl("status")
+        demo.loractl("events")  # the audit trail: every event names the key that recorded it
         console.print(Rule("6. drill: kill replica-2, rebuild by replay, compare everything"))
-        drill = demo.loractl("drill", "--kill", "replica-2", "--diffs", demo.publish)
+        run_file = root / "replica-2" / runfile.RUN_FILE  # the operator's own record of it
+        old_pid = runfile.read(run_file).pid
+        drill = demo.loractl("drill", "--kill", "replica-2", "--run-file", str(run_file),
+                             *replica_key, "--diffs", demo.publish)
         report.append(("drill: every replica agrees (digests and probes)",
                        "all agree" in drill))
-        # the drill restarted replica-2 itself: find its new pid, to stop it too
-        status = json.loads(demo.loractl("status", "--json", show=False))
-        for r in status["replicas"]:
-            if r["id"] == "replica-2":
-                with ControlClient(r["address"]) as c:
-                    demo.extra_pids.append(int(c.call("status")["pid"]))
+        # the drill restarted replica-2 itself, and it wrote its new pid: stop it too
+        new_pid = runfile.read(run_file).pid
+        if new_pid != old_pid:
+            demo.extra_pids.append(new_pid)
     finally:
         console.print(Rule("7. shutdown"))
         left = demo.stop_all()

@@ -6,10 +6,16 @@ optionally SIGKILLs a live replica and restarts it, waits until every replica
 has applied the same seq, then compares each of them with statesvc's logical
 digest and with the from-zero replica's pool digest (slot by slot) and its
 greedy output for a fixed probe on the base model and on every live adapter.
+
+What to kill and how to restart it comes only from the operator's side: the
+replica's run file (shared/runfile.py), checked before the kill. Nothing a
+peer reports over the network (a heartbeat's address, a replica's `status`)
+is ever killed or executed.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,9 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable
 from shared.keys import ClientKeys, client_keys
-from shared.processes import loopback, start_ready, stop_pid
+from shared.processes import alive, loopback, start_ready, stop_pid
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
 PROBE_TOKENS = 8
@@ -48,10 +55,12 @@ class Report:
     head_seq: int = 0
     checks: list[Check] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    restarted: dict[str, Any] | None = None  # the killed replica's run file, as restarted
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "head_seq": self.head_seq,
-                "checks": [asdict(c) for c in self.checks], "timings": self.timings}
+                "checks": [asdict(c) for c in self.checks], "timings": self.timings,
+                "restarted": self.restarted}
 
 
 def _call(address: str, cmd: str, args: dict[str, Any] | None = None,
@@ -60,25 +69,36 @@ def _call(address: str, cmd: str, args: dict[str, Any] | None = None,
         return c.call(cmd, args or {})
 
 
-def _status(address: str) -> dict[str, Any] | None:
+def _status(address: str, keys: ClientKeys | None) -> dict[str, Any] | None:
     try:
-        return dict(_call(address, "status", timeout=3.0))
+        return dict(_call(address, "status", timeout=3.0, keys=keys))
     except (Unavailable, RemoteError):
         return None
+
+
+def default_run_file(replica_id: str) -> Path:
+    """Where `computed serve --replica-id ID` writes its run file by default."""
+    return Path("var") / "replicas" / replica_id / runfile.RUN_FILE
 
 
 class Drill:
     def __init__(self, state: str, diffs: str, *, model: Path | None = None,
                  progress: Callable[[str, int, int], None] | None = None,
-                 timeout: float = 300.0, key_files: tuple[str, str] | None = None) -> None:
+                 timeout: float = 300.0, key_files: tuple[str, str] | None = None,
+                 replica_keys: ClientKeys | None = None) -> None:
         self.state, self.diffs = state, diffs
         self.key_files = key_files  # (secret key, server key) under --auth
         self.keys = client_keys(*key_files) if key_files else None
+        self.replica_keys = replica_keys  # for the live replicas' listen sockets (--auth)
+        self.fresh: set[str] = set()  # the drill's own replicas: loopback, no auth
         self.model = model
         self.progress = progress or (lambda *_: None)
         self.timeout = timeout
         self.report = Report()
         self.procs: list[subprocess.Popen[Any]] = []
+
+    def _status(self, address: str) -> dict[str, Any] | None:
+        return _status(address, None if address in self.fresh else self.replica_keys)
 
     def _wait(self, what: str, done: Callable[[], bool]) -> float:
         t0 = time.monotonic()
@@ -88,16 +108,28 @@ class Drill:
             time.sleep(0.1)
         return time.monotonic() - t0
 
-    def run(self, kill: str | None = None) -> Report:
+    def run(self, kill: str | None = None, *, run_file: Path | None = None) -> Report:
+        """The drill; with `kill`, SIGKILL that replica and restart it from its run file
+        (`run_file`, default ./var/replicas/ID/run.json), after checking it (runfile.read)."""
         statesvc = _call(self.state, "status", keys=self.keys)
         head = int(statesvc["head_seq"])
-        live = {r["id"]: r for r in statesvc["replicas"] if r["state"] != "STALE"}
-        if kill is not None and kill not in live:
-            raise DrillError(f"no live replica {kill!r}; `loractl status` lists them")
-        about = {rid: _status(r["address"]) for rid, r in live.items()}
-        model = self.model or next((Path(a["model"]) for a in about.values() if a), None)
+        live = {r["id"]: r["address"] for r in statesvc["replicas"] if r["state"] != "STALE"}
+        run, path = None, run_file or default_run_file(kill or "")
+        if kill is not None:
+            try:
+                run = runfile.read(path)
+                if run.replica_id != kill:
+                    raise runfile.RunFileError(f"{path} is the run file of replica "
+                                               f"{run.replica_id}, not {kill}")
+                runfile.check_running(run, path)
+            except runfile.RunFileError as exc:
+                raise DrillError(str(exc)) from None
+            live[kill] = run.listen  # where the operator's file says it listens
+        model = self.model or (Path(run.model) if run else None) or next(
+            (Path(s["model"]) for a in live.values()
+             if (s := self._status(a)) is not None and "model" in s), None)
         if model is None:
-            raise DrillError("no live replica reports its model; pass --model DIR")
+            raise DrillError("no live replica reports its model to this key; pass --model DIR")
         with tempfile.TemporaryDirectory(prefix="loraplane-drill-") as tmp:
             try:
                 t0 = time.monotonic()  # both start together: each time runs from here
@@ -107,11 +139,9 @@ class Drill:
                     self._wait(f"{name} to rebuild", self._reached(name, address, head))
                     self.report.timings[f"rebuild_{name.removeprefix('drill-')}_s"] = \
                         round(time.monotonic() - t0, 3)
-                if kill is not None:
-                    self.report.timings["kill_to_agreement_s"] = self._kill_and_restart(
-                        kill, live[kill]["address"], about[kill])
-                addresses = {**{rid: r["address"] for rid, r in live.items()}, **fresh}
-                self._compare(addresses)
+                if run is not None:
+                    self.report.timings["kill_to_agreement_s"] = self._kill_and_restart(run, path)
+                self._compare({**live, **fresh})
             finally:
                 for proc in self.procs:
                     stop_pid(proc)
@@ -129,29 +159,43 @@ class Drill:
                   if self.key_files else [])]
         proc, ready = start_ready(argv, log=tmp / f"{name}.log")
         self.procs.append(proc)
-        return ready.split("listen=")[1].split()[0]
+        address = ready.split("listen=")[1].split()[0]
+        self.fresh.add(address)
+        return address
 
     def _reached(self, name: str, address: str, head: int) -> Callable[[], bool]:
         def check() -> bool:
-            s = _status(address)
+            s = self._status(address)
             if s is None:
                 return False
             self.progress(name, max(s["applied_seq"], s.get("syncing_seq", 0)), head)
             return bool(s["state"] == "ACTIVE" and s["applied_seq"] >= head)
         return check
 
-    def _kill_and_restart(self, rid: str, address: str, about: dict[str, Any] | None) -> float:
-        if not about or "pid" not in about:
-            raise DrillError(f"replica {rid} does not report its pid; cannot kill it")
+    def _kill_and_restart(self, run: runfile.RunFile, path: Path) -> float:
+        rid = run.replica_id
+        try:
+            runfile.check_running(run, path)  # again, right before the kill
+        except runfile.RunFileError as exc:
+            raise DrillError(str(exc)) from None
         t0 = time.monotonic()
-        os.kill(about["pid"], signal.SIGKILL)
-        self._wait(f"{rid} to die", lambda: _status(address) is None)
+        os.kill(run.pid, signal.SIGKILL)
+        self._wait(f"{rid} (pid {run.pid}) to die", lambda: not alive(run.pid))
         log = Path(tempfile.gettempdir()) / f"loraplane-{rid}.log"
-        subprocess.Popen(about["argv"], cwd=about.get("cwd"), stdout=subprocess.DEVNULL,
-                         stderr=log.open("ab"), start_new_session=True)
+        self.report.restarted = {"replica": rid, "run_file": str(path), "cwd": run.cwd,
+                                 "argv": list(run.argv), "log": str(log)}
+        try:
+            with log.open("ab") as err:
+                subprocess.Popen(list(run.argv), cwd=run.cwd, stdout=subprocess.DEVNULL,
+                                 stderr=err, start_new_session=True)
+        except OSError as exc:
+            raise DrillError(f"replica {rid} was killed but could not be restarted ({exc}); "
+                             f"restart it yourself: cd {shlex.quote(run.cwd)} && "
+                             f"{shlex.join(run.argv)}") from None
+        address = run.listen
 
         def agrees() -> bool:
-            s = _status(address)
+            s = self._status(address)
             if s is None or s["state"] != "ACTIVE":
                 return False
             head = _call(self.state, "status", keys=self.keys)["head_seq"]
@@ -168,9 +212,9 @@ class Drill:
         for _ in range(50):
             head = int(_call(self.state, "status", keys=self.keys)["head_seq"])
             self._wait("every replica to reach the head", lambda: all(
-                (s := _status(a)) is not None and s["applied_seq"] >= head
+                (s := self._status(a)) is not None and s["applied_seq"] >= head
                 and s["pool_digest"] != "pending" for a in addresses.values()))
-            statuses = {rid: _status(a) for rid, a in addresses.items()}
+            statuses = {rid: self._status(a) for rid, a in addresses.items()}
             seqs = {s["applied_seq"] for s in statuses.values() if s}
             if len(seqs) == 1 and None not in statuses.values():
                 return seqs.pop(), statuses  # type: ignore[return-value]
@@ -206,7 +250,8 @@ class Drill:
             try:
                 res = _call(address, "generate", {"adapter": adapter, "input_ids": PROBE,
                                                   "max_new_tokens": PROBE_TOKENS,
-                                                  "min_seq": seq}, timeout=120.0)
+                                                  "min_seq": seq}, timeout=120.0,
+                            keys=None if address in self.fresh else self.replica_keys)
                 out[adapter] = res["output_ids"]
             except (RemoteError, Unavailable) as exc:
                 out[adapter] = f"error: {exc}"

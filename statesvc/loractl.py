@@ -382,15 +382,24 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
 
 @main.command()
 @click.option("--kill", "kill", default=None, metavar="REPLICA_ID",
-              help="Also SIGKILL this live replica, restart it and time its recovery.")
+              help="Also SIGKILL this replica, restart it and time its recovery; what to kill "
+                   "and run comes from its run file (--run-file), never from the network.")
+@click.option("--run-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The --kill replica's run file, written by `computed serve` into its cache "
+                   "dir [default: ./var/replicas/REPLICA_ID/run.json].")
+@click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
+              help="CURVE: the live replicas' public key file when they run with --auth (env "
+                   "LORAPLANE_REPLICA_SERVER_KEY); your --key must be in their operators/.")
 @click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
               help="statesvc's diff address, for the drill's fresh replicas.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Base model dir [default: what the live replicas report].")
+              default=None, help="Base model dir [default: the --kill replica's run file's, "
+                                 "else what the live replicas report].")
 @JSON_OPT
 @click.pass_context
 @handles_errors
-def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
+def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
+          replica_server_key: str | None, diffs: str, model: Path | None,
           as_json: bool) -> None:
     """Rebuild replicas from the log (from seq 0 and from the latest snapshot) and prove
     that they agree with every live replica and with statesvc. Exit 1 on any disagreement."""
@@ -409,9 +418,11 @@ def drill(ctx: click.Context, kill: str | None, diffs: str, model: Path | None,
 
         try:
             keyed = _keys(ctx.obj["key"], ctx.obj["server_key"]) is not None
+            replica_keys = (_keys(ctx.obj["key"], replica_server_key) if replica_server_key
+                            else None)
             report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
                            key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
-                           else None).run(kill)
+                           else None, replica_keys=replica_keys).run(kill, run_file=run_file)
         except DrillError as exc:
             err.print(f"[bold red]error[/] (drill): {shown(exc)}")
             sys.exit(3)

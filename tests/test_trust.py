@@ -1,7 +1,11 @@
-"""Who may register a replica id, and what the replica registry holds (issue 13)."""
+"""Who may register a replica id, what the registry holds, the run files drills trust, and
+a drill and role gating on a fleet where statesvc and every replica run with --auth."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -11,15 +15,17 @@ import msgpack
 import pytest
 import zmq
 
-from shared.client import ControlClient, RemoteError
+from shared import runfile
+from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.config import MAX_REPLICAS, MAX_WIRE_BYTES, REPLICA_STALE_AFTER_S
 from shared.keys import ClientKeys, client_keys
+from shared.processes import alive
 from statesvc.blobs import BlobStore
 from statesvc.example import ExampleAssets
 from statesvc.service import StateService
 from statesvc.store import SqliteEventStore, sqlite_url
 from tests.inproc import CommandError, call, init_pool, open_service
-from tests.procs import BIN, StateSvc
+from tests.procs import BIN, Computed, StateSvc, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -180,3 +186,152 @@ def test_status_never_rebuilds_a_state_for_what_replicas_report(
     assert rebuilds == []
     assert agrees == {"old0": None, "old1": None, "old2": None, "head": True, "liar": False,
                       "ahead": False}
+
+
+# ---- run files ----------------------------------------------------------------------------
+
+
+def test_run_file_is_trusted_only_when_ours_private_and_still_running(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        path = tmp_path / "cache" / runfile.RUN_FILE
+        good = runfile.RunFile("r1", sleeper.pid, ("sleep", "600"), str(tmp_path),
+                               "tcp://127.0.0.1:7200", str(tmp_path))
+        runfile.write(path, good)
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert runfile.read(path) == good
+        runfile.check_running(good, path)
+        path.chmod(0o620)  # group-writable: someone else could have written it
+        with pytest.raises(runfile.RunFileError, match="not trusted"):
+            runfile.read(path)
+        path.chmod(0o600)
+        reused = runfile.RunFile("r1", sleeper.pid, ("computed", "serve"), str(tmp_path),
+                                 "tcp://127.0.0.1:7200", str(tmp_path))
+        with pytest.raises(runfile.RunFileError, match="pid was reused"):
+            runfile.check_running(reused, path)
+        (tmp_path / "link.json").symlink_to(path)
+        with pytest.raises(runfile.RunFileError, match="cannot open"):
+            runfile.read(tmp_path / "link.json")
+    finally:
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait(10)
+    with pytest.raises(runfile.RunFileError, match="not running"):
+        runfile.check_running(good, path)
+
+
+# ---- a fleet where statesvc and every replica run with --auth ------------------------------
+
+
+class AuthFleet:
+    def __init__(self, tmp: Path, example: ExampleAssets) -> None:
+        self.tmp = tmp
+        self.keydir, self.clients = make_keys(tmp, {"alice": "operators", "r1": "replicas",
+                                                    "r2": "replicas", "mallory": "replicas",
+                                                    "app": None})
+        self.replica_keys = tmp / "replica-keys"  # the replicas' listen sockets
+        assert run("statesvc", "keys", "init", str(self.replica_keys)).returncode == 0
+        shutil.copy(self.clients / "alice.key", self.replica_keys / "operators")
+        shutil.copy(self.clients / "app.key", self.replica_keys / "clients")
+        self.statesvc = StateSvc(tmp / "data", extra_args=("--auth", str(self.keydir)))
+        self.replicas: dict[str, Computed] = {}
+        self.example = example
+
+    def key(self, name: str, server: Path | None = None) -> ClientKeys:
+        k = client_keys(str(self.clients / f"{name}.key_secret"),
+                        str((server or self.keydir) / "server.key"))
+        assert k is not None
+        return k
+
+    def call(self, cmd: str, who: str = "alice", **args: Any) -> Any:
+        with ControlClient(self.statesvc.control, keys=self.key(who)) as c:
+            return c.call(cmd, args)
+
+    def replica_call(self, rid: str, cmd: str, who: str, **args: Any) -> Any:
+        with ControlClient(self.replicas[rid].listen, timeout_s=10, retries=0,
+                           keys=self.key(who, self.replica_keys)) as c:
+            return c.call(cmd, args)
+
+    def start(self) -> AuthFleet:
+        self.statesvc.start()
+        self.call("pool.init", event_id=new_event_id(), model=str(self.example.model_dir),
+                  max_loras=4, max_rank=16, targets="all")
+        for name, adapter in (("chat", "attn-qv-r8"), ("code", "all-r2")):
+            self.call("load", event_id=new_event_id(), name=name,
+                      path=str(self.example.adapter_dirs[adapter]))
+        for rid in ("r1", "r2"):
+            self.replicas[rid] = Computed(
+                self.example.model_dir, self.statesvc, self.tmp / "replicas" / rid,
+                replica_id=rid, extra_args=(
+                    "--no-warmup", "--key", str(self.clients / f"{rid}.key_secret"),
+                    "--server-key", str(self.keydir / "server.key"),
+                    "--auth", str(self.replica_keys))).start()
+        wait_for(lambda: sorted((r["id"], r["agrees"]) for r in self.call("status")["replicas"])
+                 == [("r1", True), ("r2", True)], what="both keyed replicas at the head")
+        return self
+
+    def stop(self) -> None:
+        for r in self.replicas.values():
+            r.stop()
+        self.statesvc.stop()
+
+
+@pytest.fixture(scope="module")
+def auth_fleet(tmp_path_factory: pytest.TempPathFactory,
+               example: ExampleAssets) -> Iterator[AuthFleet]:
+    fleet = AuthFleet(tmp_path_factory.mktemp("auth-fleet"), example)
+    try:
+        yield fleet.start()
+    finally:
+        fleet.stop()
+
+
+def test_replica_weights_and_process_details_are_for_operator_keys(
+        auth_fleet: AuthFleet) -> None:
+    app = auth_fleet.replica_call("r1", "status", "app")
+    assert app["state"] == "ACTIVE"
+    assert not {"pid", "argv", "cwd", "model"} & set(app)
+    with pytest.raises(RemoteError) as refused:
+        auth_fleet.replica_call("r1", "slot", "app", slot=0)
+    assert refused.value.code == "forbidden" and "operator keys" in str(refused.value)
+    ops = auth_fleet.replica_call("r1", "status", "alice")
+    assert ops["model"] == str(auth_fleet.example.model_dir.resolve())
+    assert not {"pid", "argv", "cwd"} & set(ops)  # the run file holds those, not the wire
+    assert auth_fleet.replica_call("r1", "slot", "alice", slot=0)["rank"] > 0
+
+
+def test_drill_passes_under_auth_and_a_spoofed_heartbeat_changes_nothing(
+        auth_fleet: AuthFleet) -> None:
+    fleet = auth_fleet
+    # mallory holds a replica key: it may not heartbeat for r1, nor can a key-less peer connect
+    with pytest.raises(RemoteError) as refused:
+        fleet.call("heartbeat", "mallory", **beat("r1", "tcp://127.0.0.1:9"))
+    assert refused.value.code == "forbidden"
+    with ControlClient(fleet.statesvc.control, timeout_s=1, retries=0) as nobody:
+        with pytest.raises(Unavailable):
+            nobody.call("heartbeat", beat("r1", "tcp://127.0.0.1:9"))
+    before = {r["id"]: r["address"] for r in fleet.call("status")["replicas"]}
+    assert before == {rid: r.listen for rid, r in fleet.replicas.items()}
+    run_file = fleet.replicas["r1"].cache_dir / runfile.RUN_FILE
+    old = runfile.read(run_file)
+    res = subprocess.run(
+        [str(BIN / "loractl"), "--state", fleet.statesvc.control,
+         "--key", str(fleet.clients / "alice.key_secret"),
+         "--server-key", str(fleet.keydir / "server.key"),
+         "drill", "--diffs", fleet.statesvc.publish, "--json", "--kill", "r1",
+         "--run-file", str(run_file),
+         "--replica-server-key", str(fleet.replica_keys / "server.key")],
+        capture_output=True, text=True, timeout=280)
+    new = runfile.read(run_file)
+    try:
+        assert res.returncode == 0, res.stderr
+        report = json.loads(res.stdout)
+        assert report["ok"] and {c["replica"] for c in report["checks"]} == {
+            "r1", "r2", "drill-from-zero", "drill-from-snapshot"}
+        assert new.pid != old.pid and new.argv == old.argv and not alive(old.pid)
+        wait_for(lambda: [r["agrees"] for r in fleet.call("status")["replicas"]]
+                 == [True, True], what="the restarted r1's heartbeat")
+        assert {r["id"]: r["address"] for r in fleet.call("status")["replicas"]} == before
+    finally:
+        if new.pid != old.pid:  # the drill restarted r1: stop it by pid
+            os.kill(new.pid, signal.SIGTERM)
+            wait_for(lambda: not alive(new.pid), what="r1 stopped")
