@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+
+from shared.files import FileError, read_regular
 
 log = logging.getLogger("keys")
 
@@ -160,20 +161,11 @@ def public_key_of(cert: Path) -> bytes:
     """The z85 public key of a `*.key` certificate; KeyError_ for anything else (a directory, a
     FIFO, a huge or garbled file, a missing `public-key` line, a key that is not 32 bytes)."""
     try:
-        fd = os.open(cert, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the ZAP thread
+        text = read_regular(cert, MAX_KEY_FILE_BYTES)  # a FIFO must not block the ZAP thread
+    except FileError as exc:
+        raise KeyError_(str(exc)) from None
     except OSError as exc:
         raise KeyError_(f"cannot open it ({exc.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyError_("not a regular file")
-        if st.st_size > MAX_KEY_FILE_BYTES:
-            raise KeyError_(f"{st.st_size} bytes, above the {MAX_KEY_FILE_BYTES}-byte limit "
-                            "for a certificate")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            text = f.read(MAX_KEY_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
     for line in text.splitlines():
         name, eq, value = line.strip().partition(b"=")
         if name.strip() == b"public-key" and eq:

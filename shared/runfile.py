@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.files import FileError, open_regular, read_limited
+
 RUN_FILE = "run.json"
 MAX_RUN_FILE_BYTES = 1 << 20
 
@@ -63,23 +65,18 @@ def write(path: Path, run: RunFile) -> None:
 def read(path: Path) -> RunFile:
     """The run file at `path`, if this user wrote it and nobody else can change it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                raise RunFileError(f"{path} is not trusted: it must belong to you (uid "
+                                   f"{os.getuid()}, not {st.st_uid}) and be writable by you "
+                                   f"alone (mode {stat.S_IMODE(st.st_mode):o})")
+            raw = read_limited(f, MAX_RUN_FILE_BYTES, path)
+    except FileError as exc:
+        raise RunFileError(f"{exc}: not a run file") from None
     except OSError as exc:
         raise RunFileError(f"cannot open the run file {path} ({exc.strerror}); pass the "
                            "replica's <cache-dir>/run.json with --run-file") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RUN_FILE_BYTES:
-            raise RunFileError(f"{path} is not a run file (not a regular file of at most "
-                               f"{MAX_RUN_FILE_BYTES} bytes)")
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise RunFileError(f"{path} is not trusted: it must belong to you (uid "
-                               f"{os.getuid()}, not {st.st_uid}) and be writable by you alone "
-                               f"(mode {stat.S_IMODE(st.st_mode):o})")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(MAX_RUN_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
     try:
         data = json.loads(raw)
         run = RunFile(str(data["replica_id"]), int(data["pid"]),

@@ -209,9 +209,11 @@ def test_run_file_is_trusted_only_when_ours_private_and_still_running(tmp_path: 
                                  "tcp://127.0.0.1:7200", str(tmp_path))
         with pytest.raises(runfile.RunFileError, match="pid was reused"):
             runfile.check_running(reused, path)
-        (tmp_path / "link.json").symlink_to(path)
+        os.mkfifo(tmp_path / "fifo.json")  # not a file: refused without blocking
+        with pytest.raises(runfile.RunFileError, match="not a regular file"):
+            runfile.read(tmp_path / "fifo.json")
         with pytest.raises(runfile.RunFileError, match="cannot open"):
-            runfile.read(tmp_path / "link.json")
+            runfile.read(tmp_path / "missing.json")
     finally:
         sleeper.send_signal(signal.SIGKILL)
         sleeper.wait(10)
