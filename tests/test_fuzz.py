@@ -573,7 +573,10 @@ def _hostile_args(data: st.DataObject, cmd: str, svc: Services, odd: OddPlaces,
             bytes.hex)), "offset": draw(st.integers(0, 300_000) | ints),
             "length": draw(st.integers(1, MAX_BLOB_CHUNK))}
     if cmd == "heartbeat":
-        return {"id": mostly(NAMES, names), "address": draw(st.text(min_size=1, max_size=256)),
+        # a few valid addresses, so ids are registered, refreshed and refused moving
+        address = mostly(st.sampled_from(["tcp://127.0.0.1:7200", "tcp://[::1]:7201",
+                                          "ipc:///tmp/r1"]), st.text(min_size=1, max_size=256))
+        return {"id": mostly(NAMES, names), "address": address,
                 "state": draw(st.sampled_from(["INITIAL", "SYNCING", "ACTIVE"])),
                 "applied_seq": draw(st.integers(0, 3) | ints),
                 "logical_digest": draw(st.binary(min_size=32, max_size=32).map(bytes.hex)),
