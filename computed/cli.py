@@ -77,8 +77,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
-    from shared.client import ControlClient
     from shared import runfile
+    from shared.client import ControlClient
     from shared.fingerprint import ModelError, read_model
 
     log = logging.getLogger("computed")

@@ -458,9 +458,10 @@ class StateService:
         to another address only once it is STALE: a peer cannot take over a live replica's id."""
         now = self.clock()
         rid, address = args["id"], args["address"]
-        for gone in [r for r, reg in self.replicas.items() if now - reg.seen > FORGET_AFTER_S]:
-            del self.replicas[gone]  # gone for an hour: no longer part of the fleet
         reg = self.replicas.get(rid)
+        if reg is not None and now - reg.seen > FORGET_AFTER_S:
+            del self.replicas[rid]  # gone for an hour: registered anew
+            reg = None
         if reg is None:
             self._make_room(now)
             log.info("replica %s registered by %s at %s", rid, actor, address)
@@ -485,6 +486,8 @@ class StateService:
 
     def _make_room(self, now: float) -> None:
         """Room for one more id: forget the longest-silent STALE one at the cap, or refuse."""
+        if len(self.replicas) >= self.max_replicas:
+            self._forget(now)
         if len(self.replicas) < self.max_replicas:
             return
         rid, reg = min(self.replicas.items(), key=lambda item: item[1].seen)
@@ -496,10 +499,15 @@ class StateService:
                     self.max_replicas, rid, reg.address)
         del self.replicas[rid]
 
+    def _forget(self, now: float) -> None:
+        for gone in [r for r, reg in self.replicas.items() if now - reg.seen > FORGET_AFTER_S]:
+            del self.replicas[gone]  # gone for an hour: no longer part of the fleet
+
     def status(self) -> dict[str, Any]:
         """Head, digest and every registered replica. Its cost depends only on the registry's
         size: `agrees` compares with the digests of recent heads, never rebuilds a state."""
         now, head = self.clock(), self.state.seq
+        self._forget(now)
         replicas = []
         for rid in sorted(self.replicas):
             reg = self.replicas[rid]
