@@ -11,6 +11,7 @@ import click
 
 from shared.config import (ADAPTER_NAME_RE, DEFAULT_CONTROL, DEFAULT_PUBLISH,
                            DEFAULT_REPLICA_LISTEN)
+from shared.endpoints import EndpointError, check_bind, click_address
 
 # Test-only fault switch: the slot this replica writes wrong (drills must catch it).
 PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
@@ -30,12 +31,13 @@ def main() -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False,
                                                         path_type=Path),
               help="Hugging Face checkpoint directory of the pool's base model.")
-@click.option("--state", default=DEFAULT_CONTROL, show_default=True,
+@click.option("--state", default=DEFAULT_CONTROL, show_default=True, callback=click_address,
               help="statesvc's control address.")
-@click.option("--diffs", default=DEFAULT_PUBLISH, show_default=True,
+@click.option("--diffs", default=DEFAULT_PUBLISH, show_default=True, callback=click_address,
               help="statesvc's diff (PUB) address.")
 @click.option("--listen", default=DEFAULT_REPLICA_LISTEN, show_default=True,
-              help="This replica's ROUTER address (status; inference).")
+              help="This replica's ROUTER address (status; inference); loopback only "
+                   "without --auth.")
 @click.option("--replica-id", default=None, help="[default: HOST-PORT of --listen]")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Blob cache, local state and run.json (what drills restart from) "
@@ -82,6 +84,10 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     from shared.fingerprint import ModelError, read_model
 
     log = logging.getLogger("computed")
+    try:
+        check_bind(listen, authenticated=auth_dir is not None)
+    except EndpointError as exc:
+        raise click.UsageError(f"--listen: {exc}") from None
     try:
         info = read_model(model)
     except ModelError as exc:

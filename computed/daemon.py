@@ -31,6 +31,7 @@ from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
+from shared.endpoints import bind, check_bind, connect
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (PUBLISHED_HEARTBEAT, Field, ProtocolError, encode_request,
@@ -84,10 +85,10 @@ class SyncLoop(threading.Thread):
         if self.keys is not None:
             self.keys.apply(self.sub)
             self.keys.apply(self.beat)
-        self.sub.connect(self.diffs_addr)  # subscribe first (Clone pattern), then fetch state
+        connect(self.sub, self.diffs_addr)  # subscribe first (Clone pattern), then fetch state
         self.beat.setsockopt(zmq.LINGER, 0)
         self.beat.setsockopt(zmq.SNDHWM, 4)
-        self.beat.connect(self.state_addr)
+        connect(self.beat, self.state_addr)
         poller = zmq.Poller()
         poller.register(self.sub, zmq.POLLIN)
         poller.register(self.beat, zmq.POLLIN)
@@ -229,8 +230,7 @@ class Daemon:
             self.auth.apply(self.router)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(listen)
-        self.listen = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.listen = bind(self.router, check_bind(listen, authenticated=self.auth is not None))
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
                              diffs=diffs, heartbeat=heartbeat, keys=keys)
         self._stop = False

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import zmq
 
 from shared.config import MAX_WIRE_BYTES
+from shared.endpoints import connect
 from shared.keys import ClientKeys
 from shared.protocol import ProtocolError, encode_request, unpack
 
@@ -50,7 +51,7 @@ class ControlClient:
             self.sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
             if self.keys is not None:
                 self.keys.apply(self.sock)
-            self.sock.connect(self.address)
+            connect(self.sock, self.address)
         return self.sock
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from sqlalchemy.exc import DatabaseError
 from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
                            DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES,
                            MAX_REPLICAS, MAX_REPLICAS_CEILING)
+from shared.endpoints import EndpointError, check_bind
 from statesvc.blobs import BlobStore
 from statesvc.store import SqliteEventStore, StoreError, recovery_steps, sqlite_url
 
@@ -46,15 +47,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="statesvc %(levelname)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-
-
-def is_loopback(address: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// on a loopback host."""
-    scheme, _, rest = address.partition("://")
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 @main.group()
@@ -122,12 +114,11 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
     from statesvc.server import Server
     from statesvc.service import StateService
 
-    if auth_dir is None:
-        for address in (control, publish):
-            if not is_loopback(address):
-                raise click.ClickException(
-                    f"refusing to bind {address} without authentication: bind loopback "
-                    "(tcp://127.0.0.1:PORT) or pass --auth DIR (see `statesvc keys init`)")
+    for flag, address in (("--control", control), ("--publish", publish)):
+        try:
+            check_bind(address, authenticated=auth_dir is not None)
+        except EndpointError as exc:
+            raise click.UsageError(f"{flag}: {exc}") from None
     lock = _lock_data_dir(data_dir)
     try:
         store = SqliteEventStore(db_url or sqlite_url(data_dir))

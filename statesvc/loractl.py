@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
+from shared.endpoints import click_address, connect
 from shared.keys import ClientKeys, KeyError_, client_keys
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, MODULES, POOL_DTYPES, STATE_ENV
 
@@ -74,6 +75,7 @@ def handles_errors(fn: F) -> F:
 
 @click.group()
 @click.option("--state", envvar=STATE_ENV, default=DEFAULT_CONTROL, show_default=True,
+              callback=click_address,
               help=f"Control address of the state service (env {STATE_ENV}).")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds to wait for each answer before retrying.")
@@ -245,7 +247,7 @@ def _fetch_events(c: ControlClient, since: int) -> list[dict[str, Any]]:
 @click.option("--since", type=click.IntRange(0), default=0, help="Only events after this seq.")
 @click.option("--follow", is_flag=True, help="Keep printing new events as they are recorded.")
 @click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
-              help="Diff address to follow (env LORAPLANE_DIFFS).")
+              callback=click_address, help="Diff address to follow (env LORAPLANE_DIFFS).")
 @JSON_OPT
 @click.pass_context
 @handles_errors
@@ -262,7 +264,7 @@ def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bo
         sub: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(diffs)
+        connect(sub, diffs)
         try:
             while True:
                 for e in evs:
@@ -335,7 +337,7 @@ def _parse_ids(value: str) -> list[int]:
 
 
 @main.command()
-@click.option("--replica", required=True, envvar="LORAPLANE_REPLICA",
+@click.option("--replica", required=True, envvar="LORAPLANE_REPLICA", callback=click_address,
               help="A replica's listen address, e.g. tcp://127.0.0.1:7200 (env LORAPLANE_REPLICA).")
 @click.option("--adapter", default=None, help="Adapter name; without it, the base model.")
 @click.option("--input-ids", required=True, help="Prompt token ids, comma-separated.")
@@ -391,6 +393,7 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
               help="CURVE: the live replicas' public key file when they run with --auth (env "
                    "LORAPLANE_REPLICA_SERVER_KEY); your --key must be in their operators/.")
 @click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
+              callback=click_address,
               help="statesvc's diff address, for the drill's fresh replicas.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="Base model dir [default: the --kill replica's run file's, "

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES
+from shared.endpoints import bind, check_bind
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
                              ok_reply, pack, request_id_of, unpack)
@@ -51,20 +52,19 @@ class Server:
         self.drop_diffs = parse_seq_set(os.environ.get(DROP_DIFFS_ENV, ""))
         self.ctx = zmq.Context()
         self.auth = None if auth_dir is None else ServerAuth(self.ctx, auth_dir)
+        authenticated = self.auth is not None
         self.router = self.ctx.socket(zmq.ROUTER)
         if self.auth is not None:
             self.auth.apply(self.router)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(control)
+        self.control = bind(self.router, check_bind(control, authenticated=authenticated))
         self.pub = self.ctx.socket(zmq.PUB)
         if self.auth is not None:
             self.auth.apply(self.pub)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(publish)
-        self.control = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.publish = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.publish = bind(self.pub, check_bind(publish, authenticated=authenticated))
         self._stop = False
         self._next_beat = time.monotonic()
         # the head that heartbeats announce: the last seq whose diff went out (a commit in

@@ -758,7 +758,7 @@ def local_replica(tmp_path_factory: pytest.TempPathFactory,
                       ControlClient(nowhere, timeout_s=0.1, retries=0),
                       tmp_path_factory.mktemp("replica"))
     engine = Engine(SchemaOnlyModel(), replica, min_seq_wait_s=0.0)
-    daemon = Daemon(replica, replica_id="fuzz", listen="tcp://127.0.0.1:*", state=nowhere,
+    daemon = Daemon(replica, replica_id="fuzz", listen="tcp://127.0.0.1:0", state=nowhere,
                     diffs=nowhere, engine=engine, warmup=False, heartbeat=False)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
