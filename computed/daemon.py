@@ -31,13 +31,14 @@ from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
-from shared.endpoints import bind, check_bind, connect
+from shared.endpoints import check_bind, connect
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (PUBLISHED_HEARTBEAT, Field, ProtocolError, encode_request,
                              error_reply, int_range, ok_reply, request_id_of, str_len, unpack,
                              validate)
 from shared.reducer import ReducerError, body_of_diff
+from shared.router import serving_router, split_request
 
 log = logging.getLogger("computed")
 
@@ -225,12 +226,8 @@ class Daemon:
         self.engine = engine
         ctx = zmq.Context.instance()
         self.auth = None if auth_dir is None else ServerAuth(ctx, auth_dir, INFERENCE_ROLES)
-        self.router = ctx.socket(zmq.ROUTER)
-        if self.auth is not None:
-            self.auth.apply(self.router)
-        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.listen = bind(self.router, check_bind(listen, authenticated=self.auth is not None))
+        self.router, self.listen = serving_router(
+            ctx, check_bind(listen, authenticated=self.auth is not None), self.auth)
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
                              diffs=diffs, heartbeat=heartbeat, keys=keys)
         self._stop = False
@@ -301,18 +298,17 @@ class Daemon:
     def _serve_clients(self) -> None:
         for _ in range(256):
             try:
-                raw = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(raw) < 2:
-                continue
-            frames = [f.bytes for f in raw]
-            envelope, body = frames[:-1], frames[-1]
-            # with CURVE, the authenticator named the client (ROLE:NAME); without, it is local
-            operator = self.auth is None or str(raw[-1].get("User-Id")).startswith("operator:")
+            envelope: list[bytes] = [frames[0].bytes]
             req_id = None
             try:
-                msg = unpack(body)
+                envelope, body = split_request(frames)
+                # with CURVE, the authenticator named the client (ROLE:NAME); without, it is local
+                user = str(body.get("User-Id")) if self.auth is not None else None
+                operator = user is None or user.startswith("operator:")
+                msg = unpack(body.bytes)
                 req_id = request_id_of(msg)
                 env = validate(REPLICA_REQUEST, msg, "request")
                 if env["cmd"] not in REPLICA_COMMANDS:
@@ -321,7 +317,10 @@ class Daemon:
                 if env["cmd"] == "generate":
                     if self.engine is None:
                         raise ProtocolError("not_ready", "inference is disabled on this replica")
-                    immediate = self.engine.submit(req_id or "", env["args"] or {}, envelope)
+                    # the client: its CURVE identity with --auth; else the connection
+                    client = user if user is not None else envelope[0]
+                    immediate = self.engine.submit(req_id or "", env["args"] or {}, envelope,
+                                                   client=client)
                     if immediate is not None:
                         self._send([immediate])
                     continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -98,6 +99,7 @@ class Request:
     req_id: str
     args: dict[str, Any]
     reply_to: Any  # opaque to the engine: where the daemon sends the answer
+    client: Hashable  # who sent it, for the per-client limit
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -123,11 +125,6 @@ class Done:
     req_id: str
     result: dict[str, Any] | None = None
     error: GenerateError | None = None
-
-
-def _client_of(reply_to: Any) -> Any:
-    """The client a request came from: the first envelope frame (its ROUTER identity)."""
-    return reply_to[0] if isinstance(reply_to, list) and reply_to else None
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -170,8 +167,10 @@ class Engine:
 
     # ---- intake ----------------------------------------------------------------
 
-    def submit(self, req_id: str, raw_args: Any, reply_to: Any) -> Done | None:
-        """Validate and queue a request; an immediate error comes back as a Done."""
+    def submit(self, req_id: str, raw_args: Any, reply_to: Any, *,
+               client: Hashable = None) -> Done | None:
+        """Validate and queue a request from `client`; an immediate error comes back as a
+        Done. At most `client_limit` requests of one client wait or run at once."""
         try:
             args = validate(self.schema, raw_args, "args")
         except ProtocolError as exc:
@@ -182,9 +181,8 @@ class Engine:
                 "prompt_too_long", f"{prompt} prompt tokens + max_new_tokens "
                 f"{args['max_new_tokens']} exceed this replica's context of {self.model.max_len} "
                 "tokens; shorten the prompt or ask for fewer tokens", "args.input_ids"))
-        client = _client_of(reply_to)
-        mine = sum(_client_of(r.reply_to) == client for r in self.waiting) + sum(
-            r is not None and _client_of(r.req.reply_to) == client for r in self.rows)
+        mine = sum(r.client == client for r in self.waiting) + sum(
+            r is not None and r.req.client == client for r in self.rows)
         if mine >= self.client_limit:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"this client already has {mine} requests waiting or running "
@@ -193,7 +191,7 @@ class Engine:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "
                 f"{self.queue_limit}); retry later or send to another replica"))
-        self.waiting.append(Request(req_id, args, reply_to))
+        self.waiting.append(Request(req_id, args, reply_to, client))
         return None
 
     @property

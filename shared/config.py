@@ -14,6 +14,12 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
 # Hard ceiling set on the sockets (ZMQ_MAXMSGSIZE): libzmq drops the peer beyond it.
 MAX_WIRE_BYTES = 16 << 20
+# Per connection to a serving ROUTER (statesvc's control socket, a replica's listen socket):
+# replies libzmq keeps for a peer that does not read them (ZMQ_SNDHWM; beyond it, replies to
+# that peer are dropped), and requests it reads ahead of the service (ZMQ_RCVHWM; beyond it,
+# it stops reading that peer's stream). Counted in messages: libzmq has no byte limit.
+MAX_UNREAD_REPLIES = 8
+MAX_QUEUED_REQUESTS = 8
 MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
 MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's

@@ -19,17 +19,24 @@ from typing import Any
 
 import zmq
 
-from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES
+from shared.config import HEARTBEAT_INTERVAL_S, MAX_BLOB_CHUNK
 from shared.endpoints import bind, check_bind
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
                              ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
+from shared.router import serving_router, split_request
 from statesvc.service import StateService
 
 log = logging.getLogger("statesvc")
 
 MAX_BATCH = 512
+# A batch stops taking requests once its blob reads ask for this much: its answers are held
+# together until they are sent.
+MAX_BATCH_BLOB_BYTES = MAX_BLOB_CHUNK
+# Largest frame a subscriber may send: its subscriptions (b"", b"diff", b"hb") and, with
+# CURVE, its handshake.
+MAX_SUBSCRIBER_FRAME_BYTES = 4096
 LOCAL_ACTOR = "local"
 # Test-only fault switch: seqs whose diffs are left unpublished, e.g. "3,5-7".
 DROP_DIFFS_ENV = "LORAPLANE_FAULT_DROP_DIFFS"
@@ -53,16 +60,13 @@ class Server:
         self.ctx = zmq.Context()
         self.auth = None if auth_dir is None else ServerAuth(self.ctx, auth_dir)
         authenticated = self.auth is not None
-        self.router = self.ctx.socket(zmq.ROUTER)
-        if self.auth is not None:
-            self.auth.apply(self.router)
-        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.control = bind(self.router, check_bind(control, authenticated=authenticated))
+        self.router, self.control = serving_router(
+            self.ctx, check_bind(control, authenticated=authenticated), self.auth)
         self.pub = self.ctx.socket(zmq.PUB)
         if self.auth is not None:
             self.auth.apply(self.pub)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIBER_FRAME_BYTES)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.publish = bind(self.pub, check_bind(publish, authenticated=authenticated))
         self._stop = False
@@ -135,19 +139,21 @@ class Server:
             self.router.send_multipart(envelope + [frame])
 
     def _receive(self, batch: list[tuple[list[bytes], Request, str]]) -> None:
-        """Append the requests already queued to `batch`, up to MAX_BATCH; answer bad frames."""
-        while len(batch) < MAX_BATCH:
+        """Append the requests already queued to `batch`, up to MAX_BATCH requests and
+        MAX_BATCH_BLOB_BYTES of blob reads; answer bad frames."""
+        blob_bytes = sum(req.args["length"] for _, req, _ in batch if req.cmd == "blob")
+        while len(batch) < MAX_BATCH and blob_bytes < MAX_BATCH_BLOB_BYTES:
             try:
                 raw = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if len(raw) < 2:
-                continue  # no identity or no body: nothing to answer
-            frames = [f.bytes for f in raw]
-            envelope, body = frames[:-1], frames[-1]
-            # with CURVE, the authenticator named the client (ROLE:NAME) on each message
-            actor = str(raw[-1].get("User-Id")) if self.auth is not None else LOCAL_ACTOR
+            envelope: list[bytes] = [raw[0].bytes]
+            body = b""
             try:
+                envelope, frame = split_request(raw)
+                body = frame.bytes
+                # with CURVE, the authenticator named the client (ROLE:NAME) on each message
+                actor = str(frame.get("User-Id")) if self.auth is not None else LOCAL_ACTOR
                 req = decode_request(body)
                 if (self.auth is not None and req.cmd in WRITE_COMMANDS
                         and not actor.startswith("operator:")):
@@ -158,6 +164,8 @@ class Server:
                     raise ProtocolError("forbidden", f"{actor} may not heartbeat: only replica "
                                         "keys (the key dir's replicas/) register replicas")
                 batch.append((envelope, req, actor))
+                if req.cmd == "blob":
+                    blob_bytes += req.args["length"]
             except ProtocolError as exc:
                 self.router.send_multipart(envelope + [
                     error_reply(_safe_id(body), exc.code, str(exc), exc.field)])

@@ -10,7 +10,8 @@ One section per decoding path:
   store as they were.
 - replica frames: `Engine.submit` (the `generate` schema), `Daemon._serve_clients` in-process
   over a real ROUTER socket, then a real `statesvc serve` and `computed serve` fed random
-  frames: every frame gets one well-formed reply, and both keep answering and keep their state.
+  whole multipart messages (any number of envelope frames, empty or huge): every message gets
+  one well-formed reply, nothing refused is echoed, and both keep answering and their state.
 - safetensors: `parse_bytes` and `parse_header` raise only TensorFileError, what they accept
   is in range, consistent and agrees with the reference reader, and parsing allocates in
   proportion to the input, never to the sizes a header claims; `slot_weights` (the replica's
@@ -826,9 +827,45 @@ def test_replica_loop_answers_every_frame(local_replica: LocalReplica,
 # ---- the real services, fed random frames ------------------------------------------------
 
 
-def test_real_services_survive_random_frames(tmp_path: Path, example: ExampleAssets) -> None:
+# Frames a peer may put before a request body. The services take one, REQ's empty delimiter,
+# and refuse the rest without echoing them: empty, short, long and huge frames.
+ENVELOPE_FRAMES = (st.just(b"") | st.binary(max_size=300)
+                   | st.sampled_from([b"\x01" * (1 << 20), b"\x02" * (3 << 20)]))
+
+
+@st.composite
+def messages(draw: st.DrawFn, commands: dict[str, Any]) -> list[bytes]:
+    """Whole multipart messages as a DEALER sends them: no envelope, REQ's delimiter, or any
+    number of envelope frames of any size; then a request frame."""
+    kind = draw(st.integers(0, 9))
+    if kind < 3:
+        prefix: list[bytes] = []
+    elif kind < 5:
+        prefix = [b""]
+    elif kind < 9:
+        prefix = draw(st.lists(ENVELOPE_FRAMES, min_size=1, max_size=6))
+    else:
+        prefix = [b""] * draw(st.integers(2, 200))
+    return [*prefix, draw(frames(commands))]
+
+
+def check_multipart_reply(parts: list[bytes], sent: list[bytes],
+                          known: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A request without an envelope or after REQ's delimiter is answered after the same
+    envelope; any other message gets one bad_frame error, and nothing it carried comes back."""
+    if sent[:-1] in ([], [b""]):
+        assert parts[:-1] == sent[:-1], [len(p) for p in parts]
+        return check_reply(parts[-1], sent[-1], known)
+    assert len(parts) == 1, f"{len(parts) - 1} frames echoed: {[len(p) for p in parts]}"
+    reply = check_reply(parts[0], b"")
+    assert reply["error"]["code"] == "bad_frame", reply
+    return reply
+
+
+def test_real_services_survive_random_messages(tmp_path: Path, example: ExampleAssets) -> None:
     """`statesvc serve` and `computed serve` (inference on, pool not configured, so a valid
-    `generate` is refused at once with not_ready) answer every frame and keep their state."""
+    `generate` is refused at once with not_ready) answer every multipart message once, never
+    echo what they refuse, and keep their state."""
     fleet = Fleet(tmp_path, example)
     fleet.statesvc.start()
     try:
@@ -846,15 +883,15 @@ def test_real_services_survive_random_frames(tmp_path: Path, example: ExampleAss
             socks[name].connect(address)
 
         @budget(25)
-        @given(to_statesvc=st.lists(frames(COMMANDS), max_size=4),
-               to_computed=st.lists(frames(REPLICA_SCHEMAS), max_size=4))
-        def feed(to_statesvc: list[bytes], to_computed: list[bytes]) -> None:
+        @given(to_statesvc=st.lists(messages(COMMANDS), max_size=4),
+               to_computed=st.lists(messages(REPLICA_SCHEMAS), max_size=4))
+        def feed(to_statesvc: list[list[bytes]], to_computed: list[list[bytes]]) -> None:
             for name, batch in (("statesvc", to_statesvc), ("computed", to_computed)):
                 sock = socks[name]
-                for frame in batch:  # one at a time: replies to a batch may come out of order
-                    sock.send(frame)
-                    assert sock.poll(20_000), f"{name} gave no reply to {frame[:80]!r}"
-                    check_reply(sock.recv(), frame, SERVICE_BUGS)
+                for message in batch:  # one at a time: replies to a batch may come out of order
+                    sock.send_multipart(message)
+                    assert sock.poll(20_000), f"{name} gave no reply to {len(message)} frames"
+                    check_multipart_reply(sock.recv_multipart(), message, SERVICE_BUGS)
 
         try:
             feed()

@@ -3,19 +3,34 @@
 - Without --auth, `statesvc serve` and `computed serve --listen` bind one plain loopback
   endpoint or refuse to start, saying what is wrong and what to do; malformed addresses to
   connect to are usage errors, not libzmq tracebacks.
+- A request is [routing id, (empty delimiter), body]: any other message gets one error reply
+  and none of its frames back, from statesvc and from a replica.
+- A client that asks for many blob chunks and reads no reply costs statesvc memory bounded
+  by the per-connection limits, not by how many it asked for.
+- A replica's per-client queue limit counts CURVE identities, not connections.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
+import uuid
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
+import zmq
 
-from shared.client import ControlClient
+from shared.client import ControlClient, new_event_id
+from shared.config import MAX_BLOB_CHUNK, MAX_UNREAD_REPLIES
+from shared.keys import ClientKeys, client_keys
+from shared.protocol import encode_request, pack, unpack
 from statesvc.example import ExampleAssets
-from tests.procs import BIN, Computed, StateSvc, free_port
+from statesvc.server import MAX_BATCH_BLOB_BYTES
+from tests.procs import BIN, Computed, StateSvc, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(240)
+
+REPLY_WAIT_MS = 20_000  # a generous wait for a reply that must come; nothing asserts on time
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -124,3 +139,187 @@ def test_loopback_forms_and_authenticated_wildcards_start(tmp_path: Path,
         replica.stop()
         for s in (svc, other, keyed):
             s.stop()
+
+
+# ---- whole messages ------------------------------------------------------------------------
+
+GOOD = pack({"v": 1, "id": "good", "cmd": "status"})
+# messages that are not [body] or ["", body] from a DEALER (the ROUTER adds the routing id)
+BAD_SHAPES = {
+    "junk envelope frame": [b"\x01" * (4 << 20), GOOD],
+    "two delimiters": [b"", b"", GOOD],
+    "good request, then junk": [GOOD, b"\xc1 junk"],
+    "many frames": [b"x" * (1 << 20)] * 20 + [GOOD],
+}
+
+
+def assert_not_echoed(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+    """`frames` get one bad_frame reply, alone: none of what was sent comes back."""
+    sock.send_multipart(frames)
+    assert sock.poll(REPLY_WAIT_MS), "no reply"
+    parts = sock.recv_multipart()
+    assert len(parts) == 1, [len(p) for p in parts]
+    reply = unpack(parts[0])
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_frame", reply
+    assert "one frame" in reply["error"]["message"], reply
+
+
+def assert_answers(sock: zmq.Socket[Any], envelope: list[bytes]) -> dict[str, Any]:
+    sock.send_multipart([*envelope, GOOD])
+    assert sock.poll(REPLY_WAIT_MS), "no reply"
+    parts = sock.recv_multipart()
+    assert parts[:-1] == envelope
+    reply = unpack(parts[-1])
+    assert reply["ok"] is True and reply["id"] == "good", reply
+    return dict(reply["result"])
+
+
+def _dealer(ctx: zmq.Context[Any], address: str, keys: ClientKeys | None = None
+            ) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.apply(sock)
+    sock.connect(address)
+    return sock
+
+
+def test_statesvc_never_echoes_extra_frames(statesvc: StateSvc) -> None:
+    ctx = zmq.Context.instance()
+    sock = _dealer(ctx, statesvc.control)
+    try:
+        for name, frames in BAD_SHAPES.items():
+            assert_not_echoed(sock, frames)
+            assert_answers(sock, [])
+        assert_answers(sock, [b""])  # REQ's delimiter is the one envelope frame allowed
+    finally:
+        sock.close(0)
+    assert statesvc.proc is not None and statesvc.proc.poll() is None
+
+
+def _vm(pid: int, field: str) -> int:
+    """A /proc/PID/status size (VmRSS, VmHWM) in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
+                                                example: ExampleAssets) -> None:
+    """A client asks for the same blob N times and reads nothing: statesvc's peak RSS grows by
+    what the limits allow (replies libzmq keeps per connection, one batch's blob reads), not
+    by N replies."""
+    assert statesvc.proc is not None
+    pid = statesvc.proc.pid
+    ctx = zmq.Context.instance()
+    with ControlClient(statesvc.control, timeout_s=20, retries=0) as c:
+        c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                             "max_loras": 4, "max_rank": 32, "targets": "all"})
+        c.call("load", {"event_id": new_event_id(), "name": "big",
+                                 "path": str(example.adapter_dirs["all-r32-rslora"])})
+        sha = c.call("list")["adapters"][0]["sha256"]
+        reply_bytes = len(c.call("blob", {"sha256": sha})["data"])  # once, as a replica would
+    assert reply_bytes > 200_000
+    baseline = _vm(pid, "VmHWM")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(statesvc.publish)
+    assert sub.poll(REPLY_WAIT_MS), "no heartbeat"  # subscribed
+    greedy = _dealer(ctx, statesvc.control)
+    asks = 1200
+    try:
+        for i in range(asks):
+            greedy.send(encode_request(f"b{i}", "blob", {"sha256": sha}))
+        # a write after them, on the same connection: statesvc serves a connection's requests
+        # in order, so its diff says every blob request before it has been answered
+        greedy.send(encode_request("last", "load", {
+            "event_id": new_event_id(), "name": "last",
+            "path": str(example.adapter_dirs["attn-qv-r8"])}))
+        while True:
+            assert sub.poll(120_000), "statesvc published nothing for the last request"
+            topic, body = sub.recv_multipart()
+            if topic == b"diff" and unpack(body)["name"] == "last":
+                break
+        with ControlClient(statesvc.control, timeout_s=20, retries=0) as c:
+            c.call("status")  # the batch that held the last request has sent its replies
+        grew = _vm(pid, "VmHWM") - baseline
+    finally:
+        greedy.close(0)
+        sub.close(0)
+    allowed = ((MAX_UNREAD_REPLIES + 2) * reply_bytes  # queued for the connection, in flight
+               + 2 * (MAX_BATCH_BLOB_BYTES + MAX_BLOB_CHUNK)  # one batch: read, then packed
+               + (32 << 20))  # the interpreter's own churn
+    assert asks * reply_bytes > 3 * allowed  # what the test would see without the bound
+    assert grew <= allowed, (f"statesvc's peak RSS grew {grew >> 20} MiB for {asks} unread "
+                             f"replies of {reply_bytes >> 10} KiB; allowed {allowed >> 20} MiB")
+    assert statesvc.proc.poll() is None
+
+
+# ---- a replica: its envelope and its clients -----------------------------------------------
+
+
+@pytest.fixture
+def keyed_replica(tmp_path: Path, example: ExampleAssets
+                  ) -> Iterator[tuple[Computed, dict[str, ClientKeys]]]:
+    """A replica with CURVE on its listen socket, holding requests in its queue (min_seq far
+    ahead) so that they count against the per-client limit of 2; keys: app, other."""
+    keydir, clients = tmp_path / "replica-keys", tmp_path / "client-keys"
+    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    keys: dict[str, ClientKeys] = {}
+    for name in ("app", "other"):
+        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
+        shutil.copy(clients / f"{name}.key", keydir / "clients" / f"{name}.key")
+        k = client_keys(str(clients / f"{name}.key_secret"), str(keydir / "server.key"))
+        assert k is not None
+        keys[name] = k
+    svc = StateSvc(tmp_path / "data").start()
+    replica = Computed(example.model_dir, svc, tmp_path / "replicas" / "r", replica_id="r",
+                       extra_args=("--no-warmup", "--max-len", "64", "--auth", str(keydir),
+                                   "--client-queue-limit", "2", "--min-seq-timeout", "600"))
+    try:
+        replica.start()
+        yield replica, keys
+    finally:
+        replica.stop()
+        svc.stop()
+
+
+def test_replica_never_echoes_extra_frames(
+        keyed_replica: tuple[Computed, dict[str, ClientKeys]]) -> None:
+    replica, keys = keyed_replica
+    sock = _dealer(zmq.Context.instance(), replica.listen, keys["app"])
+    try:
+        for name, frames in BAD_SHAPES.items():
+            assert_not_echoed(sock, [*frames[:-1], pack({"v": 1, "id": "g", "cmd": "generate",
+                                                         "args": {"input_ids": [1]}})])
+            assert assert_answers(sock, [])["id"] == "r"
+        assert assert_answers(sock, [b""])["inference"]["waiting"] == 0  # nothing was queued
+    finally:
+        sock.close(0)
+
+
+def test_client_queue_limit_counts_keys_not_connections(
+        keyed_replica: tuple[Computed, dict[str, ClientKeys]]) -> None:
+    replica, keys = keyed_replica
+    ctx = zmq.Context.instance()
+    waits = {"input_ids": [1, 2], "max_new_tokens": 1, "min_seq": 1 << 40}
+    socks = [_dealer(ctx, replica.listen, keys[k]) for k in ("app", "app", "app", "other")]
+    watch = _dealer(ctx, replica.listen, keys["other"])
+    try:
+        for i, sock in enumerate(socks):
+            sock.send(encode_request(f"g{i}", "generate", waits))
+            if i == 2:  # app's third request, on its third connection: over its limit of 2
+                assert sock.poll(REPLY_WAIT_MS), "no reply to the request over the limit"
+                reply = unpack(sock.recv())
+                assert reply["id"] == "g2" and reply["error"]["code"] == "overloaded", reply
+                assert "per-client limit is 2" in reply["error"]["message"], reply
+            else:  # queued: it waits for min_seq
+                want = min(i, 2) + 1
+                wait_for(lambda: assert_answers(watch, [])["inference"]["waiting"] == want,
+                         what=f"request g{i} to be queued")
+        assert not any(s.poll(0) for s in (socks[0], socks[1], socks[3]))
+    finally:
+        for sock in [*socks, watch]:
+            sock.close(0)
