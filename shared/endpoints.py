@@ -70,9 +70,9 @@ def parse_endpoint(address: str, *, bind: bool) -> Endpoint:
         raise EndpointError(f"{address!r} is not a tcp:// or ipc:// address; write it as "
                             f"{example} or ipc:///path/to/socket")
     if scheme == "ipc":
-        if not rest or "\x00" in rest or ";" in rest:
-            raise EndpointError(f"{address!r}: an ipc address is ipc:// and a file path, "
-                                "without NUL bytes or ';'")
+        if not rest or not rest.isprintable() or ";" in rest:
+            raise EndpointError(f"{address!r}: an ipc address is ipc:// and a file path of "
+                                "printable characters, without ';'")
         if len(rest.encode()) > MAX_IPC_PATH_BYTES:
             raise EndpointError(f"{address!r}: the ipc path is longer than "
                                 f"{MAX_IPC_PATH_BYTES} bytes; use a shorter path")

@@ -15,12 +15,10 @@ import msgpack
 
 from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
                            MAX_FRAME_BYTES, MODULES, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
+from shared.endpoints import EndpointError, parse_endpoint
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
-# a replica's listen address as it reports it: one plain endpoint, printable, no `;` lists
-REPLICA_ENDPOINT_RE = re.compile(r"tcp://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}"
-                                 r"|ipc://[!-:<-~]+")
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
@@ -113,10 +111,15 @@ def _targets(v: Any) -> str | None:
 
 
 def _replica_endpoint(v: str) -> str | None:
-    if len(v) <= 256 and REPLICA_ENDPOINT_RE.fullmatch(v):
-        return None
-    return ("must be one ZeroMQ endpoint of at most 256 characters, tcp://HOST:PORT or "
-            "ipc://PATH, printable and without ';'")
+    """A replica's listen address as it reports it: what the drill and `loractl status` will
+    connect to, so one plain endpoint (shared/endpoints.py)."""
+    if len(v) > 256:
+        return "must be at most 256 characters"
+    try:
+        parse_endpoint(v, bind=False)
+    except EndpointError as exc:
+        return f"is not an address to connect to: {exc}"
+    return None
 
 
 def _kind_ok(value: Any, kind: type | tuple[type, ...]) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from shared.client import ControlClient, new_event_id
+from shared.client import ControlClient, RemoteError, new_event_id
 from shared.config import MAX_BLOB_CHUNK, MAX_UNREAD_REPLIES
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
@@ -139,6 +139,21 @@ def test_loopback_forms_and_authenticated_wildcards_start(tmp_path: Path,
         replica.stop()
         for s in (svc, other, keyed):
             s.stop()
+
+
+def test_heartbeat_with_a_malformed_address_is_refused(statesvc: StateSvc) -> None:
+    """A replica's address is what the drill and `loractl status` connect to: statesvc takes
+    only one it could connect to."""
+    beat = {"id": "r", "state": "ACTIVE", "applied_seq": 0, "logical_digest": "0" * 64,
+            "pool_digest": "none"}
+    with ControlClient(statesvc.control, timeout_s=20, retries=0) as c:
+        for address in ("tcp://127.0.0.1:1;10.0.0.1:2", "not an address", "tcp://[::1:7200"):
+            with pytest.raises(RemoteError) as refused:
+                c.call("heartbeat", {**beat, "address": address})
+            assert (refused.value.code, refused.value.field) == ("bad_request", "args.address")
+        assert c.call("status")["replicas"] == []
+        c.call("heartbeat", {**beat, "address": "tcp://[::1]:7200"})
+        assert [r["address"] for r in c.call("status")["replicas"]] == ["tcp://[::1]:7200"]
 
 
 # ---- whole messages ------------------------------------------------------------------------
