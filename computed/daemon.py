@@ -30,7 +30,8 @@ from computed.engine import Done, Engine
 from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
-from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
+from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,
+                           REPLICA_SILENCE_S)
 from shared.endpoints import check_bind, connect
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
@@ -38,7 +39,7 @@ from shared.protocol import (PUBLISHED_HEARTBEAT, Field, ProtocolError, encode_r
                              error_reply, int_range, ok_reply, request_id_of, str_len, unpack,
                              validate)
 from shared.reducer import ReducerError, body_of_diff
-from shared.router import serving_router, split_request
+from shared.router import Replies, serving_router, split_request
 
 log = logging.getLogger("computed")
 
@@ -228,6 +229,7 @@ class Daemon:
         self.auth = None if auth_dir is None else ServerAuth(ctx, auth_dir, INFERENCE_ROLES)
         self.router, self.listen = serving_router(
             ctx, check_bind(listen, authenticated=self.auth is not None), self.auth)
+        self.replies = Replies(self.router)
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
                              diffs=diffs, heartbeat=heartbeat, keys=keys)
         self._stop = False
@@ -250,10 +252,12 @@ class Daemon:
                     warming.start()
                 ready = self.engine is not None and (self.engine.warm or not self.warmup)
                 busy = ready and self.engine is not None and self.engine.busy
-                if self.router.poll(0 if busy else 50):
+                wait_ms = 0 if busy else HELD_REPLY_RETRY_MS if self.replies.held else 50
+                if self.router.poll(wait_ms):
                     self._serve_clients()
                 if busy and self.engine is not None:
                     self._send(self.engine.step())
+                self.replies.flush()
         finally:
             self.sync.stopping.set()
             self.sync.join(10)
@@ -293,7 +297,7 @@ class Daemon:
                 frame = error_reply(d.req_id, d.error.code, str(d.error), d.error.field)
             else:
                 frame = ok_reply(d.req_id, d.result)
-            self.router.send_multipart(d.reply_to + [frame])
+            self.replies.send(d.reply_to + [frame])
 
     def _serve_clients(self) -> None:
         for _ in range(256):
@@ -328,7 +332,7 @@ class Daemon:
                                                        operator=operator))
             except ProtocolError as exc:
                 reply = error_reply(req_id, exc.code, str(exc), exc.field)
-            self.router.send_multipart(envelope + [reply])
+            self.replies.send(envelope + [reply])
 
     def _command(self, cmd: str, raw_args: dict[str, Any], *, operator: bool) -> Any:
         if cmd == "status":

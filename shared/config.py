@@ -20,6 +20,11 @@ MAX_WIRE_BYTES = 16 << 20
 # it stops reading that peer's stream). Counted in messages: libzmq has no byte limit.
 MAX_UNREAD_REPLIES = 8
 MAX_QUEUED_REQUESTS = 8
+# Replies a service holds itself for one connection whose libzmq queue is full (a burst, or a
+# peer that does not read); beyond, further replies to it are dropped.
+MAX_HELD_REPLY_BYTES = MAX_WIRE_BYTES
+# How often held replies are offered to libzmq again.
+HELD_REPLY_RETRY_MS = 5
 MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
 MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's

@@ -118,7 +118,7 @@ def _replica_endpoint(v: str) -> str | None:
     try:
         parse_endpoint(v, bind=False)
     except EndpointError as exc:
-        return f"is not an address to connect to: {exc}"
+        return f"must be one ZeroMQ endpoint to connect to: {exc}"
     return None
 
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import zmq
 
-from shared.config import HEARTBEAT_INTERVAL_S, MAX_BLOB_CHUNK
+from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_BLOB_CHUNK
 from shared.endpoints import bind, check_bind
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
                              ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
-from shared.router import serving_router, split_request
+from shared.router import Replies, serving_router, split_request
 from statesvc.service import StateService
 
 log = logging.getLogger("statesvc")
@@ -62,6 +62,7 @@ class Server:
         authenticated = self.auth is not None
         self.router, self.control = serving_router(
             self.ctx, check_bind(control, authenticated=authenticated), self.auth)
+        self.replies = Replies(self.router)
         self.pub = self.ctx.socket(zmq.PUB)
         if self.auth is not None:
             self.auth.apply(self.pub)
@@ -88,8 +89,11 @@ class Server:
             while not self._stop:
                 self._beat_if_due()
                 timeout_ms = max(0, int((self._next_beat - time.monotonic()) * 1000)) + 1
+                if self.replies.held:
+                    timeout_ms = min(timeout_ms, HELD_REPLY_RETRY_MS)
                 if poller.poll(min(timeout_ms, 250)):
                     self._serve_batch()
+                self.replies.flush()
         finally:
             self.router.close(0)
             self.pub.close(0)
@@ -136,7 +140,7 @@ class Server:
                 frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)
             else:
                 frame = ok_reply(req.id, ans.result)
-            self.router.send_multipart(envelope + [frame])
+            self.replies.send(envelope + [frame])
 
     def _receive(self, batch: list[tuple[list[bytes], Request, str]]) -> None:
         """Append the requests already queued to `batch`, up to MAX_BATCH requests and
@@ -167,11 +171,11 @@ class Server:
                 if req.cmd == "blob":
                     blob_bytes += req.args["length"]
             except ProtocolError as exc:
-                self.router.send_multipart(envelope + [
+                self.replies.send(envelope + [
                     error_reply(_safe_id(body), exc.code, str(exc), exc.field)])
             except Exception as exc:  # a decoder bug must cost one answer, never the service
                 log.exception("internal error decoding a frame")
-                self.router.send_multipart(envelope + [error_reply(
+                self.replies.send(envelope + [error_reply(
                     None, "internal_error", f"internal error ({type(exc).__name__}); please "
                     "report it")])
 

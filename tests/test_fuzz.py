@@ -806,6 +806,7 @@ def _exchange(daemon: Daemon, sock: zmq.Socket[Any], frame: bytes) -> bytes:
         assert daemon.engine is not None
         if daemon.engine.busy:
             daemon._send(daemon.engine.step())
+        daemon.replies.flush()
         if sock.poll(0):
             return sock.recv()
     raise AssertionError(f"no reply to {frame[:80]!r}")

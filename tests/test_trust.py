@@ -151,7 +151,7 @@ def test_registry_refuses_bad_ids_and_addresses(statesvc: StateSvc) -> None:
 
 
 def test_registry_is_bounded_and_status_fits_one_reply(statesvc: StateSvc) -> None:
-    longest = "ipc:///" + "a" * 249  # 256 characters, the longest address
+    longest = f"tcp://{'a' * 245}:7200"  # 256 characters, the longest address
     beats = [("heartbeat", beat(f"r{i:04d}-" + "x" * 58, longest)) for i in range(MAX_REPLICAS)]
     assert all(r["ok"] for r in raw_calls(statesvc.control, beats))
     [over] = raw_calls(statesvc.control, [("heartbeat", beat("one-too-many", longest))])

@@ -6,7 +6,8 @@
 - A request is [routing id, (empty delimiter), body]: any other message gets one error reply
   and none of its frames back, from statesvc and from a replica.
 - A client that asks for many blob chunks and reads no reply costs statesvc memory bounded
-  by the per-connection limits, not by how many it asked for.
+  by the per-connection limits, not by how many it asked for; one that pipelines many
+  requests and reads its replies loses none.
 - A replica's per-client queue limit counts CURVE identities, not connections.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
-from shared.config import MAX_BLOB_CHUNK, MAX_UNREAD_REPLIES
+from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLIES
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
 from statesvc.example import ExampleAssets
@@ -212,6 +213,23 @@ def test_statesvc_never_echoes_extra_frames(statesvc: StateSvc) -> None:
     assert statesvc.proc is not None and statesvc.proc.poll() is None
 
 
+def test_a_burst_of_pipelined_requests_is_answered_in_full(statesvc: StateSvc) -> None:
+    """Far more replies than libzmq keeps per connection (a batch answers them at once): the
+    service holds the rest until they fit, so a client that reads loses none."""
+    sock = _dealer(zmq.Context.instance(), statesvc.control)
+    asks = 1000
+    try:
+        for i in range(asks):
+            sock.send(encode_request(f"s{i}", "status", {}))
+        ids = []
+        while len(ids) < asks:
+            assert sock.poll(REPLY_WAIT_MS), f"{len(ids)} of {asks} replies came"
+            ids.append(unpack(sock.recv())["id"])
+    finally:
+        sock.close(0)
+    assert ids == [f"s{i}" for i in range(asks)]
+
+
 def _vm(pid: int, field: str) -> int:
     """A /proc/PID/status size (VmRSS, VmHWM) in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -223,8 +241,8 @@ def _vm(pid: int, field: str) -> int:
 def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
                                                 example: ExampleAssets) -> None:
     """A client asks for the same blob N times and reads nothing: statesvc's peak RSS grows by
-    what the limits allow (replies libzmq keeps per connection, one batch's blob reads), not
-    by N replies."""
+    what the limits allow (replies libzmq keeps and statesvc holds per connection, one batch's
+    blob reads), not by N replies."""
     assert statesvc.proc is not None
     pid = statesvc.proc.pid
     ctx = zmq.Context.instance()
@@ -243,7 +261,7 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
     sub.connect(statesvc.publish)
     assert sub.poll(REPLY_WAIT_MS), "no heartbeat"  # subscribed
     greedy = _dealer(ctx, statesvc.control)
-    asks = 1200
+    asks = 1600
     try:
         for i in range(asks):
             greedy.send(encode_request(f"b{i}", "blob", {"sha256": sha}))
@@ -263,7 +281,8 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
     finally:
         greedy.close(0)
         sub.close(0)
-    allowed = ((MAX_UNREAD_REPLIES + 2) * reply_bytes  # queued for the connection, in flight
+    allowed = ((MAX_UNREAD_REPLIES + 2) * reply_bytes  # in libzmq's queue, being written
+               + MAX_HELD_REPLY_BYTES + reply_bytes  # held by the service for the connection
                + 2 * (MAX_BATCH_BLOB_BYTES + MAX_BLOB_CHUNK)  # one batch: read, then packed
                + (32 << 20))  # the interpreter's own churn
     assert asks * reply_bytes > 3 * allowed  # what the test would see without the bound
