@@ -36,7 +36,7 @@ from shared.endpoints import check_bind, connect
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (PUBLISHED_HEARTBEAT, Field, ProtocolError, encode_request,
-                             error_reply, int_range, ok_reply, request_id_of, str_len, unpack,
+                             error_reply_of, int_range, ok_reply, request_id_of, str_len, unpack,
                              validate)
 from shared.reducer import ReducerError, body_of_diff
 from shared.router import Replies, serving_router, split_request
@@ -294,7 +294,7 @@ class Daemon:
     def _send(self, done: list[Done]) -> None:
         for d in done:
             if d.error is not None:
-                frame = error_reply(d.req_id, d.error.code, str(d.error), d.error.field)
+                frame = error_reply_of(d.req_id, d.error)
             else:
                 frame = ok_reply(d.req_id, d.result)
             self.replies.send(d.reply_to + [frame])
@@ -331,7 +331,7 @@ class Daemon:
                 reply = ok_reply(req_id, self._command(env["cmd"], env["args"] or {},
                                                        operator=operator))
             except ProtocolError as exc:
-                reply = error_reply(req_id, exc.code, str(exc), exc.field)
+                reply = error_reply_of(req_id, exc)
             self.replies.send(envelope + [reply])
 
     def _command(self, cmd: str, raw_args: dict[str, Any], *, operator: bool) -> Any:

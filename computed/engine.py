@@ -24,6 +24,7 @@ from computed.lora import windows_for
 from computed.model import compile_serving, decode, init_cache, prefill
 from computed.pool import Lease, LoraPool, SlotDraining
 from computed.replica import Phase, Replica
+from shared.errors import CodedError
 from shared.protocol import Field, ProtocolError, int_range, str_len, validate
 
 MAX_STOP_TOKENS = 64
@@ -87,11 +88,8 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
     }
 
 
-class GenerateError(Exception):
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
+class GenerateError(CodedError):
+    """A generate request refused or failed; the reply carries its code, message and field."""
 
 
 @dataclass

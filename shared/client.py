@@ -13,17 +13,13 @@ import zmq
 
 from shared.config import MAX_WIRE_BYTES
 from shared.endpoints import connect
+from shared.errors import CodedError
 from shared.keys import ClientKeys
 from shared.protocol import ProtocolError, encode_request, unpack
 
 
-class RemoteError(Exception):
+class RemoteError(CodedError):
     """The service answered with an error."""
-
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
 
 
 class Unavailable(Exception):

@@ -16,19 +16,15 @@ import msgpack
 from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
                            MAX_FRAME_BYTES, MODULES, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
+from shared.errors import CodedError
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
-class ProtocolError(ValueError):
+class ProtocolError(CodedError, ValueError):
     """A frame that does not follow the protocol; `code` goes into the error reply."""
-
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
 
 
 def pack(value: Any) -> bytes:
@@ -273,3 +269,8 @@ def error_reply(req_id: str | None, code: str, message: str, field: str | None =
     if field:
         error["field"] = field
     return pack({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "error": error})
+
+
+def error_reply_of(req_id: str | None, error: CodedError) -> bytes:
+    """The error reply that carries a coded error's code, message and field."""
+    return error_reply(req_id, error.code, str(error), error.field)

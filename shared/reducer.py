@@ -12,16 +12,13 @@ from typing import Any
 
 from shared.canonical import canonical_bytes, digest
 from shared.config import ADAPTER_NAME_RE, UUID_RE
+from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, EventError, PoolConfigured,
                            decode_body, encode_body, lora_scaling)
 
 
-class ReducerError(ValueError):
+class ReducerError(CodedError, ValueError):
     """An event that the state at its seq does not admit."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)

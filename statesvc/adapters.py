@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any, BinaryIO, Callable
 
 from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES, POOL_DTYPE_MAX
+from shared.errors import CodedError
 from shared.events import PoolConfigured, lora_scaling
 from shared.files import Beneath, FileError, OutsideRoots, read_limited
 from shared.peft import LoraKey, parse_lora_name
@@ -28,12 +29,8 @@ ANYWHERE = (Path("/"),)  # the roots when statesvc runs without --adapter-root
 READ_CHUNK = 8 << 20  # weights are read and hashed this much at a time, `progress` between
 
 
-class AdapterError(ValueError):
+class AdapterError(CodedError, ValueError):
     """An adapter directory the pool cannot take; the message says what to change."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from shared.config import MAX_BLOB_CHUNK
+from shared.errors import CodedError
 
 WRITE_CHUNK = 8 << 20  # blobs are written this much at a time, `progress` between
 
@@ -21,10 +22,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class StorageError(Exception):
-    """The blob store could not write: the message names the cause and the fix."""
-
-    code = "storage_error"
+class StorageError(CodedError):
+    """The blob store could not write (code `storage_error`): the message names the cause and
+    the fix."""
 
 
 def _storage_error(exc: OSError, root: Path) -> StorageError:
@@ -37,9 +37,9 @@ def _storage_error(exc: OSError, root: Path) -> StorageError:
                "on a filesystem mounted read-write")
     else:
         fix = f"check the disk that holds {where}"
-    return StorageError(f"cannot store the adapter's weights under {root}: {what} "
-                        f"[{errno.errorcode.get(exc.errno or 0, exc.errno)}]; nothing was "
-                        f"recorded; {fix}, then retry")
+    return StorageError("storage_error", f"cannot store the adapter's weights under {root}: "
+                        f"{what} [{errno.errorcode.get(exc.errno or 0, exc.errno)}]; nothing "
+                        f"was recorded; {fix}, then retry")
 
 
 class BlobStore:

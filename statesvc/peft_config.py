@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import MODULE_PARENT, MODULES
+from shared.errors import CodedError
 
 MERGE_FIX = ("or merge it into the base model (PeftModel.merge_and_unload(), then save_pretrained) "
              "and configure a pool on the merged model")
@@ -45,12 +46,8 @@ ALL_LINEAR = "all-linear"
 MAX_PATTERN_CHARS = 1024
 
 
-class ConfigRefused(ValueError):
+class ConfigRefused(CodedError, ValueError):
     """An adapter_config.json the pool cannot serve as PEFT would; the message says what to change."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _unsupported(option: str, why: str, fix: str) -> ConfigRefused:

@@ -23,7 +23,7 @@ from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_BLOB_CH
 from shared.endpoints import bind, check_bind
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
-                             ok_reply, pack, request_id_of, unpack)
+                             error_reply_of, ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
 from shared.router import Replies, serving_router, split_request
 from statesvc.service import StateService
@@ -137,7 +137,7 @@ class Server:
         self._announced = self.service.state.seq
         for (envelope, req, _), ans in zip(batch, answers):
             if ans.error is not None:
-                frame = error_reply(req.id, ans.error.code, str(ans.error), ans.error.field)
+                frame = error_reply_of(req.id, ans.error)
             else:
                 frame = ok_reply(req.id, ans.result)
             self.replies.send(envelope + [frame])
@@ -171,8 +171,7 @@ class Server:
                 if req.cmd == "blob":
                     blob_bytes += req.args["length"]
             except ProtocolError as exc:
-                self.replies.send(envelope + [
-                    error_reply(_safe_id(body), exc.code, str(exc), exc.field)])
+                self.replies.send(envelope + [error_reply_of(_safe_id(body), exc)])
             except Exception as exc:  # a decoder bug must cost one answer, never the service
                 log.exception("internal error decoding a frame")
                 self.replies.send(envelope + [error_reply(

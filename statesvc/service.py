@@ -19,14 +19,15 @@ import msgpack
 
 from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES,
                            MAX_REPLICAS, MODULES, REPLICA_STALE_AFTER_S)
+from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
                            Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
 from shared.protocol import Request
-from shared.reducer import (ReducerError, State, apply, canonical, choose_slot, from_canonical,
+from shared.reducer import (State, apply, canonical, choose_slot, from_canonical,
                             logical_digest, require_pool, snapshot_bytes)
-from statesvc.adapters import ANYWHERE, AdapterError, Candidate, inspect_adapter
-from statesvc.blobs import BlobStore, StorageError
+from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
+from statesvc.blobs import BlobStore
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
 
 log = logging.getLogger("statesvc")
@@ -40,11 +41,8 @@ _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
 
-class CommandError(Exception):
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
+class CommandError(CodedError):
+    """A command the service refuses; the answer carries its code, message and field."""
 
 
 @dataclass
@@ -223,8 +221,8 @@ class StateService:
                     answers[i].result = self._with_log_id(req.cmd, self._read(req, actor))
             except CommandError as exc:
                 answers[i].error = exc
-            except (ReducerError, AdapterError, StorageError) as exc:
-                answers[i].error = CommandError(exc.code, str(exc))
+            except CodedError as exc:  # the reducer's, the adapter checks', the blob store's
+                answers[i].error = CommandError(exc.code, str(exc), exc.field)
             except Exception as exc:  # a bug must cost one answer, never the service
                 log.exception("internal error on %s", req.cmd)
                 answers[i].error = CommandError("internal_error", f"internal error "

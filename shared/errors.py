@@ -1,0 +1,18 @@
+"""The coded error: what every refusal carries into an error reply.
+
+`code` is the wire's `error.code` (docs/protocol.md lists them), the message
+says what is wrong and how to fix it, and `field` names the request field at
+fault (None: the request as a whole). Each refusal keeps its own subclass, so
+callers catch what they mean; whatever turns one into a reply or into another
+kind reads these three attributes of the base class.
+"""
+from __future__ import annotations
+
+
+class CodedError(Exception):
+    """A refusal with a stable code, a message for people and the field at fault."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
