@@ -109,8 +109,9 @@ from computed.replica import Phase, Replica
 from computed.weights import slot_weights
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
+from shared.llama import MODULES
 from shared.reducer import State
-from statesvc.example import ALL_MODULES, AdapterSpec, ModelShape, write_adapter, write_model
+from statesvc.example import AdapterSpec, ModelShape, write_adapter, write_model
 from tests.jaxcount import counting_compiles
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -218,7 +219,7 @@ def timed(timing: Timing | None) -> Iterator[None]:
 def write_assets(root: Path, shape: ModelShape) -> tuple[Path, dict[str, Path]]:
     model_dir = write_model(root / "model", shape, seed=0)
     dirs = {name: write_adapter(root / "adapters" / name,
-                                AdapterSpec(name, r=RANK, lora_alpha=ALPHA, target_modules=ALL_MODULES),
+                                AdapterSpec(name, r=RANK, lora_alpha=ALPHA, target_modules=MODULES),
                                 shape, seed=0, base_model_name_or_path=str(model_dir))
             for name in adapter_names()}
     return model_dir, dirs
@@ -227,7 +228,7 @@ def write_assets(root: Path, shape: ModelShape) -> tuple[Path, dict[str, Path]]:
 def loaded_event(name: str, slot: int, data: bytes) -> AdapterLoaded:
     return AdapterLoaded(name=name, version=slot + 2, slot=slot, sha256="", size=len(data), rank=RANK,
                          alpha=float(ALPHA), scaling=lora_scaling(ALPHA, RANK, False), use_rslora=False,
-                         targets=ALL_MODULES, pinned=False)
+                         targets=MODULES, pinned=False)
 
 
 @dataclass
@@ -656,7 +657,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "peft": info["peft"]},
         "model": {**{k: v for k, v in vars(shape).items() if k != "rope_scaling"}, "parameters": n_params,
                   "dtype": "float32", "attn_implementation": info["attn_implementation"]},
-        "adapters": {"count": ADAPTERS, "rank": RANK, "alpha": ALPHA, "targets": list(ALL_MODULES),
+        "adapters": {"count": ADAPTERS, "rank": RANK, "alpha": ALPHA, "targets": list(MODULES),
                      "fraction_of_projections": adapter_fraction(shape, TARGET_MIX)},
         "settings": {"batch": BATCH, "prompt": PROMPT, "steps": steps, "repeats": repeats,
                      "rounds_run": rounds, "clean_rounds": clean, "contended_above": CONTENDED,
@@ -767,7 +768,7 @@ def machine_line(result: dict[str, Any]) -> str:
 
 def adapter_fraction(shape: ModelShape, adapters: int) -> float:
     """Parameters of `adapters` adapters over those of the projections they adapt (all layers)."""
-    dims = [shape.module_dims(m) for m in ALL_MODULES]
+    dims = [shape.module_dims(m) for m in MODULES]
     return adapters * RANK * sum(i + o for i, o in dims) / sum(i * o for i, o in dims)
 
 

@@ -53,7 +53,8 @@ from shared.client import ControlClient
 from shared.config import DEFAULT_SNAPSHOT_EVERY
 from shared.events import PoolConfigured
 from shared.fingerprint import read_model
-from statesvc.example import ALL_MODULES, AdapterSpec, make_example
+from shared.llama import MODULES
+from statesvc.example import AdapterSpec, make_example
 from tests.inproc import init_pool, open_service, request
 from tests.procs import StateSvc
 
@@ -75,7 +76,7 @@ class Settings:
 
 
 def specs(live: int) -> tuple[list[AdapterSpec], list[AdapterSpec]]:
-    live_specs = [AdapterSpec(f"live-{i:03d}", r=MAX_RANK, lora_alpha=32, target_modules=ALL_MODULES)
+    live_specs = [AdapterSpec(f"live-{i:03d}", r=MAX_RANK, lora_alpha=32, target_modules=MODULES)
                   for i in range(live)]
     churn = [AdapterSpec(f"churn-{i}", r=2, lora_alpha=4, target_modules=("q_proj",))
              for i in range(CHURN)]

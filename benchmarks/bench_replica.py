@@ -51,9 +51,10 @@ from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
+from shared.llama import MODULES
 from shared.peft import parse_lora_name
 from shared.tensorfile import parse_bytes, to_float32
-from statesvc.example import ALL_MODULES, AdapterSpec, ModelShape, make_example
+from statesvc.example import AdapterSpec, ModelShape, make_example
 from tests.jaxcount import counting_compiles
 from tests.procs import Computed, StateSvc
 
@@ -88,13 +89,13 @@ class Settings:
 
 
 def adapter_specs(n: int) -> tuple[AdapterSpec, ...]:
-    return tuple(AdapterSpec(f"r16-{i:03d}", r=RANK, lora_alpha=32, target_modules=ALL_MODULES)
+    return tuple(AdapterSpec(f"r16-{i:03d}", r=RANK, lora_alpha=32, target_modules=MODULES)
                  for i in range(n))
 
 
 def pool_spec() -> PoolSpec:
     return PoolSpec(num_layers=SHAPE.num_hidden_layers,
-                    module_dims={m: SHAPE.module_dims(m) for m in ALL_MODULES},
+                    module_dims={m: SHAPE.module_dims(m) for m in MODULES},
                     slots=MAX_LORAS, max_rank=MAX_RANK, dtype="float32")
 
 

@@ -64,7 +64,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shared.config import MODULES, POOL_DTYPES
+from shared.config import POOL_DTYPES
+from shared.llama import MODULES
 
 
 @dataclass(frozen=True)

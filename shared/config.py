@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import re
 
+# computed/model.py reads the module list here until it imports shared/llama.py (issue 14)
+from shared.llama import MODULE_PARENT as MODULE_PARENT, MODULES as MODULES
+
 DEFAULT_CONTROL = "tcp://127.0.0.1:7100"
 DEFAULT_PUBLISH = "tcp://127.0.0.1:7101"
 DEFAULT_REPLICA_LISTEN = "tcp://127.0.0.1:7200"
@@ -41,18 +44,6 @@ ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # event ids and log ids: a lowercase UUID (any version)
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
-# LoRA target modules of the Llama architecture, in canonical order, with the
-# submodule that holds each one.
-MODULE_PARENT: dict[str, str] = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-MODULES: tuple[str, ...] = tuple(MODULE_PARENT)
 POOL_DTYPES = ("float32", "bfloat16")
 # The largest finite value of each pool dtype: an adapter's scaling must not exceed it.
 POOL_DTYPE_MAX: dict[str, float] = {"float32": 3.4028234663852886e38,

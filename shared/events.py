@@ -10,7 +10,8 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
-from shared.config import MODULES, UUID_RE
+from shared.config import UUID_RE
+from shared.llama import MODULES
 
 
 class EventError(ValueError):

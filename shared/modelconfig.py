@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.canonical import canonical_bytes
-from shared.config import MODULE_PARENT
+from shared.llama import MODULE_PARENT, module_dims
 
 ROPE_TYPES = ("default", "linear", "llama3")
 # What `pool.configured` may record of a config.json. Real Llama configs nest 2 levels (a
@@ -65,10 +65,9 @@ class Architecture:
     @property
     def module_dims(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in_features, out_features)."""
-        h, q, kv, i = (self.hidden_size, self.num_heads * self.head_dim,
-                       self.num_kv_heads * self.head_dim, self.intermediate_size)
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return module_dims(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a replica reads from the checkpoint, with its shape as transformers saves it."""

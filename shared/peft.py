@@ -5,11 +5,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.config import MODULE_PARENT
+from shared.llama import MODULE_PARENT, MODULES
 
 _NAME_RE = re.compile(
     r"base_model\.model\.model\.layers\.(0|[1-9][0-9]{0,5})\.(self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)\.weight")
+    rf"({'|'.join(MODULES)})\.lora_(A|B)\.weight")
 
 
 @dataclass(frozen=True, order=True)

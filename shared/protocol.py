@@ -14,9 +14,10 @@ from typing import Any, Callable, Mapping
 import msgpack
 
 from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
-                           MAX_FRAME_BYTES, MODULES, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
+                           MAX_FRAME_BYTES, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
 from shared.errors import CodedError
+from shared.llama import MODULES
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")

@@ -13,10 +13,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Callable
 
-from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, MODULES, POOL_DTYPE_MAX
+from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, POOL_DTYPE_MAX
 from shared.errors import CodedError
 from shared.events import PoolConfigured, lora_scaling
 from shared.files import Beneath, FileError, OutsideRoots, read_limited
+from shared.llama import MODULES
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
                                read_header_of)

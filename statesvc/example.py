@@ -24,12 +24,11 @@ import numpy as np
 import numpy.typing as npt
 from safetensors.numpy import save_file
 
+from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES, module_dims
+
 __all__ = [
-    "ATTN_MODULES",
-    "ALL_MODULES",
     "EXAMPLE_ADAPTERS",
     "EXAMPLE_BASE_MODEL_NAME",
-    "MLP_MODULES",
     "AdapterSpec",
     "ExampleAssets",
     "ModelShape",
@@ -46,10 +45,6 @@ __all__ = [
 
 Dtype = Literal["float32", "bfloat16"]
 ConfigStyle = Literal["both", "v5", "v4"]
-
-ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
-ALL_MODULES: tuple[str, ...] = ATTN_MODULES + MLP_MODULES
 
 # The versions whose on-disk layouts are mirrored here.
 TRANSFORMERS_VERSION = "5.24.0"
@@ -93,12 +88,11 @@ class ModelShape:
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a projection."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        dims = module_dims(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_heads=self.num_attention_heads,
+                           num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim)
         if module not in dims:
-            raise ValueError(f"unknown module {module!r}; expected one of {ALL_MODULES}")
+            raise ValueError(f"unknown module {module!r}; expected one of {MODULES}")
         return dims[module]
 
 
@@ -117,7 +111,7 @@ class AdapterSpec:
             raise ValueError("r must be positive")
         if not self.target_modules:
             raise ValueError("target_modules must not be empty")
-        unknown = set(self.target_modules) - set(ALL_MODULES)
+        unknown = set(self.target_modules) - set(MODULES)
         if unknown:
             raise ValueError(f"unknown target modules {sorted(unknown)}")
         if len(set(self.target_modules)) != len(self.target_modules):
@@ -133,8 +127,8 @@ EXAMPLE_ADAPTERS: tuple[AdapterSpec, ...] = (
     AdapterSpec("attn-qv-r8", r=8, lora_alpha=16, target_modules=("q_proj", "v_proj")),
     AdapterSpec("attn-all-r4", r=4, lora_alpha=4, target_modules=ATTN_MODULES),
     AdapterSpec("mlp-only-r16", r=16, lora_alpha=32, target_modules=MLP_MODULES),
-    AdapterSpec("all-r32-rslora", r=32, lora_alpha=16, target_modules=ALL_MODULES, use_rslora=True),
-    AdapterSpec("all-r2", r=2, lora_alpha=8, target_modules=ALL_MODULES),
+    AdapterSpec("all-r32-rslora", r=32, lora_alpha=16, target_modules=MODULES, use_rslora=True),
+    AdapterSpec("all-r2", r=2, lora_alpha=8, target_modules=MODULES),
 )
 
 
@@ -227,10 +221,6 @@ def _write_json(path: Path, obj: dict[str, Any], *, newline: bool = True) -> Non
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + ("\n" if newline else ""))
 
 
-def _parent(module: str) -> str:
-    return "self_attn" if module in ATTN_MODULES else "mlp"
-
-
 # --------------------------------------------------------------------------- model
 
 def model_tensor_names(shape: ModelShape) -> list[str]:
@@ -241,7 +231,7 @@ def model_tensor_names(shape: ModelShape) -> list[str]:
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.{_parent(m)}.{m}.weight" for m in ALL_MODULES]
+        names += [f"{p}.{MODULE_PARENT[m]}.{m}.weight" for m in MODULES]
     return sorted(names)
 
 
@@ -341,7 +331,7 @@ def write_model(dir: Path, shape: ModelShape = ModelShape(), *, seed: int = 0,
 def adapter_tensor_names(spec: AdapterSpec, shape: ModelShape) -> list[str]:
     """The PEFT tensor names of an adapter, sorted."""
     return sorted(
-        f"base_model.model.model.layers.{i}.{_parent(m)}.{m}.lora_{ab}.weight"
+        f"base_model.model.model.layers.{i}.{MODULE_PARENT[m]}.{m}.lora_{ab}.weight"
         for i in range(shape.num_hidden_layers) for m in spec.target_modules for ab in "AB")
 
 

@@ -25,7 +25,8 @@ from rich.table import Table
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.endpoints import click_address, connect
 from shared.keys import ClientKeys, KeyError_, client_keys
-from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, MODULES, POOL_DTYPES, STATE_ENV
+from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, POOL_DTYPES, STATE_ENV
+from shared.llama import MODULES
 
 F = TypeVar("F", bound=Callable[..., Any])
 out = Console(highlight=False, soft_wrap=True, emoji=False)

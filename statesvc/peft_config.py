@@ -30,8 +30,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config import MODULE_PARENT, MODULES
 from shared.errors import CodedError
+from shared.llama import MODULE_PARENT, MODULES
 
 MERGE_FIX = ("or merge it into the base model (PeftModel.merge_and_unload(), then save_pretrained) "
              "and configure a pool on the merged model")

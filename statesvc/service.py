@@ -18,11 +18,12 @@ from typing import Any, Callable
 import msgpack
 
 from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES,
-                           MAX_REPLICAS, MODULES, REPLICA_STALE_AFTER_S)
+                           MAX_REPLICAS, REPLICA_STALE_AFTER_S)
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
                            Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
+from shared.llama import MODULES
 from shared.protocol import Request
 from shared.reducer import (State, apply, canonical, choose_slot, from_canonical,
                             logical_digest, require_pool, snapshot_bytes)

@@ -17,10 +17,9 @@ from safetensors.numpy import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from shared.llama import MLP_MODULES, MODULES  # noqa: E402
 from statesvc.example import (  # noqa: E402
-    ALL_MODULES,
     EXAMPLE_ADAPTERS,
-    MLP_MODULES,
     AdapterSpec,
     ModelShape,
     adapter_tensor_names,
@@ -88,7 +87,7 @@ def test_example_adapters_cover_the_cases() -> None:
     assert len({a.lora_alpha for a in EXAMPLE_ADAPTERS}) >= 3
     assert any(a.use_rslora for a in EXAMPLE_ADAPTERS)
     assert any(set(a.target_modules) == set(MLP_MODULES) for a in EXAMPLE_ADAPTERS)
-    assert any(set(a.target_modules) == set(ALL_MODULES) for a in EXAMPLE_ADAPTERS)
+    assert any(set(a.target_modules) == set(MODULES) for a in EXAMPLE_ADAPTERS)
 
 
 def test_encoder_matches_reference_writer(tmp_path: Path) -> None:
@@ -283,7 +282,7 @@ def test_peft_loads_example_adapter(hf: Any, assets: Any, spec: AdapterSpec,
     layers = pm.base_model.model.model.layers
     seen = 0
     for i, layer in enumerate(layers):
-        for module in ALL_MODULES:
+        for module in MODULES:
             kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             lin = getattr(getattr(layer, kind), module)
             if module in spec.target_modules:

@@ -62,9 +62,10 @@ from computed.replica import Replica
 from computed.weights import BlobError, slot_weights
 from shared.client import ControlClient
 from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
-                           MAX_FRAME_BYTES, MAX_WIRE_BYTES, MODULES, UUID_RE)
+                           MAX_FRAME_BYTES, MAX_WIRE_BYTES, UUID_RE)
 from shared.events import AdapterLoaded, AdapterUnloaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
+from shared.llama import MODULES
 from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, WRITE_COMMANDS, ProtocolError,
                              Request, decode_request, error_reply, ok_reply, pack, request_id_of,
                              unpack, validate)

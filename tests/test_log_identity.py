@@ -15,7 +15,8 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, new_event_id
-from shared.config import MODULES, UUID_RE
+from shared.config import UUID_RE
+from shared.llama import MODULES
 from shared.reducer import logical_digest
 from statesvc.blobs import BlobStore
 from statesvc.example import ExampleAssets

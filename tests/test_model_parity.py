@@ -50,9 +50,8 @@ from computed.model import (  # noqa: E402
 from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from computed.weights import slot_weights  # noqa: E402
 from shared.events import AdapterLoaded  # noqa: E402
+from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
 from statesvc.example import (  # noqa: E402
-    ALL_MODULES,
-    ATTN_MODULES,
     AdapterSpec,
     ExampleAssets,
     ModelShape,
@@ -77,7 +76,7 @@ OTHER_SHAPE = ModelShape(
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
 OTHER_ADAPTERS = (
-    AdapterSpec("rslora-all-r8", r=8, lora_alpha=16, target_modules=ALL_MODULES, use_rslora=True),
+    AdapterSpec("rslora-all-r8", r=8, lora_alpha=16, target_modules=MODULES, use_rslora=True),
     AdapterSpec("attn-r4", r=4, lora_alpha=8, target_modules=ATTN_MODULES),
 )
 
