@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from shared.config import (ADAPTER_NAME_RE, DEFAULT_CONTROL, DEFAULT_PUBLISH,
+from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL, DEFAULT_PUBLISH,
                            DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import EndpointError, check_bind, click_address
 
@@ -94,8 +94,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         raise click.ClickException(str(exc)) from None
     replica_id = replica_id or f"{socket.gethostname()}-{listen.rsplit(':', 1)[-1]}"
     if not ADAPTER_NAME_RE.fullmatch(replica_id):
-        raise click.BadParameter(f"{replica_id!r}: a replica id is a letter or digit, then up "
-                                 "to 63 letters, digits, '.', '_' or '-'",
+        raise click.BadParameter(f"{replica_id!r}: a replica id is {ADAPTER_NAME_WORDS}",
                                  param_hint="--replica-id")
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
     # the client's socket is made on first use, in the sync thread that alone uses it

@@ -41,6 +41,7 @@ MAX_ADAPTER_BYTES = 4 << 30
 MAX_CONFIG_BYTES = 1 << 20
 
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ADAPTER_NAME_WORDS = "a letter or digit, then up to 63 letters, digits, '.', '_' or '-'"
 # event ids and log ids: a lowercase UUID (any version)
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 

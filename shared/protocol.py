@@ -13,8 +13,9 @@ from typing import Any, Callable, Mapping
 
 import msgpack
 
-from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
-                           MAX_FRAME_BYTES, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
+from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, MAX_BLOB_CHUNK,
+                           MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, POOL_DTYPES, PROTOCOL_VERSION,
+                           UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
 from shared.errors import CodedError
 from shared.llama import MODULES
@@ -207,9 +208,8 @@ COMMANDS: dict[str, Schema] = {
     },
     "status": {},
     "heartbeat": {
-        "id": Field(str, check=matches(ADAPTER_NAME_RE, "a replica id like an adapter name: a "
-                                       "letter or digit, then up to 63 letters, digits, '.', "
-                                       "'_' or '-'")),
+        "id": Field(str, check=matches(ADAPTER_NAME_RE, "a replica id like an adapter name: "
+                                       + ADAPTER_NAME_WORDS)),
         "address": Field(str, check=_replica_endpoint),
         "state": Field(str, check=one_of("INITIAL", "SYNCING", "ACTIVE", "REFUSED")),
         "applied_seq": SEQ, "logical_digest": DIGEST,

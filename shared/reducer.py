@@ -3,7 +3,10 @@
 `apply(state, seq, body)` is the only way state changes. The state service runs
 it before appending (so a command that would break a rule is refused and
 nothing is stored), and every replica runs it on the same events, so all of
-them derive the same slots and the same logical digest.
+them derive the same slots and the same logical digest. The rules of a `load`
+that need no file (the name, a free slot, an existing version) are here only:
+`admit_load` asks them before the service reads the adapter, `apply` again on
+the event.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.canonical import canonical_bytes, digest
-from shared.config import ADAPTER_NAME_RE, UUID_RE
+from shared.config import ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, UUID_RE
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, EventError, PoolConfigured,
                            decode_body, encode_body, lora_scaling)
@@ -52,11 +55,46 @@ def choose_slot(state: State, replacing: AdapterLoaded | None = None) -> int | N
     return replacing.slot if replacing is not None else None
 
 
+def _check_name(name: str, field: str | None = None) -> None:
+    """Raise ReducerError (invalid_name) unless `name` is an adapter name."""
+    if not ADAPTER_NAME_RE.fullmatch(name):
+        raise ReducerError("invalid_name", f"adapter name {name!r} must match "
+                           f"{ADAPTER_NAME_RE.pattern}: {ADAPTER_NAME_WORDS}", field)
+
+
+def _pool_full(pool: PoolConfigured) -> ReducerError:
+    return ReducerError("pool_full", f"all {pool.max_loras} slots are in use; unload an adapter "
+                        "first (loractl unload NAME), or configure a new pool with a larger "
+                        "--max-loras")
+
+
+def _exists(old: AdapterLoaded, new: AdapterLoaded) -> ReducerError:
+    """`new` would record a version of a loaded name without replacing it."""
+    what = (f"sha256 {old.sha256[:12]}..., new {new.sha256[:12]}..."
+            if old.sha256 != new.sha256 else
+            f"pinned={old.pinned}, asked pinned={new.pinned}"
+            if old.pinned != new.pinned else "other rank, alpha or targets")
+    return ReducerError("exists", f"adapter {new.name!r} is already loaded as version "
+                        f"{old.version} with different content or settings ({what}); "
+                        "pass --replace to record a new version")
+
+
+def admit_load(state: State, name: str) -> tuple[AdapterLoaded | None, int]:
+    """What a `load` of `name` needs of the state before any file is read: the loaded version
+    it would replace (None: a new name) and the slot the new version goes to. Raises
+    ReducerError when the state admits no load of `name`: no pool, a bad name, no free slot."""
+    pool = require_pool(state)
+    _check_name(name, "args.name")
+    old = state.adapters.get(name)
+    slot = choose_slot(state, old)
+    if slot is None:
+        raise _pool_full(pool)
+    return old, slot
+
+
 def _check_loaded(state: State, seq: int, ev: AdapterLoaded) -> None:
     pool = require_pool(state)
-    if not ADAPTER_NAME_RE.fullmatch(ev.name):
-        raise ReducerError("invalid", f"adapter name {ev.name!r} must match "
-                           "[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+    _check_name(ev.name)
     if ev.version != seq:
         raise ReducerError("invalid", f"version {ev.version} of {ev.name!r} must equal its seq {seq}")
     if not 1 <= ev.rank <= pool.max_rank:
@@ -72,14 +110,16 @@ def _check_loaded(state: State, seq: int, ev: AdapterLoaded) -> None:
     old = state.adapters.get(ev.name)
     if old is None and ev.replaces is not None:
         raise ReducerError("not_found", f"{ev.name!r} replaces a version that is not loaded")
-    if old is not None and (ev.replaces is None or (ev.replaces.version, ev.replaces.slot)
-                            != (old.version, old.slot)):
-        raise ReducerError("exists", f"adapter {ev.name!r} is loaded as version {old.version}; "
-                           "a new version must replace it (loractl load --replace)")
+    if old is not None:
+        if ev.replaces is None:
+            raise _exists(old, ev)
+        if (ev.replaces.version, ev.replaces.slot) != (old.version, old.slot):
+            raise ReducerError("exists", f"adapter {ev.name!r} is loaded as version "
+                               f"{old.version}; a new version must replace it (loractl load "
+                               "--replace)")
     slot = choose_slot(state, old)
     if slot is None:
-        raise ReducerError("pool_full", f"all {pool.max_loras} slots are in use; unload an "
-                           "adapter first, or configure a new pool with a larger --max-loras")
+        raise _pool_full(pool)
     if ev.slot != slot:
         raise ReducerError("invalid", f"adapter {ev.name!r} goes to slot {slot}, not {ev.slot}")
 

@@ -17,16 +17,16 @@ from typing import Any, Callable
 
 import msgpack
 
-from shared.config import (ADAPTER_NAME_RE, DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES,
-                           MAX_REPLICAS, REPLICA_STALE_AFTER_S)
+from shared.config import (DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS,
+                           REPLICA_STALE_AFTER_S)
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
                            Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
 from shared.llama import MODULES
 from shared.protocol import Request
-from shared.reducer import (State, apply, canonical, choose_slot, from_canonical,
-                            logical_digest, require_pool, snapshot_bytes)
+from shared.reducer import (State, admit_load, apply, canonical, from_canonical, logical_digest,
+                            require_pool, snapshot_bytes)
 from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
@@ -343,12 +343,9 @@ class StateService:
 
     def _load(self, state: State, seq: int,
               args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | bytearray | None]:
-        pool = require_pool(state)
-        name = args["name"]
-        if not ADAPTER_NAME_RE.fullmatch(name):
-            raise CommandError("invalid_name", f"adapter name {name!r} must match "
-                               "[A-Za-z0-9][A-Za-z0-9._-]{0,63}: a letter or digit, then up to "
-                               "63 letters, digits, '.', '_' or '-'", "args.name")
+        pool, name = require_pool(state), args["name"]
+        # the reducer's rules first (no pool, a bad name, no free slot): a refusal reads no file
+        old, slot = admit_load(state, name)
         path = _absolute(args["path"], "args.path")
         roots = self.adapter_roots or ANYWHERE
         if self.adapter_roots and ".." in path.parts:
@@ -359,7 +356,6 @@ class StateService:
         # symlinks that lead out of the roots are refused as `forbidden` there
         cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
                                stored=self.blobs.has, progress=self.progress)
-        old = state.adapters.get(name)
         if old is not None and _same(old, cand, args["pin"]) and not self.blobs.verify(old.sha256):
             # a damaged stored copy: this load repairs it, with the bytes read now
             if cand.weights is None:
@@ -372,22 +368,11 @@ class StateService:
         if old is not None and _same(old, cand, args["pin"]):
             return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
                     "created": False}
-        if old is not None and not args["replace"]:
-            what = (f"sha256 {old.sha256[:12]}..., new {cand.sha256[:12]}..."
-                    if old.sha256 != cand.sha256 else
-                    f"pinned={old.pinned}, asked pinned={args['pin']}"
-                    if old.pinned != args["pin"] else "other rank, alpha or targets")
-            raise CommandError("exists", f"adapter {name!r} is already loaded as version "
-                               f"{old.version} with different content or settings ({what}); "
-                               "pass --replace to record a new version")
-        slot = choose_slot(state, old)
-        if slot is None:
-            raise CommandError("pool_full", f"all {pool.max_loras} slots are in use; unload an "
-                               "adapter first (loractl unload NAME), or configure a new pool "
-                               "with a larger --max-loras")
+        # other content under a loaded name without --replace: `apply` refuses it (`exists`)
+        replaces = Replaced(old.version, old.slot) if old is not None and args["replace"] else None
         body = AdapterLoaded(name, seq, slot, cand.sha256, cand.size, cand.rank,
                              cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
-                             args["pin"], None if old is None else Replaced(old.version, old.slot))
+                             args["pin"], replaces)
         return body, cand.weights
 
     def _unload(self, state: State, seq: int,

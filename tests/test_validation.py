@@ -275,6 +275,8 @@ def test_pool_full(tmp_path: Path, example: ExampleAssets) -> None:
     err = refused(svc, example.adapter_dirs["attn-all-r4"], name="c")
     assert err.code == "pool_full"
     assert "all 2 slots are in use" in str(err) and "--max-loras" in str(err)
+    # the reducer refuses before any file is read: a missing directory is not looked at
+    assert refused(svc, tmp_path / "missing", name="c").code == "pool_full"
 
 
 def test_same_name_other_content_needs_replace(svc: StateService,
