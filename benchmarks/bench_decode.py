@@ -111,6 +111,7 @@ from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
 from shared.llama import MODULES
 from shared.reducer import State
+from shared.replica_protocol import generate_args
 from statesvc.example import AdapterSpec, ModelShape, write_adapter, write_model
 from tests.jaxcount import counting_compiles
 
@@ -323,9 +324,9 @@ class EngineDecode:
         self.engine.warmup()  # what serving compiles; only the first engine compiles (shared jit caches)
         names = adapter_names()
         for i in range(BATCH):
-            done = self.engine.submit(f"r{i}", {
-                "adapter": None if rows[i] < 0 else names[rows[i]],
-                "input_ids": [int(t) for t in prompts[i]], "max_new_tokens": max_new_tokens}, None)
+            done = self.engine.submit(f"r{i}", generate_args(
+                [int(t) for t in prompts[i]], adapter=None if rows[i] < 0 else names[rows[i]],
+                max_new_tokens=max_new_tokens), None)
             assert done is None, done
         self.engine.step()  # admits every request (32 prefills) and runs the first decode step
         if sum(r is not None for r in self.engine.rows) != BATCH:

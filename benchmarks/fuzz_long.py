@@ -76,6 +76,7 @@ def _seeds(target: str, props: Any, example: Any) -> list[bytes]:
     """Valid inputs for `target`, so the fuzzer starts from the real formats."""
     from shared.protocol import COMMANDS, encode_request, pack
     from shared.reducer import diff_of
+    from shared.replica_protocol import generate_args
     weights = [(d / "adapter_model.safetensors").read_bytes()
                for d in example.adapter_dirs.values()]
     if target == "frames":
@@ -84,8 +85,8 @@ def _seeds(target: str, props: Any, example: Any) -> list[bytes]:
             encode_request("r", "unload", {"event_id": "0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a",
                                            "name": "a"})]
     if target == "generate":
-        return [pack({"input_ids": [1, 2, 3], "max_new_tokens": 4, "temperature": 0.5,
-                      "top_p": 0.9, "seed": 7, "stop_token_ids": [2], "adapter": "a"})]
+        return [pack(generate_args([1, 2, 3], max_new_tokens=4, temperature=0.5, top_p=0.9,
+                                   seed=7, stop_token_ids=[2], adapter="a"))]
     if target == "safetensors":
         return [w[:4096] for w in weights] + weights[:1]
     if target == "adapter":

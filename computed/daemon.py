@@ -35,10 +35,10 @@ from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_B
 from shared.endpoints import check_bind, connect
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
-from shared.protocol import (PUBLISHED_HEARTBEAT, Field, ProtocolError, encode_request,
-                             error_reply_of, int_range, ok_reply, request_id_of, str_len, unpack,
-                             validate)
+from shared.protocol import (PUBLISHED_HEARTBEAT, ProtocolError, encode_request, error_reply_of,
+                             ok_reply, request_id_of, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
+from shared.replica_protocol import GENERATE, SLOT_ARGS, STATUS, decode_replica_request
 from shared.router import Replies, serving_router, split_request
 
 log = logging.getLogger("computed")
@@ -46,15 +46,6 @@ log = logging.getLogger("computed")
 RETRY_S = 1.0
 SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError,
                ForeignLog)
-
-REPLICA_REQUEST = {
-    "v": Field(int, check=int_range(1, 1)),
-    "id": Field(str, check=str_len(64)),
-    "cmd": Field(str, check=str_len(64)),
-    "args": Field(dict, required=False, default=None),
-}
-REPLICA_COMMANDS = ("status", "slot", "generate")
-SLOT_ARGS = {"slot": Field(int, check=int_range(0, 1 << 20))}
 
 
 class SyncLoop(threading.Thread):
@@ -314,28 +305,23 @@ class Daemon:
                 operator = user is None or user.startswith("operator:")
                 msg = unpack(body.bytes)
                 req_id = request_id_of(msg)
-                env = validate(REPLICA_REQUEST, msg, "request")
-                if env["cmd"] not in REPLICA_COMMANDS:
-                    raise ProtocolError("unknown_command", f"unknown command {env['cmd']!r}; "
-                                        f"known: {', '.join(REPLICA_COMMANDS)}", "request.cmd")
-                if env["cmd"] == "generate":
+                cmd, args = decode_replica_request(msg)
+                if cmd == GENERATE:
                     if self.engine is None:
                         raise ProtocolError("not_ready", "inference is disabled on this replica")
                     # the client: its CURVE identity with --auth; else the connection
                     client = user if user is not None else envelope[0]
-                    immediate = self.engine.submit(req_id or "", env["args"] or {}, envelope,
-                                                   client=client)
+                    immediate = self.engine.submit(req_id or "", args, envelope, client=client)
                     if immediate is not None:
                         self._send([immediate])
                     continue
-                reply = ok_reply(req_id, self._command(env["cmd"], env["args"] or {},
-                                                       operator=operator))
+                reply = ok_reply(req_id, self._command(cmd, args, operator=operator))
             except ProtocolError as exc:
                 reply = error_reply_of(req_id, exc)
             self.replies.send(envelope + [reply])
 
     def _command(self, cmd: str, raw_args: dict[str, Any], *, operator: bool) -> Any:
-        if cmd == "status":
+        if cmd == STATUS:
             validate({}, raw_args, "args")
             return self.status(details=operator)
         if not operator:

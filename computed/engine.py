@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,9 +25,8 @@ from computed.model import compile_serving, decode, init_cache, prefill
 from computed.pool import Lease, LoraPool, SlotDraining
 from computed.replica import Phase, Replica
 from shared.errors import CodedError
-from shared.protocol import Field, ProtocolError, int_range, str_len, validate
-
-MAX_STOP_TOKENS = 64
+from shared.protocol import ProtocolError, validate
+from shared.replica_protocol import generate_schema
 
 
 class Model(Protocol):
@@ -46,46 +45,6 @@ class Model(Protocol):
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
     def warmup(self, pool: LoraPool, cache: Any) -> None: ...
-
-
-def _token_list(limit: int) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if not isinstance(v, list) or not all(type(t) is int for t in v):
-            return "must be a list of integers"
-        if len(v) > limit:
-            return f"has {len(v)} entries, above the limit of {limit}"
-        return None
-    return check
-
-
-def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
-    in_vocab = f"must be token ids in [0, {vocab_size})"
-
-    def tokens(v: Any) -> str | None:
-        problem = _token_list(max_len)(v)
-        if problem:
-            return problem
-        if not v:
-            return "must not be empty"
-        return None if all(0 <= t < vocab_size for t in v) else in_vocab
-
-    def stops(v: Any) -> str | None:
-        problem = _token_list(MAX_STOP_TOKENS)(v)
-        return problem or (None if all(0 <= t < vocab_size for t in v) else in_vocab)
-
-    return {
-        "adapter": Field(str, required=False, check=str_len(64)),
-        "input_ids": Field(list, check=tokens),
-        "max_new_tokens": Field(int, required=False, default=16, check=int_range(1, max_len)),
-        "temperature": Field(float, required=False, default=0.0,
-                             check=lambda v: None if 0.0 <= v <= 100.0 else
-                             "must be between 0 and 100"),
-        "top_p": Field(float, required=False, default=1.0,
-                       check=lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]"),
-        "seed": Field(int, required=False, default=0, check=int_range(0, 2**63 - 1)),
-        "stop_token_ids": Field(list, required=False, default=[], check=stops),
-        "min_seq": Field(int, required=False, default=0, check=int_range(0, 2**62)),
-    }
 
 
 class GenerateError(CodedError):

@@ -28,6 +28,8 @@ from rich.table import Table
 from shared import runfile
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.processes import alive, loopback, start_ready, stop_pid
+from shared.protocol import encode_request
+from shared.replica_protocol import GENERATE, generate_args
 
 BIN = Path(sys.executable).parent
 console = Console(highlight=False, soft_wrap=True)
@@ -117,8 +119,8 @@ def mixed_batch(address: str, adapters: list[str | None],
         for adapter in adapters:
             rid = uuid.uuid4().hex
             ids[rid] = adapter
-            sock.send(msgpack.packb({"v": 1, "id": rid, "cmd": "generate", "args": {
-                "adapter": adapter, "input_ids": PROMPT, "max_new_tokens": 8}}))
+            sock.send(encode_request(rid, GENERATE, generate_args(PROMPT, adapter=adapter,
+                                                                  max_new_tokens=8)))
         out: dict[str | None, Any] = {}
         while len(out) < len(ids):
             if not sock.poll(120_000):

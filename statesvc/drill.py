@@ -29,6 +29,7 @@ from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable
 from shared.keys import ClientKeys, client_keys
 from shared.processes import alive, loopback, start_ready, stop_pid
+from shared.replica_protocol import GENERATE, STATUS, generate_args
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
 PROBE_TOKENS = 8
@@ -71,7 +72,7 @@ def _call(address: str, cmd: str, args: dict[str, Any] | None = None,
 
 def _status(address: str, keys: ClientKeys | None) -> dict[str, Any] | None:
     try:
-        return dict(_call(address, "status", timeout=3.0, keys=keys))
+        return dict(_call(address, STATUS, timeout=3.0, keys=keys))
     except (Unavailable, RemoteError):
         return None
 
@@ -248,9 +249,9 @@ class Drill:
         out: dict[str | None, Any] = {}
         for adapter in adapters:
             try:
-                res = _call(address, "generate", {"adapter": adapter, "input_ids": PROBE,
-                                                  "max_new_tokens": PROBE_TOKENS,
-                                                  "min_seq": seq}, timeout=120.0,
+                res = _call(address, GENERATE, generate_args(PROBE, adapter=adapter,
+                                                             max_new_tokens=PROBE_TOKENS,
+                                                             min_seq=seq), timeout=120.0,
                             keys=None if address in self.fresh else self.replica_keys)
                 out[adapter] = res["output_ids"]
             except (RemoteError, Unavailable) as exc:

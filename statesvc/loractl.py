@@ -27,6 +27,7 @@ from shared.endpoints import click_address, connect
 from shared.keys import ClientKeys, KeyError_, client_keys
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, POOL_DTYPES, STATE_ENV
 from shared.llama import MODULES
+from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
 
 F = TypeVar("F", bound=Callable[..., Any])
 out = Console(highlight=False, soft_wrap=True, emoji=False)
@@ -342,14 +343,17 @@ def _parse_ids(value: str) -> list[int]:
               help="A replica's listen address, e.g. tcp://127.0.0.1:7200 (env LORAPLANE_REPLICA).")
 @click.option("--adapter", default=None, help="Adapter name; without it, the base model.")
 @click.option("--input-ids", required=True, help="Prompt token ids, comma-separated.")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+@click.option("--max-new-tokens", type=click.IntRange(1),
+              default=GENERATE_DEFAULTS["max_new_tokens"], show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=GENERATE_DEFAULTS["temperature"],
+              show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+              default=GENERATE_DEFAULTS["top_p"], show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=GENERATE_DEFAULTS["seed"],
               show_default=True)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--stop-token-ids", default="", help="Comma-separated ids that end the output.")
-@click.option("--min-seq", type=click.IntRange(0), default=0, show_default=True,
+@click.option("--min-seq", type=click.IntRange(0), default=GENERATE_DEFAULTS["min_seq"],
+              show_default=True,
               help="Wait until the replica has applied this seq (read your own load).")
 @click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
               help="CURVE: the replica's public key file, when it runs with --auth "
@@ -362,14 +366,14 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
              stop_token_ids: str, min_seq: int, replica_server_key: str | None,
              as_json: bool) -> None:
     """Ask a replica for a completion, on an adapter or on the base model."""
-    args = {"adapter": adapter, "input_ids": _parse_ids(input_ids),
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "seed": seed, "stop_token_ids": _parse_ids(stop_token_ids) if stop_token_ids else [],
-            "min_seq": min_seq}
+    args = generate_args(_parse_ids(input_ids), adapter=adapter, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, seed=seed,
+                         stop_token_ids=_parse_ids(stop_token_ids) if stop_token_ids else [],
+                         min_seq=min_seq)
     keys_ = _keys(ctx.obj["key"], replica_server_key) if replica_server_key else None
     with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0,
                        keys=keys_) as c:
-        res = c.call("generate", args)
+        res = c.call(GENERATE, args)
     if as_json:
         _emit(res)
         return

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.processes import free_port, loopback, start_ready, stop_pid
+from shared.replica_protocol import STATUS
 
 BIN = Path(sys.executable).parent
 __all__ = ["BIN", "Computed", "StateSvc", "free_port", "loractl", "stop_pid", "wait_for"]
@@ -98,7 +99,7 @@ class Computed(_Process):
             return c.call(cmd, args)
 
     def status(self) -> dict[str, Any]:
-        return dict(self.call("status"))
+        return dict(self.call(STATUS))
 
 
 def wait_for(predicate: Any, *, timeout: float = 60.0, what: str = "condition") -> None:

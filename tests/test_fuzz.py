@@ -56,7 +56,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from computed.daemon import SLOT_ARGS, Daemon
+from computed.daemon import Daemon
 from computed.engine import Engine
 from computed.replica import Replica
 from computed.weights import BlobError, slot_weights
@@ -70,6 +70,7 @@ from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, WRITE_COMMANDS, Prot
                              Request, decode_request, error_reply, ok_reply, pack, request_id_of,
                              unpack, validate)
 from shared.reducer import ReducerError, State, apply, body_of_diff, diff_of, logical_digest
+from shared.replica_protocol import SLOT_ARGS
 from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, Header, TensorFileError,
                                parse_bytes, parse_header, read_header)
 from statesvc.adapters import AdapterError, inspect_adapter
