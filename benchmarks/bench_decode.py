@@ -84,14 +84,13 @@ import multiprocessing
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,12 +99,12 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import machine_info, median, print_targets, publish, spread
+from computed.admission import Grant
 from computed.engine import Engine, LlamaRunner
 from computed.lora import choose_window, loop_windows
 from computed import dense
 from computed.model import decode, load_model, with_layout
-from computed.pool import MemoryPool, PoolSpec
-from computed.replica import Phase, Replica
+from computed.pool import LoraPool, MemoryPool, PoolSpec
 from computed.weights import slot_weights
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
@@ -234,16 +233,23 @@ def loaded_event(name: str, slot: int, data: bytes) -> AdapterLoaded:
 
 @dataclass
 class Serving:
-    """What Engine reads of a Replica: an ACTIVE replica whose adapters never change."""
+    """The admission port (computed/admission.py) of an ACTIVE replica whose adapters never
+    change."""
 
     pool: MemoryPool
     state: State
-    phase: Phase = Phase.ACTIVE
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @property
-    def applied_seq(self) -> int:
-        return self.state.seq
+    def admit(self, adapter: str | None, min_seq: int) -> Grant:
+        if adapter is None:
+            return Grant(-1, None, 0, self.state.seq, None)
+        a = self.state.adapters[adapter]
+        return Grant(a.slot, a.name, a.version, self.state.seq, self.pool.acquire(a.slot))
+
+    def reading(self) -> AbstractContextManager[LoraPool]:
+        return self.pool.reading()
+
+    def pool_shapes(self) -> LoraPool:
+        return self.pool.shapes()
 
 
 # --------------------------------------------------------------------------- ours
@@ -320,7 +326,7 @@ class EngineDecode:
 
     def __init__(self, runner: LlamaRunner, serving: Serving, prompts: np.ndarray, rows: list[int],
                  max_new_tokens: int) -> None:
-        self.engine = Engine(runner, cast(Replica, serving))
+        self.engine = Engine(runner, serving)
         self.engine.warmup()  # what serving compiles; only the first engine compiles (shared jit caches)
         names = adapter_names()
         for i in range(BATCH):

@@ -275,10 +275,7 @@ class Daemon:
                 "head_seq_seen": self.sync.remote_head, "last_error": r.last_error,
                 "log_id": r.log_id,
                 "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
-                "inference": None if self.engine is None else {
-                    "warm": self.engine.warm, "running": sum(x is not None for x in self.engine.rows),
-                    "waiting": len(self.engine.waiting), "max_batch": self.engine.model.max_batch,
-                    "max_len": self.engine.model.max_len},
+                "inference": None if self.engine is None else self.engine.stats(),
                 "slots": {str(s): {"name": h.name, "version": h.version}
                           for s, h in sorted(r.holders.items())}}
 

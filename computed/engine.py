@@ -1,8 +1,9 @@
 """Continuous batching: requests for any mix of adapters share one decode step.
 
-A request is admitted when a batch row is free: it resolves its adapter to the
-(slot, version) the replica holds at that moment, takes a lease on the slot
-(so the slot is not overwritten until the request finishes, see pool.py), is
+A request is admitted when a batch row is free: the replica resolves its
+adapter to the (slot, version) it holds at that moment and leases the slot
+(so the slot is not overwritten until the request finishes; the admission
+port, computed/admission.py, is all the engine asks of the replica), it is
 prefilled into its own KV-cache row, and from the next step on decodes
 together with every other running request. It leaves the batch when it hits
 max_new_tokens, a stop token or the cache's end. Sampling happens on the host
@@ -20,13 +21,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from computed.admission import (AdmissionPort, GenerateError, Grant, LoraPool, NotReady,
+                                SlotDraining)
 from computed.lora import windows_for
 from computed.model import compile_serving, decode, init_cache, prefill
-from computed.pool import Lease, LoraPool, SlotDraining
-from computed.replica import Phase, Replica
-from shared.errors import CodedError
 from shared.protocol import ProtocolError, validate
-from shared.replica_protocol import generate_schema
+from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
 
 class Model(Protocol):
@@ -47,10 +47,6 @@ class Model(Protocol):
     def warmup(self, pool: LoraPool, cache: Any) -> None: ...
 
 
-class GenerateError(CodedError):
-    """A generate request refused or failed; the reply carries its code, message and field."""
-
-
 @dataclass
 class Request:
     req_id: str
@@ -64,10 +60,7 @@ class Request:
 class Running:
     req: Request
     row: int
-    slot: int  # -1: the base model
-    adapter: dict[str, Any] | None
-    lease: Lease | None
-    seq: int
+    grant: Grant
     rng: np.random.Generator
     position: int  # where the next token's KV goes
     next_token: int
@@ -80,7 +73,7 @@ class Running:
 class Done:
     reply_to: Any
     req_id: str
-    result: dict[str, Any] | None = None
+    result: GenerateResult | None = None
     error: GenerateError | None = None
 
 
@@ -99,7 +92,7 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 
 class Engine:
-    def __init__(self, model: Model, replica: Replica, *, queue_limit: int = 256,
+    def __init__(self, model: Model, replica: AdmissionPort, *, queue_limit: int = 256,
                  min_seq_wait_s: float = 10.0, client_limit: int = 64) -> None:
         self.model = model
         self.replica = replica
@@ -114,12 +107,12 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every shape serving uses, once the pool exists (its shapes are inputs)."""
-        pool = self.replica.pool
-        if self.warm or pool is None:
+        shapes = None if self.warm else self.replica.pool_shapes()
+        if shapes is None:
             return
         # from the pool's shapes alone, without holding it: diffs keep applying while it
         # compiles (seconds per bucket and window)
-        self.model.warmup(pool.shapes(), self.cache)
+        self.model.warmup(shapes, self.cache)
         self.warm = True
 
     # ---- intake ----------------------------------------------------------------
@@ -155,6 +148,12 @@ class Engine:
     def busy(self) -> bool:
         return any(r is not None for r in self.rows) or bool(self.waiting)
 
+    def stats(self) -> InferenceStatus:
+        """What `status` reports of inference."""
+        return {"warm": self.warm, "running": sum(r is not None for r in self.rows),
+                "waiting": len(self.waiting), "max_batch": self.model.max_batch,
+                "max_len": self.model.max_len}
+
     # ---- one step ----------------------------------------------------------------
 
     def step(self) -> list[Done]:
@@ -164,8 +163,6 @@ class Engine:
         active = [r for r in self.rows if r is not None]
         if not active:
             return done
-        pool = self.replica.pool
-        assert pool is not None
         m = self.model
         tokens = np.zeros(m.max_batch, np.int32)
         positions = np.zeros(m.max_batch, np.int32)
@@ -173,8 +170,8 @@ class Engine:
         mask = np.zeros(m.max_batch, bool)
         for r in active:
             tokens[r.row], positions[r.row], slots[r.row], mask[r.row] = \
-                r.next_token, r.position, r.slot, True
-        with pool.reading() as arrays:
+                r.next_token, r.position, r.grant.slot, True
+        with self.replica.reading() as arrays:
             logits, self.cache = m.decode(arrays, self.cache, tokens, positions, slots, mask)
         logits = np.asarray(logits)
         for r in active:
@@ -194,16 +191,18 @@ class Engine:
 
     def _finish(self, r: Running, done: list[Done]) -> None:
         self.rows[r.row] = None
-        if r.lease is not None:
-            r.lease.pool.release(r.lease)
+        r.grant.release()
         now = time.perf_counter()
-        timings = {"queue_ms": (r.admitted - r.req.arrived) * 1e3,
-                   "prefill_ms": r.prefill_s * 1e3,
-                   "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
-                   "total_ms": (now - r.req.arrived) * 1e3}
-        done.append(Done(r.req.reply_to, r.req.req_id, result={
-            "id": r.req.req_id, "output_ids": r.output, "adapter": r.adapter, "seq": r.seq,
-            "timings": timings}))
+        g = r.grant
+        result: GenerateResult = {
+            "id": r.req.req_id, "output_ids": r.output,
+            "adapter": None if g.name is None else {"name": g.name, "version": g.version},
+            "seq": g.seq,
+            "timings": {"queue_ms": (r.admitted - r.req.arrived) * 1e3,
+                        "prefill_ms": r.prefill_s * 1e3,
+                        "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
+                        "total_ms": (now - r.req.arrived) * 1e3}}
+        done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done]) -> None:
         kept: deque[Request] = deque()
@@ -219,41 +218,26 @@ class Engine:
     def _try_admit(self, req: Request, done: list[Done]) -> bool:
         """Admit `req` into a free row; False to keep it waiting."""
         a = req.args
-        replica = self.replica
-        ready = replica.phase is Phase.ACTIVE and replica.pool is not None
-        if not ready or replica.applied_seq < a["min_seq"]:
+        row = next((i for i, r in enumerate(self.rows) if r is None), None)
+        try:
+            # without a free row only the wait for min_seq can end now: ask as for the base
+            # model, which holds nothing
+            grant = self.replica.admit(a["adapter"] if row is not None else None, a["min_seq"])
+        except NotReady as exc:
             if time.perf_counter() - req.arrived < self.min_seq_wait_s:
                 return False
-            raise GenerateError("not_ready", f"the replica is {replica.phase.value} at seq "
-                                f"{replica.applied_seq} and did not reach min_seq "
-                                f"{a['min_seq']} within {self.min_seq_wait_s:g} s",
-                                "args.min_seq" if ready else None)
-        row = next((i for i, r in enumerate(self.rows) if r is None), None)
+            raise GenerateError(exc.code, f"{exc} within {self.min_seq_wait_s:g} s", exc.field)
+        except SlotDraining:
+            return False  # its slot is being rewritten: admit once that is done
         if row is None:
             return False
-        slot, adapter, lease = -1, None, None
-        with replica.lock:  # the state and the slots it names change together
-            state, pool = replica.state, replica.pool
-            assert pool is not None
-            if a["adapter"] is not None:
-                loaded = state.adapters.get(a["adapter"])
-                if loaded is None:
-                    raise GenerateError("unknown_adapter", f"adapter {a['adapter']!r} is not "
-                                        f"loaded on this replica (at seq {state.seq}); "
-                                        "`loractl list` shows what is", "args.adapter")
-                try:
-                    lease = pool.acquire(loaded.slot)
-                except SlotDraining:
-                    return False  # its slot is being rewritten: admit once that is done
-                slot, adapter = loaded.slot, {"name": loaded.name, "version": loaded.version}
-        run = Running(req, row, slot, adapter, lease, state.seq,
-                      np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
+        run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
         run.admitted = time.perf_counter()
         prompt = np.zeros(self.model.bucket(len(a["input_ids"])), np.int32)
         prompt[:len(a["input_ids"])] = a["input_ids"]
-        with pool.reading() as arrays:
+        with self.replica.reading() as arrays:
             logits, self.cache = self.model.prefill(arrays, self.cache, prompt,
-                                                    len(a["input_ids"]), row, slot)
+                                                    len(a["input_ids"]), row, grant.slot)
         logits = np.asarray(logits)
         run.prefill_s = time.perf_counter() - run.admitted
         self.rows[row] = run

@@ -21,13 +21,15 @@ import logging
 import os
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from computed.pool import MemoryPool, PoolSpec, SlotWeights
+from computed.admission import GenerateError, Grant, NotReady
+from computed.pool import LoraPool, MemoryPool, PoolSpec, SlotWeights
 from computed.weights import BlobCache, BlobError, slot_weights
 from shared.canonical import canonical_bytes
 from shared.client import ControlClient
@@ -114,6 +116,34 @@ class Replica:
             hit = (self.state.seq, compute())
             self._digests[what] = hit
         return hit[1]
+
+    # ---- the admission port (computed/admission.py) ------------------------------
+
+    def admit(self, adapter: str | None, min_seq: int) -> Grant:
+        """Resolve `adapter` to the slot and version held now and lease the slot."""
+        ready = self.phase is Phase.ACTIVE and self.pool is not None
+        if not ready or self.applied_seq < min_seq:
+            raise NotReady(f"the replica is {self.phase.value} at seq {self.applied_seq} and "
+                           f"did not reach min_seq {min_seq}", "args.min_seq" if ready else None)
+        with self.lock:  # the state and the slots it names change together
+            state, pool = self.state, self.pool
+            assert pool is not None
+            if adapter is None:
+                return Grant(-1, None, 0, state.seq, None)
+            loaded = state.adapters.get(adapter)
+            if loaded is None:
+                raise GenerateError("unknown_adapter", f"adapter {adapter!r} is not loaded on "
+                                    f"this replica (at seq {state.seq}); `loractl list` shows "
+                                    "what is", "args.adapter")
+            lease = pool.acquire(loaded.slot)  # SlotDraining: admit once it is rewritten
+            return Grant(loaded.slot, loaded.name, loaded.version, state.seq, lease)
+
+    def reading(self) -> AbstractContextManager[LoraPool]:
+        assert self.pool is not None
+        return self.pool.reading()
+
+    def pool_shapes(self) -> LoraPool | None:
+        return None if self.pool is None else self.pool.shapes()
 
     # ---- sync ------------------------------------------------------------------
 

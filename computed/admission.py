@@ -1,0 +1,64 @@
+"""The admission port: all that serving (computed/engine.py) asks of the replica.
+
+The engine admits a request by `admit(adapter, min_seq)`: the replica resolves
+the adapter to the slot and version it holds at that moment and leases the slot
+(so it is not overwritten until the request finishes, see pool.py), or refuses
+with a coded error. The forward pass reads the pool's arrays through `reading`,
+and warm-up compiles from `pool_shapes`. The replica (computed/replica.py)
+implements the port; the engine imports nothing else of it, nor the replica
+anything of the engine.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from computed.pool import Lease, LoraPool, SlotDraining
+from shared.errors import CodedError
+
+# what the engine needs of the pool comes through here: its arrays' type (the forward pass's
+# input) and the refusal of a slot being rewritten
+__all__ = ["AdmissionPort", "GenerateError", "Grant", "LoraPool", "NotReady", "SlotDraining"]
+
+
+class GenerateError(CodedError):
+    """A generate request refused or failed; the reply carries its code, message and field."""
+
+
+class NotReady(GenerateError):
+    """The replica is not serving yet, or has not applied `min_seq`: the engine waits for it
+    up to its --min-seq-timeout, then answers `not_ready`."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__("not_ready", message, field)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An admitted request's hold on the replica, until `release`."""
+
+    slot: int  # -1: the base model
+    name: str | None  # the adapter, None for the base model
+    version: int  # the adapter's version the request runs on (0 for the base model)
+    seq: int  # the replica's applied seq at admission
+    lease: Lease | None  # the hold on `slot`, None for the base model
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.pool.release(self.lease)
+
+
+class AdmissionPort(Protocol):
+    def admit(self, adapter: str | None, min_seq: int) -> Grant:
+        """Admit a request for `adapter` (None: the base model) once `min_seq` is applied;
+        raises NotReady or SlotDraining (both: try again later), or GenerateError."""
+        ...
+
+    def reading(self) -> AbstractContextManager[LoraPool]:
+        """The pool's arrays, held unchanged while the block dispatches the forward pass."""
+        ...
+
+    def pool_shapes(self) -> LoraPool | None:
+        """The pool's shapes and dtypes for compiling, None until the pool is configured."""
+        ...
