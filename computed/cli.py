@@ -12,11 +12,8 @@ import click
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL, DEFAULT_PUBLISH,
                            DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import EndpointError, check_bind, click_address
+from shared.faults import Faults
 
-# Test-only fault switch: the slot this replica writes wrong (drills must catch it).
-PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
-# Test-only fault switch: seconds to pause after each slot write (a window to crash in).
-SLOW_WRITE_ENV = "LORAPLANE_FAULT_SLOW_WRITE_S"
 
 
 @click.group()
@@ -104,13 +101,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     except KeyError_ as exc:
         raise click.UsageError(str(exc)) from None
     client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
-    fault = os.environ.get(PERTURB_SLOT_ENV)
-    if fault:
-        log.warning("fault switch %s=%s: slot %s will be written wrong", PERTURB_SLOT_ENV, fault,
-                    fault)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
-                      perturb_slot=int(fault) if fault else None,
-                      slow_write_s=float(os.environ.get(SLOW_WRITE_ENV, "0")))
+                      faults=Faults.from_env())
     engine = None
     if inference:
         from computed.engine import Engine, LlamaRunner

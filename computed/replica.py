@@ -34,6 +34,7 @@ from computed.weights import BlobCache, BlobError, slot_weights
 from shared.canonical import canonical_bytes
 from shared.client import ControlClient
 from shared.events import AdapterLoaded, Body, PoolConfigured, decode_body
+from shared.faults import NO_FAULTS, Faults
 from shared.fingerprint import ModelInfo
 from shared.reducer import State, apply, canonical, from_canonical, logical_digest
 
@@ -72,12 +73,10 @@ def pool_spec(pool: PoolConfigured) -> PoolSpec:
 
 class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
-                 from_zero: bool = False, perturb_slot: int | None = None,
-                 slow_write_s: float = 0.0) -> None:
+                 from_zero: bool = False, faults: Faults = NO_FAULTS) -> None:
         self.model = model
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
-        self.perturb_slot = perturb_slot  # test-only fault: this slot is written wrong
-        self.slow_write_s = slow_write_s  # test-only fault: a pause after each slot write
+        self.faults = faults  # test-only (shared/faults.py): off unless switched on
         self.syncing_seq = 0  # how far a catch-up has read the log
         self.client = client
         self.cache_dir = Path(cache_dir)
@@ -238,8 +237,6 @@ class Replica:
             if self.holders.get(slot) != holder:
                 adapter = new.adapters[holder.name]
                 writes[slot] = slot_weights(self.blobs.get(adapter.sha256), adapter)
-                if slot == self.perturb_slot:
-                    writes[slot] = _perturbed(writes[slot])
         clears = [s for s in self.holders if s not in wanted]
         # nothing has changed up to here; from here on nothing can fail
         assert pool is not None or not (writes or clears)
@@ -247,9 +244,7 @@ class Replica:
             for slot in clears:
                 pool.clear_slot(slot)  # type: ignore[union-attr]
             for slot, weights in sorted(writes.items()):
-                pool.write_slot(slot, weights)  # type: ignore[union-attr]
-                if self.slow_write_s:  # test-only fault: widen the window for a crash here
-                    time.sleep(self.slow_write_s)
+                self.faults.write_slot(pool.write_slot, slot, weights)  # type: ignore[union-attr]
             self.pool, self.holders, self.state = pool, wanted, new
             self.log_id = log_id
         self.applied_at = time.time()
@@ -305,14 +300,6 @@ class Replica:
         tmp.write_bytes(canonical_bytes({"seq": self.state.seq, "state": canonical(self.state),
                                          "log_id": self.log_id}))
         os.replace(tmp, path)
-
-
-def _perturbed(w: SlotWeights) -> SlotWeights:
-    """The test-only fault: one weight of the slot nudged, as a bad write would leave it."""
-    (first, (a, b)), *rest = sorted(w.pairs.items())
-    a = a.copy()
-    a.flat[0] += 0.5
-    return SlotWeights(w.scaling, w.rank, dict([(first, (a, b)), *rest]))
 
 
 class GapError(Exception):

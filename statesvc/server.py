@@ -11,7 +11,6 @@ service calls back into the loop for it).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import zmq
 
 from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_BLOB_CHUNK
 from shared.endpoints import bind, check_bind
+from shared.faults import Faults
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
                              error_reply_of, ok_reply, pack, request_id_of, unpack)
@@ -38,25 +38,13 @@ MAX_BATCH_BLOB_BYTES = MAX_BLOB_CHUNK
 # CURVE, its handshake.
 MAX_SUBSCRIBER_FRAME_BYTES = 4096
 LOCAL_ACTOR = "local"
-# Test-only fault switch: seqs whose diffs are left unpublished, e.g. "3,5-7".
-DROP_DIFFS_ENV = "LORAPLANE_FAULT_DROP_DIFFS"
-
-
-def parse_seq_set(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 class Server:
     def __init__(self, service: StateService, *, control: str, publish: str,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  auth_dir: Path | None = None) -> None:
         self.service = service
         self.heartbeat_interval = heartbeat_interval
-        self.drop_diffs = parse_seq_set(os.environ.get(DROP_DIFFS_ENV, ""))
+        self.faults = Faults.from_env()  # test-only (shared/faults.py): off unless switched on
         self.ctx = zmq.Context()
         self.auth = None if auth_dir is None else ServerAuth(self.ctx, auth_dir)
         authenticated = self.auth is not None
@@ -129,8 +117,7 @@ class Server:
         answers, committed = self.service.handle([(req, actor) for _, req, actor in batch],
                                                  more=more)
         for ev in committed:
-            if ev.seq in self.drop_diffs:
-                log.warning("fault switch: diff for seq %d left unpublished", ev.seq)
+            if not self.faults.publishes(ev.seq):
                 continue
             self.pub.send_multipart([b"diff", pack(diff_of_payload(
                 ev.seq, ev.type, ev.payload, log_id=self.service.log_id))])
