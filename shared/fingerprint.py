@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.canonical import digest
+from shared.checkpoint import shard_paths
 from shared.config import MAX_CONFIG_BYTES
 from shared.files import read_regular
 from shared.modelconfig import ModelConfigError, check_recordable, check_tensors, read_architecture
@@ -28,27 +29,6 @@ class ModelInfo:
     num_layers: int
     module_dims: dict[str, tuple[int, int]]         # module -> (in_features, out_features)
     tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
-
-
-def _shards(model_dir: Path) -> list[Path]:
-    single = model_dir / "model.safetensors"
-    index = model_dir / "model.safetensors.index.json"
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        try:
-            weight_map = json.loads(read_regular(index, MAX_CONFIG_BYTES))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelError(f"{index}: not a valid safetensors index ({exc})") from None
-        for n in names:
-            if not isinstance(n, str) or "/" in n or n.startswith("."):
-                raise ModelError(f"{index}: shard name {n!r} must be a file in the same directory")
-        return [model_dir / n for n in names]
-    if any(model_dir.glob("*.bin")):
-        raise ModelError(f"{model_dir}: only pickle .bin weights found; save the model with "
-                         "safe_serialization=True to get model.safetensors")
-    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
 def read_model(model_dir: Path) -> ModelInfo:
@@ -74,13 +54,17 @@ def _read_model(model_dir: Path) -> ModelInfo:
         raise ModelError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ModelError(f"{model_dir}/config.json: must hold a JSON object")
-    try:  # what no replica can serve, in the words a replica start uses (computed/model.py)
+    try:  # what no replica can serve, in the words a replica start uses (computed/model/loader.py)
         check_recordable(config)
         arch = read_architecture(config)
     except ModelConfigError as exc:
         raise ModelError(f"{model_dir}/{exc}") from None
+    try:
+        shards = shard_paths(model_dir)
+    except ModelConfigError as exc:
+        raise ModelError(str(exc)) from None
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    for shard in _shards(model_dir):
+    for shard in shards:
         try:
             header = read_header(shard)
         except (OSError, TensorFileError) as exc:
