@@ -17,16 +17,16 @@ then rounds until `--repeats` of them ran without other load on the machine
 PEFT in a process of its own, since torch and XLA in one process slow each
 other down:
 
-* decode:       LlamaRunner.decode in a loop: computed.model.decode as the engine calls it
+* decode:       LlamaRunner.decode in a loop: computed.model.runner.decode as the engine calls it
                 (attention over the smallest bucket of the cache that holds the longest
                 sequence), 32 active rows, the next tokens by argmax of each step's
                 logits; every round restarts at position 32. The pool has `--slots`
                 slots (32 of them filled), the KV cache `--max-len` positions. Each
-                step's mix picks its LoRA window (computed.lora.choose_window).
-                As in serving on the CPU: the projections from the native dense kernel
+                As in serving on the CPU (the native backend, computed/backend/native.py):
+                the projections from the native dense kernel
                 over packed weights (computed/kernels/dense.cc), the LoRA terms from
                 sgmv.cc, attention from attention.cc.
-* loop:         the same loop on XLA alone, as a replica runs where the native
+* loop:         the same loop on XLA alone (XlaBackend), as a replica runs where the native
                 kernels cannot be built: XLA's dot over unpacked weights (a
                 second copy of the model), LoRA terms from XLA's window loop
                 (computed.lora.segmented_group, each step's window from
@@ -34,8 +34,8 @@ other down:
                 batch.
 * gather:       the same loop with the same LoRA arithmetic done by a per-token gather
                 (BGMV-style: every row gathers its own adapter's A and B;
-                computed.model.decode with lora_impl="gather", which serving never
-                uses), on the batches with adapters.
+                the backend's option lora="gather", which serving never uses), on the
+                batches with adapters.
 * Engine.step:  computed.engine.Engine with LlamaRunner (max_batch 32, the same
                 max_len), the 32 requests submitted with their adapter names and
                 admitted (prefilled) before timing; a round is `--steps` calls of
@@ -80,6 +80,7 @@ writes nothing unless `python -m benchmarks --quick` points it elsewhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import sys
@@ -100,10 +101,11 @@ from rich.table import Table
 
 from benchmarks.report import machine_info, median, print_targets, publish, spread
 from computed.admission import Grant
-from computed.engine import Engine, LlamaRunner
-from computed.lora import choose_window, loop_windows
-from computed import dense
-from computed.model import decode, load_model, with_layout
+from computed.backend import NativeBackend, XlaBackend, native
+from computed.engine import Engine
+from computed.model.loader import load_model, with_layout
+from computed.model.params import pack
+from computed.model.runner import LlamaRunner, decode
 from computed.pool import LoraPool, MemoryPool, PoolSpec
 from computed.weights import slot_weights
 from shared.config import POOL_DTYPES
@@ -258,18 +260,16 @@ class Serving:
 class RawDecode:
     """LlamaRunner.decode in a loop over one prefilled batch; each round restarts at the prompt's end.
 
-    The runner is what the engine calls: computed.model.decode over the
-    smallest attention bucket that holds the longest sequence. With
-    `lora_impl="gather"`, computed.model.decode over the same bucket with the
-    per-token gather instead of the runner's segmented LoRA; with `lora_impl="loop"`,
-    on XLA alone (the LoRA window loop and bucket attention) instead of the native kernels.
+    The runner is what the engine calls: computed.model.runner.decode over the
+    smallest attention bucket that holds the longest sequence, on the backend its
+    parameters were laid out for (the alternatives pass another: `alternative_runners`).
     """
 
     def __init__(self, runner: LlamaRunner, pool: MemoryPool | None, prompts: np.ndarray,
-                 slots: np.ndarray, lora_impl: str = "segmented") -> None:
-        self.runner, self.slots, self.lora_impl = runner, slots.astype(np.int32), lora_impl
+                 slots: np.ndarray) -> None:
+        self.runner, self.slots = runner, slots.astype(np.int32)
         self.arrays = None if pool is None else pool.arrays  # the pool never changes here
-        self.cache = runner.new_cache(blocked=False if lora_impl == LOOP else None)  # XLA's layout for XLA alone
+        self.cache = runner.new_cache()  # K laid out as the runner's backend attends
         first = np.zeros(BATCH, np.int32)
         for row in range(BATCH):
             logits, self.cache = runner.prefill(self.arrays, self.cache, prompts[row], PROMPT, row,
@@ -290,23 +290,27 @@ class RawDecode:
         self.tokens = out
 
     def _step(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, Any]:
-        if self.lora_impl == "segmented":
-            return self.runner.decode(self.arrays, self.cache, tokens, positions, self.slots, self.active)
-        loop = self.lora_impl == LOOP
-        logits, cache = decode(self.runner.params, self.arrays, self.cache, tokens, positions, self.slots,
-                               self.active, self.runner.bucket(int(positions.max()) + 1),
-                               window=choose_window(self.slots, loop_windows(BATCH)) if loop else None,
-                               lora_impl="segmented" if loop else self.lora_impl,
-                               attention="xla" if loop else None)
-        return np.asarray(logits), cache
+        return self.runner.decode(self.arrays, self.cache, tokens, positions, self.slots, self.active)
+
+
+def alternative_runners(runner: LlamaRunner) -> dict[str, LlamaRunner]:
+    """The runner's model on XLA alone (LOOP: XLA's dot over unpacked weights, a second copy of the
+    model, the LoRA window loop, bucket attention over K positions-minor), and on its own backend
+    with the per-token gather for the LoRA terms (GATHER)."""
+    params = runner.params
+    return {LOOP: LlamaRunner(runner.config, with_layout(params, XlaBackend()), max_batch=runner.max_batch,
+                              max_len=runner.max_len),
+            GATHER: LlamaRunner(runner.config, with_layout(params, dataclasses.replace(params.backend, lora="gather")),
+                                max_batch=runner.max_batch, max_len=runner.max_len)}
 
 
 class DeepDecode:
     """The base batch deep in a long cache, no prefill: every row at positions from `start` on,
-    attention by `attention` ("kernel" or "xla", computed.model.decode)."""
+    attention by `attention` ("kernel" or "xla", the native backend's option)."""
 
     def __init__(self, runner: LlamaRunner, start: int, attention: str) -> None:
-        self.runner, self.start, self.attention = runner, start, attention
+        self.runner, self.start = runner, start
+        self.params = with_layout(runner.params, NativeBackend(attention=attention))
         self.cache = runner.new_cache(blocked=attention == "kernel")  # each attention with its own layout of K
         self.slots, self.active = np.full(BATCH, -1, np.int32), np.ones(BATCH, np.bool_)
 
@@ -315,9 +319,8 @@ class DeepDecode:
         with timed(timing):
             for k in range(steps):
                 at = self.start + k
-                logits, self.cache = decode(self.runner.params, None, self.cache, tokens, np.full(BATCH, at, np.int32),
-                                            self.slots, self.active, self.runner.bucket(at + 1),
-                                            attention=self.attention)
+                logits, self.cache = decode(self.params, None, self.cache, tokens, np.full(BATCH, at, np.int32),
+                                            self.slots, self.active, self.runner.bucket(at + 1))
                 tokens = np.asarray(logits).argmax(axis=-1).astype(np.int32)
 
 
@@ -484,12 +487,12 @@ def gemm_rate_xla() -> float:
 
 def gemm_rate_kernel() -> float | None:
     """The dense kernel's rate on the same product over the packed weight; None where it cannot run."""
-    panel = dense.packing_panel("float32")
+    panel = native.dense_panel()
     if not panel:
         return None
     x, w = _gemm_operands()
-    f = jax.jit(dense.matmul)
-    xj, wp = jnp.asarray(x), dense.pack(w, panel)
+    f = jax.jit(lambda a, b: native.dense_matmuls(a, [b])[0])
+    xj, wp = jnp.asarray(x), pack(w, panel)
     return _rate(lambda: f(xj, wp), jax.block_until_ready)
 
 
@@ -539,14 +542,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pool.write_slot(slot, slot_weights(data, adapters[name]))
             serving = Serving(pool, State(seq=ADAPTERS + 1, adapters=adapters))
             runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
-            plain = with_layout(params, packed=False)  # as a replica without the kernels holds them
-            xla_runner = LlamaRunner(config, plain, max_batch=BATCH, max_len=max_len)
-            n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(plain))
+            others = alternative_runners(runner)
+            n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(others[LOOP].params))
 
             console.print("prefilling (this compiles prefill and decode) ...")
             raw = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k))) for k in MIXES}
-            alternatives = {a: {k: RawDecode(xla_runner if a == LOOP else runner, pool, prompts,
-                                             np.asarray(row_adapters(k)), lora_impl=a)
+            alternatives = {a: {k: RawDecode(others[a], pool, prompts, np.asarray(row_adapters(k)))
                                 for k in MIXES if k or a == LOOP} for a in ALTERNATIVES}
             engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new) for k in MIXES}
             no_pool = RawDecode(runner, None, prompts, np.full(BATCH, -1))
@@ -589,7 +590,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for a, by_mix in alternatives.items():
                     if k in by_mix:
                         tokens_agree[str(k)][f"decode_vs_{a}"] = agreement(ours, by_mix[k].tokens)
-            del raw, alternatives, engines, no_pool, xla_runner, plain
+            del raw, alternatives, engines, no_pool, others
             gemm = {"xla": gemm_rate_xla(), "kernel": gemm_rate_kernel(), "torch": peft_proc.gemm_rate()}
         finally:
             peft_proc.stop()
@@ -726,13 +727,13 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"pool of {s['slots']} slots, {s['pool_dtype']}; KV cache of {s['max_len']} positions. Row i uses "
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
               f"of the rounds (their range in brackets). decode: "
-              f"`LlamaRunner.decode` (`computed.model.decode` as the engine calls it: projections from the "
+              f"`LlamaRunner.decode` (`computed.model.runner.decode` as the engine calls it: projections from the "
               f"native dense kernel `computed/kernels/dense.cc` over packed weights, LoRA from `sgmv.cc`, "
               f"attention from `attention.cc`) in a loop; XLA only: the same "
               f"loop without the native kernels, as a replica runs where they cannot be built (XLA's dot, LoRA from "
               f"XLA's window loop `lora.segmented_group`, attention over the length bucket); per-token "
               f"gather: the same loop with the LoRA terms from A and B gathered for every row "
-              f"(BGMV-style, `lora_impl=\"gather\"`, never used in serving); Engine.step: "
+              f"(BGMV-style, the backend's `lora=\"gather\"`, never used in serving); Engine.step: "
               f"the serving loop with host sampling; PEFT {v['peft']} mixed-batch inference (`adapter_names`) "
               f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} "
               f"with {s['torch_threads']} threads.",

@@ -12,7 +12,7 @@ Timed side by side in one run, interleaved, best of `--repeats` rounds:
                    slot's rows padded to whole windows; a loop over the windows in use takes
                    the window's slot's A and B by dynamic index and multiplies the window's
                    rows (SGMV-style). The model picks the window per decode step from the
-                   batch's mix (`lora.choose_window`, among `lora.windows_for(batch)`).
+                   batch's mix (`lora.choose_window`, among `lora.loop_windows(batch)`, on the XLA backend).
 * slot_loop:       a loop over the distinct slots in use, each applied to every row, masked
                    to its own: reads each slot's weights once but does N * distinct rows of work.
 * ragged_pool:     base + `jax.lax.ragged_dot` over rows sorted by slot, one group per pool slot.

@@ -105,8 +105,10 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
                       faults=Faults.from_env())
     engine = None
     if inference:
-        from computed.engine import Engine, LlamaRunner
-        from computed.model import ModelLoadError, load_model
+        from computed.engine import Engine
+        from computed.model.config import ModelLoadError
+        from computed.model.loader import load_model
+        from computed.model.runner import LlamaRunner
         try:
             config, params = load_model(model, dtype)
         except ModelLoadError as exc:

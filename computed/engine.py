@@ -23,8 +23,6 @@ import numpy as np
 
 from computed.admission import (AdmissionPort, GenerateError, Grant, LoraPool, NotReady,
                                 SlotDraining)
-from computed.lora import windows_for
-from computed.model import compile_serving, decode, init_cache, prefill
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
@@ -243,54 +241,3 @@ class Engine:
         self.rows[row] = run
         self._emit(run, logits, done)
         return True
-
-
-class LlamaRunner:
-    """The Flax Llama (computed/model.py) behind the engine's `Model` interface.
-
-    Prompts are padded to power-of-two buckets (from 16 up to max_len), so
-    prefill compiles once per bucket. With the native kernels (computed/kernels)
-    decode compiles once: each row attends over its own positions and the LoRA
-    kernel takes any mix. Without them a decode step attends over the bucket
-    that holds its longest sequence, and decode compiles once per bucket and
-    LoRA window (`lora.windows_for(max_batch)`; each step's mix picks its
-    window). `warmup` compiles them all up front, so nothing compiles while
-    serving.
-    """
-
-    def __init__(self, config: Any, params: Any, *, max_batch: int, max_len: int) -> None:
-        self.config, self.params = config, params
-        self.vocab_size = int(config.vocab_size)
-        self.max_batch = max_batch
-        self.max_len = max_len
-        buckets, b = [], 16
-        while b < max_len:
-            buckets.append(b)
-            b *= 2
-        self.buckets = tuple(buckets) + (max_len,)
-
-    def bucket(self, length: int) -> int:
-        return next(b for b in self.buckets if b >= length)
-
-    def new_cache(self, blocked: bool | None = None) -> Any:
-        """A zeroed KV cache for this runner; K's layout as init_cache picks it, or by `blocked`."""
-        return init_cache(self.config, self.max_batch, self.max_len, self.params.dtype, blocked=blocked)
-
-    def prefill(self, pool: LoraPool, cache: Any, tokens: np.ndarray, length: int, row: int,
-                slot: int) -> tuple[np.ndarray, Any]:
-        logits, cache = prefill(self.params, pool, cache, tokens, length, row, slot)
-        return np.asarray(logits), cache
-
-    def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
-               slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]:
-        # attention over the smallest bucket that holds every running sequence
-        longest = int(positions[active].max()) + 1 if active.any() else 1
-        logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active,
-                               attend_len=self.bucket(longest))
-        return np.asarray(logits), cache
-
-    def warmup(self, pool: LoraPool, cache: Any) -> None:
-        """Compile prefill for every bucket and decode for every bucket and LoRA window; only the
-        shapes of `pool` and `cache` are used."""
-        compile_serving(self.params, pool, cache, prompt_lengths=self.buckets, attend_lens=self.buckets,
-                        windows=windows_for(self.max_batch))

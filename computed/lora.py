@@ -23,22 +23,21 @@ Two shapes of input:
 
 The window is static, one compile per size: the host picks it per step from the
 batch's mix (`choose_window`: the fewest windows whose padding fits the
-buffer), among `windows_for(batch)`, which the engine compiles at warm-up: 16
+buffer), among `loop_windows(batch)`, which the engine compiles at warm-up: 16
 adapters on pairs of rows take 16 windows of 2, 4 adapters on 8 rows each 4
 windows of 8, one adapter for the whole batch one window. On CPU a window costs
 about the same whatever its rows (the small products stream the slot's A and B
 from memory), so fewer windows is what counts, and padded rows are what a
 larger window wastes.
 
-On the CPU, when the native kernel is built (computed/kernels), decode and
-`forward_full` use `kernel_group` instead of the window loop: rows stay in batch
-order, the kernel groups them by slot and reads each slot's A and B once, in
-place in the pool, and stops at the slot's own rank. XLA cannot do that: each
-iteration of the window loop copies the slot's matrices out of the pool before
-its small products, and that copy, not the arithmetic, is most of the loop's
-cost. `windows_for` then offers the one window `KERNEL`, so the kernel costs a
-single compile per attention bucket. The window loop stays for other backends
-and as the fallback; both give the same terms to float32 rounding.
+On the CPU, when the native kernels are built, the native backend
+(computed/backend/native.py) takes the LoRA terms from its SGMV kernel instead
+of the window loop: rows stay in batch order, the kernel groups them by slot and
+reads each slot's A and B once, in place in the pool, and stops at the slot's own
+rank. XLA cannot do that: each iteration of the window loop copies the slot's
+matrices out of the pool before its small products, and that copy, not the
+arithmetic, is most of the loop's cost. The window loop is the XLA backend's
+(computed/backend/xla.py); both give the same terms to float32 rounding.
 
 `gather` is the per-token alternative (BGMV-style: every row gathers its own
 slot's A and B), for benchmarks only; serving never uses it.
@@ -57,12 +56,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from computed import kernels
-
 BASE = -1  # the slot id of a row that uses the base model
 WINDOWS = (2, 8)  # window sizes decode compiles below the batch size, which it compiles too
 WINDOW = 4  # rows per window when the caller does not choose (forward_full, tests)
-KERNEL = 0  # the "window" that means: rows in batch order, the native kernel groups them (kernel_group)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -99,19 +95,11 @@ def loop_windows(batch: int) -> tuple[int, ...]:
     return tuple(w for w in WINDOWS if w < batch) + (batch,)
 
 
-def windows_for(batch: int) -> tuple[int, ...]:
-    """The windows decode compiles for a batch of `batch` rows: (KERNEL,) where the native kernel
-    is available, else `loop_windows(batch)`."""
-    return (KERNEL,) if kernels.available() else loop_windows(batch)
-
-
 def choose_window(slots: np.ndarray, windows: Sequence[int]) -> int:
-    """KERNEL when `windows` offers it (the kernel takes any mix), else the window of `windows` (each
-    at most the batch) with the fewest windows whose padding fits 2 * batch rows.
+    """The window of `windows` (each at most the batch) with the fewest windows whose padding fits
+    2 * batch rows.
 
     The smallest window always fits when it is 1 or 2 (a slot's padding is under a window)."""
-    if KERNEL in windows:
-        return KERNEL
     n = len(slots)
     best = None
     for w in sorted(windows):
@@ -221,21 +209,6 @@ def segmented_group(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], 
                            tuple(jnp.zeros((rows + 1, B.shape[-2]), dt) for _, B in pairs))
     scale = _slot_scale(scaling, seg.slots).astype(dt)[:, None]
     return [y[seg.position] * scale for y in ys]
-
-
-def kernel_group(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], scaling: jax.Array,
-                 rank: jax.Array, slots: jax.Array, layer: int) -> list[jax.Array]:
-    """`segmented_group`'s terms from the native kernel (computed/kernels/sgmv.cc), rows in batch
-    order: `[N, out]` float32 per (A, B) pair, A and B the whole `[layers, slots, ...]` pool arrays
-    of one dtype (float32, or a bfloat16 pool's uint16 bits), `rank [slots]` each slot's rank.
-
-    The kernel must be available (`kernels.available()`); the terms are computed in float32."""
-    kernels.require()
-    outs = [jax.ShapeDtypeStruct((x.shape[0], B.shape[-2]), jnp.float32) for _, B in pairs]
-    operands = [m for pair in pairs for m in pair]
-    return list(jax.ffi.ffi_call(kernels.SGMV, outs)(
-        x.astype(jnp.float32), slots.astype(jnp.int32), scaling.astype(jnp.float32), rank.astype(jnp.int32),
-        *operands, layer=np.int64(layer)))
 
 
 def segmented(x: jax.Array, A: jax.Array, B: jax.Array, scaling: jax.Array, seg: Segments,

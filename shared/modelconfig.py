@@ -1,7 +1,7 @@
 """What a replica can serve of a Llama `config.json`: one set of checks for `pool init` and replicas.
 
 `pool init` (shared/fingerprint.py `read_model`) and the replica's model loader
-(computed/model.py `LlamaConfig.from_hf`) both call `read_architecture`, so a
+(computed/model/config.py `LlamaConfig.from_hf`) both call `read_architecture`, so a
 config that no replica can serve is refused when the pool is configured, with
 the text a replica start would print, instead of being recorded in the
 immutable genesis event. `check_recordable` bounds what that event records:

@@ -50,10 +50,11 @@ def test_a_build_is_reused_until_its_source_or_flags_change(tmp_path: Path, monk
 FALLBACK = """
 import json, sys
 import numpy as np
-from computed import kernels, lora
-from computed.engine import LlamaRunner
-from computed.dense import PackedWeight
-from computed.model import attention_impl, load_model
+from computed import lora
+from computed.backend import native
+from computed.model.loader import load_model
+from computed.model.params import PackedWeight
+from computed.model.runner import LlamaRunner
 from computed.pool import MemoryPool, PoolSpec
 from tests.jaxcount import counting_compiles
 
@@ -71,9 +72,9 @@ with counting_compiles() as compiles:
             positions[0] = longest - 1
             logits, cache = runner.decode(pool.arrays, cache, rng.integers(0, 256, 4).astype(np.int32), positions,
                                           np.array(mix, np.int32), np.ones(4, bool))
-print(json.dumps({"available": kernels.available(), "reason": kernels.unavailable_reason(),
-                  "windows": list(lora.windows_for(4)), "loop_windows": list(lora.loop_windows(4)),
-                  "attention": attention_impl(cache),
+print(json.dumps({"available": native.available(), "reason": native.unavailable_reason(),
+                  "windows": list(params.backend.windows(4)), "loop_windows": list(lora.loop_windows(4)),
+                  "backend": type(params.backend).__name__, "blocked": cache.blocked,
                   "packed": isinstance(params.layers[0].weights["q_proj"], PackedWeight), "compiles": len(compiles),
                   "finite": bool(np.isfinite(logits).all())}))
 """
@@ -89,6 +90,6 @@ def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(exampl
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["available"] is False and out["reason"] == "LORAPLANE_LORA_KERNEL=xla"
     assert out["windows"] == out["loop_windows"] and 0 not in out["windows"]
-    assert out["attention"] == "xla" and out["packed"] is False
+    assert out["backend"] == "XlaBackend" and not out["blocked"] and out["packed"] is False  # XLA's attention
     assert out["compiles"] == 0
     assert out["finite"]

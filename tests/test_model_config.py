@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from computed.model import ModelLoadError, load_model
+from computed.model.config import ModelLoadError
+from computed.model.loader import load_model
 from shared.fingerprint import ModelError, read_model
 from shared.modelconfig import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_CONFIG_DEPTH
 from statesvc.example import ExampleAssets

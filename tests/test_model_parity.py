@@ -33,20 +33,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from computed import dense, kernels, lora  # noqa: E402
-from computed.model import (  # noqa: E402
-    KVCache,
-    LlamaConfig,
-    LlamaParams,
-    attention_kernel,
-    decode,
-    forward_full,
-    init_cache,
-    KV_BLOCK,
-    load_model,
-    prefill,
-    with_layout,
-)
+from computed import lora  # noqa: E402
+from computed.backend import NativeBackend, XlaBackend, native, select  # noqa: E402
+from computed.backend.native import attention_kernel, dense_matmuls, lora_sgmv  # noqa: E402
+from computed.model.config import LlamaConfig  # noqa: E402
+from computed.model.kv_cache import KV_BLOCK, KVCache  # noqa: E402
+from computed.model.loader import load_model, with_layout  # noqa: E402
+from computed.model.params import LlamaParams, PackedWeight, pack, unpack  # noqa: E402
+from computed.model.runner import decode, forward_full, init_cache, prefill  # noqa: E402
 from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from computed.weights import slot_weights  # noqa: E402
 from shared.events import AdapterLoaded  # noqa: E402
@@ -160,7 +154,7 @@ class Setup:
     def unpacked(self) -> LlamaParams:
         """The parameters as a replica without the native kernels holds them: [in, out], for XLA."""
         if self.xla_params is None:
-            self.xla_params = with_layout(self.params, packed=False)
+            self.xla_params = with_layout(self.params, XlaBackend())
         return self.xla_params
 
     def slot(self, adapter: str | None) -> int:
@@ -221,15 +215,15 @@ def prompt_of(setup: Setup, seed: int, length: int) -> list[int]:
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("lora_impl", ["kernel", "loop"])
-def test_forward_full_matches_peft_mixed_batch(setup: Setup, lora_impl: str) -> None:
+@pytest.mark.parametrize("backend", ["native", "xla"])
+def test_forward_full_matches_peft_mixed_batch(setup: Setup, backend: str) -> None:
     """Through the native LoRA kernel and through the XLA window loop."""
     adapters: list[str | None] = [None] + [a.name for a in setup.assets.adapters] + [None]
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, setup.config.vocab_size, (len(adapters), 11))
     ref = setup.ref.logits(tokens, adapters)
-    params = setup.params if lora_impl == "kernel" else setup.unpacked()
-    ours = forward_full(params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters], lora_impl=lora_impl)
+    params = setup.params if backend == "native" else setup.unpacked()
+    ours = forward_full(params, setup.pool.arrays, tokens, [setup.slot(a) for a in adapters])
     close(ours, ref)
     # A LoRA term that is really there: base and adapter rows differ far beyond the tolerance.
     assert np.abs(ref[1] - setup.ref.logits(tokens[1:2], [None])[0]).max() > 100 * RTOL * np.abs(ref).max()
@@ -315,7 +309,7 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
             longest = int(positions[active].max()) + 1
             logits, cache = decode(params, setup.pool.arrays, cache, tokens, positions, slots, active,
                                    attend_len=next(b for b in (16, 32, 64, MAX_LEN) if b >= longest),
-                                   window=window, attention="kernel" if impl == "kernels" else "xla")
+                                   window=window)
             for r in running:
                 assert r.out is not None
                 close(logits[r.row], setup.ref.greedy(r.prompt, r.adapter)[1][len(r.out)])
@@ -472,15 +466,16 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
         for (a, b), wnt in zip(pairs, want):
             got = lora.gather(jnp.asarray(x), a, b, jnp.asarray(scaling), jnp.asarray(slots))
             np.testing.assert_allclose(np.asarray(got), wnt, rtol=1e-5, atol=1e-5)
-        got = lora.kernel_group(jnp.asarray(x), [(a[None], b[None]) for a, b in pairs], jnp.asarray(scaling),
+        got = lora_sgmv(jnp.asarray(x), [(a[None], b[None]) for a, b in pairs], jnp.asarray(scaling),
                                 jnp.full(S, r, jnp.int32), jnp.asarray(slots), 0)
         for g, wnt in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), wnt, rtol=1e-5, atol=1e-5)
     # a batch on one adapter takes one window of the whole batch; pairs of rows on 4 adapters, windows of 2
     assert lora.choose_window(np.full(n, 3, np.int32), lora.loop_windows(n)) == n
     assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.loop_windows(n)) == 2
-    assert lora.windows_for(n) == (lora.KERNEL,)  # the kernel is built here, and takes any mix
-    assert lora.choose_window((np.arange(n) % 4).astype(np.int32), lora.windows_for(n)) == lora.KERNEL
+    backend = select("float32")  # the kernel is built here, and takes any mix: no window
+    assert isinstance(backend, NativeBackend) and backend.windows(n) == (None,)
+    assert backend.window((np.arange(n) % 4).astype(np.int32), None) is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -507,7 +502,7 @@ def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str) 
     # many slots: an item per (slot, module); one slot: too few items, so columns split in blocks
     mixes = [np.array([0, 2, lora.BASE, 1, 4, 2, 0, 0, 1, 3, 4], np.int32), np.where(np.arange(11) % 4, 1, -1)]
     for layer, slots in ((layer, slots) for layer in range(2) for slots in mixes):
-        got = lora.kernel_group(jnp.asarray(x), [(a.A[m], a.B[m]) for m in dims], a.scaling, a.rank,
+        got = lora_sgmv(jnp.asarray(x), [(a.A[m], a.B[m]) for m in dims], a.scaling, a.rank,
                                 jnp.asarray(slots.astype(np.int32)), layer)
         for m, g in zip(dims, got):
             want = np.stack([np.zeros(dims[m][1], np.float32) if s not in ranks
@@ -541,7 +536,7 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
                                   jnp.asarray(slots), layer),
                       lora.single(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
                                   jnp.int32(2), layer),
-                      *lora.kernel_group(x, [(p.arrays.A["q_proj"], p.arrays.B["q_proj"])], p.arrays.scaling,
+                      *lora_sgmv(x, [(p.arrays.A["q_proj"], p.arrays.B["q_proj"])], p.arrays.scaling,
                                          p.arrays.rank, jnp.asarray(slots), layer)]
                      for p in (pool16, pool32))
         for g, w in zip(got, want):
@@ -551,29 +546,29 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
 def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail() -> None:
     """Row counts around the kernel's chunks of 16 and 32 rows, inputs of odd width, outputs that end
     mid-panel; and the packing round trip."""
-    panel = kernels.dense_panel()
+    panel = native.dense_panel()
     if not panel:
-        pytest.skip(f"no dense kernel here: {kernels.unavailable_reason() or 'no AVX-512'}")
+        pytest.skip(f"no dense kernel here: {native.unavailable_reason() or 'no AVX-512'}")
     rng = np.random.default_rng(5)
     for n_in, out in ((48, 96), (37, 13), (100, 2 * panel + 1), (16, 1)):
         w = rng.standard_normal((n_in, out)).astype(np.float32)
-        packed = dense.pack(w, panel)
+        packed = pack(w, panel)
         assert packed.shape == (n_in, out) and packed.panels.shape == (-(-out // panel), n_in, panel)
-        np.testing.assert_array_equal(np.asarray(dense.unpack(packed)), w)
+        np.testing.assert_array_equal(np.asarray(unpack(packed)), w)
         for rows in (1, 5, 16, 17, 32, 33, 70):
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
             want = x.astype(np.float64) @ w.astype(np.float64)
-            got = np.asarray(dense.matmul(jnp.asarray(x), packed))
+            got = np.asarray(dense_matmuls(jnp.asarray(x), [packed])[0])
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(n_in))
     # several weights that read one x share a call; an unpacked one among them goes to XLA
     x = rng.standard_normal((33, 37)).astype(np.float32)
     ws = [rng.standard_normal((37, out)).astype(np.float32) for out in (13, 24, 7)]
-    got = dense.matmuls(jnp.asarray(x), [dense.pack(ws[0], panel), jnp.asarray(ws[1]), dense.pack(ws[2], panel)])
+    got = dense_matmuls(jnp.asarray(x), [pack(ws[0], panel), jnp.asarray(ws[1]), pack(ws[2], panel)])
     for g, w in zip(got, ws):
         np.testing.assert_allclose(np.asarray(g), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
     x3 = rng.standard_normal((2, 3, 37)).astype(np.float32)  # leading dimensions are kept
     w = rng.standard_normal((37, 13)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(dense.matmul(jnp.asarray(x3), dense.pack(w, panel))), x3 @ w,
+    np.testing.assert_allclose(np.asarray(dense_matmuls(jnp.asarray(x3), [pack(w, panel)])[0]), x3 @ w,
                                rtol=1e-5, atol=1e-4)
 
 
@@ -581,24 +576,24 @@ def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: 
                                                                  other_assets: ExampleAssets) -> None:
     """load_model packs for the dense kernel where it can run; with_layout goes both ways, exactly."""
     params = example_setup.params
-    packed = isinstance(params.layers[0].weights["q_proj"], dense.PackedWeight)
-    assert packed == (kernels.dense_panel() > 0)
-    _, plain = load_model(example_setup.assets.model_dir, packed=False)
-    assert not isinstance(plain.layers[0].weights["q_proj"], dense.PackedWeight)
-    again = with_layout(with_layout(plain, packed=packed), packed=False)
+    packed = isinstance(params.layers[0].weights["q_proj"], PackedWeight)
+    assert packed == (native.dense_panel() > 0)
+    _, plain = load_model(example_setup.assets.model_dir, backend=XlaBackend())
+    assert not isinstance(plain.layers[0].weights["q_proj"], PackedWeight)
+    again = with_layout(with_layout(plain, params.backend), XlaBackend())
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(plain)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _, tied = load_model(other_assets.model_dir)  # a tied model keeps one copy of its embedding
     assert tied.config.tie_word_embeddings
-    assert (tied.embed is None and isinstance(tied.lm_head, dense.PackedWeight)) == packed
-    _, tied_plain = load_model(other_assets.model_dir, packed=False)
+    assert (tied.embed is None and isinstance(tied.lm_head, PackedWeight)) == packed
+    _, tied_plain = load_model(other_assets.model_dir, backend=XlaBackend())
     assert tied_plain.lm_head is None
-    for a, b in zip(jax.tree.leaves(with_layout(tied, packed=False)), jax.tree.leaves(tied_plain)):
+    for a, b in zip(jax.tree.leaves(with_layout(tied, XlaBackend())), jax.tree.leaves(tied_plain)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _, bf16 = load_model(example_setup.assets.model_dir, "bfloat16")
-    assert not isinstance(bf16.layers[0].weights["q_proj"], dense.PackedWeight)  # XLA multiplies bfloat16
+    assert not isinstance(bf16.layers[0].weights["q_proj"], PackedWeight)  # XLA multiplies bfloat16
     with pytest.raises(ValueError, match="float32 model"):
-        with_layout(bf16, packed=True)
+        with_layout(bf16, NativeBackend())
 
 
 # --------------------------------------------------------------------------- loading
@@ -686,7 +681,7 @@ def test_no_recompiles_across_slots_rows_lengths_and_mixes(example_setup: Setup)
     arrays = s.pool.arrays
     tokens16 = np.arange(16, dtype=np.int32)
     _, cache = prefill(s.params, arrays, cache, tokens16, 5, 0, lora.BASE)  # warm: one compile
-    for window in lora.windows_for(MAX_BATCH):  # warm: one compile per LoRA window
+    for window in s.params.backend.windows(MAX_BATCH):  # warm: one compile per LoRA window
         _, cache = decode(s.params, arrays, cache, np.zeros(MAX_BATCH, int), np.zeros(MAX_BATCH, int),
                           np.full(MAX_BATCH, lora.BASE), np.zeros(MAX_BATCH, bool), window=window)
     rng = np.random.default_rng(0)

@@ -29,7 +29,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from computed.model import forward_full, load_model  # noqa: E402
+from computed.model.loader import load_model  # noqa: E402
+from computed.model.runner import forward_full  # noqa: E402
 from computed.replica import Replica  # noqa: E402
 from shared.client import ControlClient  # noqa: E402
 from shared.fingerprint import read_model  # noqa: E402

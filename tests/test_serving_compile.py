@@ -4,8 +4,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from computed.engine import Engine, LlamaRunner
-from computed.model import load_model
+from computed.engine import Engine
+from computed.model.loader import load_model
+from computed.model.runner import LlamaRunner
 from statesvc.example import ExampleAssets
 from tests.jaxcount import buffer_pointers, counting_compiles
 from tests.livereplica import live_replica

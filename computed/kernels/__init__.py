@@ -1,16 +1,16 @@
 """Native CPU kernels, built from source on the machine that runs them (docs/kernels.md).
 
 - `sgmv.cc`: the segmented multi-LoRA product that decode and `forward_full`
-  use on the CPU (computed/lora.py, `lora.kernel_group`). XLA on CPU cannot
+  use on the CPU (computed/backend/native.py, `lora_sgmv`). XLA on CPU cannot
   multiply by a slot's A and B in place: every window of its loop copies them
   out of the pool first, and runs a handful of tiny ops, each with its own
   dispatch. The kernel groups the rows by slot and reads each slot's weights
   once, from the pool's own buffers.
 - `dense.cc`: the float32 model's products x W on AVX-512 CPUs, over weights
-  packed into column panels when the model loads (computed/dense.py); XLA's
+  packed into column panels when the model loads (computed/model/params.py); XLA's
   dot repacks W on every call and ran a decode step's products markedly slower.
 - `attention.cc`: decode attention over the KV cache in place
-  (computed/model.py), each row over its own length; XLA copies the attended
+  (computed/backend/native.py), each row over its own length; XLA copies the attended
   bucket of K and V out of the cache for every layer of every step.
 
 They are compiled, into one library, with the C++ compiler (`$CXX`, else `g++`) against the XLA FFI
@@ -153,7 +153,7 @@ def available() -> bool:
 
 
 def dense_panel() -> int:
-    """Output columns per panel of the dense kernel's packed weights (computed/dense.py), or 0 where it
+    """Output columns per panel of the dense kernel's packed weights (computed/model/params.py), or 0 where it
     cannot run: the kernels are unavailable, or this CPU has no AVX-512 (the kernel needs its 32
     vector registers)."""
     return _dense_panel if available() else 0

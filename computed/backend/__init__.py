@@ -1,0 +1,28 @@
+"""The compute backends, and the one choice of them a model makes when it loads (`select`).
+
+`base.Backend` is what the forward pass asks; `xla.XlaBackend` runs on any JAX device,
+`native.NativeBackend` on the CPU kernels (computed/kernels). See computed/backend/base.py.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from computed.backend import native
+from computed.backend.base import Backend
+from computed.backend.native import NativeBackend
+from computed.backend.xla import XlaBackend
+
+
+def select(dtype: str | jnp.dtype) -> Backend:
+    """The backend a model of `dtype` runs on here, chosen once at load: the native kernels where
+    they are built and loaded (not with LORAPLANE_LORA_KERNEL=xla, not off the CPU), packing a
+    float32 model's weights for the dense kernel where it runs and attending with the attention
+    kernel over a float32 cache; else XLA alone. The reason the kernels are unavailable is logged
+    once (computed/kernels)."""
+    if not native.available():
+        return XlaBackend()
+    f32 = jnp.dtype(dtype) == jnp.float32
+    return NativeBackend(panel=native.dense_panel() if f32 else 0, attention="kernel" if f32 else "xla")
+
+
+__all__ = ["Backend", "NativeBackend", "XlaBackend", "select"]

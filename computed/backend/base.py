@@ -1,0 +1,80 @@
+"""What the model asks of a compute backend: its dense products, its LoRA terms, its decode attention.
+
+A backend is chosen once, when the model loads (`computed.backend.select`), and rides on the
+parameters (`LlamaParams.backend`, static under jit); the forward pass (computed/model/llama.py)
+asks it, never the environment. After SGLang's `lora/backend/`: one class per backend, and a
+per-batch `prepare` hook that turns a batch's slots into what the backend's LoRA product reads,
+once per forward pass, shared by every layer and module.
+
+Backends are frozen dataclasses: hashable, so a backend is part of what jit compiles for, and
+their fields are the options the backend owns (a test or a benchmark forces a path by passing
+another instance). Every backend gives the same results to float32 rounding.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from computed.model.kv_cache import KVCache
+    from computed.model.params import PackedWeight
+    from computed.pool import LoraPool
+
+
+class Backend(ABC):
+    """The seam between the model's architecture and the code that computes it."""
+
+    # output columns per panel of packed weights (computed/model/params.py), or 0: the
+    # projections stay [in, out] for XLA's dot
+    panel: int = 0
+
+    @property
+    def blocked(self) -> bool:
+        """Whether new KV caches keep K in blocks of positions (the attention kernel's layout)
+        rather than positions-minor (XLA's); both layouts are read by XLA's attention."""
+        return False
+
+    @abstractmethod
+    def matmuls(self, x: jax.Array, ws: Sequence[jax.Array | PackedWeight]) -> list[jax.Array]:
+        """x [..., in] @ W for each of `ws`, in x's dtype; products that read one x share a call."""
+
+    @abstractmethod
+    def windows(self, batch: int) -> tuple[int | None, ...]:
+        """The LoRA windows decode compiles for a batch of `batch` rows (None: no window)."""
+
+    @abstractmethod
+    def window(self, slots: np.ndarray, window: int | None) -> int | None:
+        """Host side, per decode step: the window for this mix of `slots` (BASE for inactive rows),
+        checking a caller's `window` (None: the backend picks). One of `windows(len(slots))` or
+        another that fits; ValueError for one that cannot serve this mix."""
+
+    @abstractmethod
+    def prepare(self, slots: jax.Array, num_slots: int, window: int | None) -> Any:
+        """In the graph, once per forward pass: each row's slot `slots [N]` (BASE for the base model)
+        made into what `lora_terms` reads for every layer and module."""
+
+    @abstractmethod
+    def lora_terms(self, x: jax.Array, pool: LoraPool, modules: Sequence[str], batch: Any,
+                   layer: int) -> list[jax.Array]:
+        """The LoRA terms `[N, out]` of `modules`, which all read `x [N, in]`, each row with its own slot
+        (`batch` from `prepare`), from the pool's whole `[layers, slots, ...]` arrays at `layer`."""
+
+    @abstractmethod
+    def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,
+                         positions: jax.Array, active: jax.Array,
+                         attend_len: int) -> tuple[jax.Array, KVCache]:
+        """One decode step's attention of `layer`: writes k and v [B, kv, d] at positions[b] of each
+        active row b of the cache, and attends q [B, kv, g, d] over [0, positions[b]]. Returns
+        (out [B, heads * d] in q's dtype, the updated cache). `attend_len` (static) bounds the
+        positions read where the backend reads a bucket of them."""
+
+    def attend_len(self, cache: KVCache, attend_len: int) -> int:
+        """The `attend_len` decode compiles for, given the caller's (checked) bucket."""
+        return attend_len
+
+    def check_cache(self, cache: KVCache) -> None:
+        """ValueError where this backend cannot attend over `cache`'s layout or dtype."""

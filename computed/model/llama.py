@@ -1,0 +1,207 @@
+"""Llama as Hugging Face's `LlamaForCausalLM` defines it, in JAX, with multi-LoRA and a KV cache.
+
+The model is pure functions over a parameter pytree (`LlamaParams`, whose static `LlamaConfig`
+and backend ride along as pytree metadata, so every entry point takes just `params`). What it
+reproduces of transformers 5.24's `modeling_llama.py`:
+
+- RMSNorm computed in float32 and cast back before the weight multiplies it; eps from
+  `rms_norm_eps`.
+- RoPE (rotate-half form) with `rope_theta`, and the `linear` and `llama3` scalings
+  (computed/model/config.py `inv_freq`).
+- Grouped-query attention (computed/model/attention.py), softmax in float32.
+- SwiGLU MLP `down(silu(gate(x)) * up(x))`; optional attention and MLP biases.
+- Tied (`lm_head` is the embedding) or untied output embeddings.
+
+The projections and the lm_head are `x W`, by the backend (computed/backend): XLA's dot, or the
+native dense kernel over weights packed at load. Modules that read the same x share a call.
+LoRA is added to q, k, v, o, gate, up and down wherever the pool has the module:
+`y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT does; slot -1 is the base model and adds
+nothing. A prefill's one slot takes `lora.single`; rows that mix slots take the backend's terms.
+
+Entry points (jitted; computed/model/runner.py checks their arguments on the host), the first two
+donating the cache so it is updated in place:
+
+- `prefill_jit(params, lora_pool, cache, tokens[P], length, row, slot)`: one prompt padded to a
+  bucket length P; writes K/V of positions [0, P) of row `row` (positions from `length` on hold
+  padding, overwritten by decode before they are ever read) and returns the logits after token
+  `length - 1`.
+- `decode_jit(params, lora_pool, cache, tokens[B], positions[B], slots[B], active[B], tables, ...)`:
+  one step for every row; row b writes its K/V at positions[b] and attends to [0, positions[b]]
+  by the backend's decode attention. Inactive rows write nothing.
+- `forward_full_jit(params, lora_pool, tokens[B, T], slots[B])`: every position's logits, no cache.
+
+Layers are a Python loop over per-layer parameters, unrolled at trace time: in a CPU measurement
+of decode-sized matmuls, `lax.scan` over stacked layer weights was markedly slower (it slices
+each layer out per iteration); the cost is a compile time that grows with the number of layers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from computed import lora
+from computed.backend.base import Backend
+from computed.model import attention, kv_cache
+from computed.model.config import LlamaConfig, inv_freq
+from computed.model.kv_cache import KVCache
+from computed.model.params import LayerParams, LlamaParams, PackedWeight
+from computed.pool import LoraPool
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.astype(x.dtype)
+
+
+RopeTables = tuple[jax.Array, jax.Array]
+
+
+def rope_tables(positions: Any, config: LlamaConfig) -> RopeTables:
+    """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`: in the graph for a traced
+    array, on the host for a numpy one. Decode passes host tables in: computed in the graph, XLA
+    fused cos and sin into every layer's RoPE and evaluated them once per element of q and k."""
+    xp: Any = np if isinstance(positions, np.ndarray) else jnp
+    freqs = positions.astype(np.float32)[..., None, None] * xp.asarray(inv_freq(config))
+    return xp.cos(freqs).astype(np.float32), xp.sin(freqs).astype(np.float32)
+
+
+def rope(x: jax.Array, tables: RopeTables) -> jax.Array:
+    """Rotate `x [..., heads, head_dim]` by the positions of `tables` (rotate-half form, as HF)."""
+    cos, sin = (t.astype(x.dtype) for t in tables)
+    # HF's x * cos + rotate_half(x) * sin on the two halves: the same products and sums
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos + -x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class _Projections:
+    """How one forward pass computes `x W (+ bias) (+ LoRA)`: the backend's products, and LoRA for
+    one slot for all tokens (`slot`), or each row's own slot (`batch`, the backend's `prepare`)."""
+
+    def __init__(self, backend: Backend, pool: LoraPool | None, *, slot: jax.Array | None = None,
+                 batch: Any = None) -> None:
+        self.backend, self.pool, self.slot, self.batch = backend, pool, slot, batch
+
+    def _lora(self, x: jax.Array, layer: int, modules: tuple[str, ...]) -> dict[str, jax.Array]:
+        """The LoRA terms of `modules`, which all read `x`, for those the pool has."""
+        pool = self.pool
+        present = [] if pool is None else [m for m in modules if m in pool.A]  # all layers: see lora._take
+        if pool is None or not present:
+            return {}
+        if self.slot is not None:
+            return {m: lora.single(x, pool.A[m], pool.B[m], pool.scaling, self.slot, layer) for m in present}
+        ys = self.backend.lora_terms(x.reshape(-1, x.shape[-1]), pool, present, self.batch, layer)
+        return {m: y.reshape(*x.shape[:-1], -1) for m, y in zip(present, ys)}
+
+    def __call__(self, x: jax.Array, layer: LayerParams, index: int, modules: tuple[str, ...]) -> list[jax.Array]:
+        """`x W (+ bias) (+ LoRA)` for each of `modules`, which all read `x` (their products share a
+        call of the dense kernel, their LoRA terms one of the LoRA kernel)."""
+        deltas = self._lora(x, index, modules)
+        out = []
+        for m, y in zip(modules, self.backend.matmuls(x, [layer.weights[m] for m in modules])):
+            if m in layer.biases:
+                y = y + layer.biases[m]
+            d = deltas.get(m)
+            out.append(y if d is None else (y + d).astype(x.dtype))
+        return out
+
+
+def _qkv(x: jax.Array, tables: RopeTables, layer: LayerParams, index: int, project: _Projections,
+         config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], RoPE applied."""
+    lead, hd, kvh = x.shape[:-1], config.head_dim, config.num_kv_heads
+    q, k, v = project(x, layer, index, ("q_proj", "k_proj", "v_proj"))
+    q, k = q.reshape(*lead, config.num_heads, hd), k.reshape(*lead, kvh, hd)
+    q, k = rope(q, tables), rope(k, tables)
+    return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v.reshape(*lead, kvh, hd)
+
+
+def _mlp(x: jax.Array, layer: LayerParams, index: int, project: _Projections) -> jax.Array:
+    gate, up = project(x, layer, index, ("gate_proj", "up_proj"))
+    return project(jax.nn.silu(gate) * up, layer, index, ("down_proj",))[0]
+
+
+def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
+    """The embeddings of `tokens`: rows of `embed`, or for a tied packed model columns of its lm_head."""
+    if params.embed is not None:
+        return params.embed[tokens]
+    assert isinstance(params.lm_head, PackedWeight)
+    panels = params.lm_head.panels
+    width = panels.shape[2]
+    return panels[tokens // width, :, tokens % width]  # [*tokens.shape, hidden]
+
+
+def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
+    if params.lm_head is None:
+        return jnp.einsum("...h,vh->...v", h, params.embed).astype(jnp.float32)
+    return params.backend.matmuls(h, [params.lm_head])[0].astype(jnp.float32)
+
+
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, project: _Projections,
+             attend: Attend, tables: RopeTables | None = None) -> jax.Array:
+    """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the
+    attention; RoPE by `tables` (else computed from `positions`)."""
+    config = params.config
+    h = _embed(params, tokens)
+    if tables is None:
+        tables = rope_tables(positions, config)
+    for i, layer in enumerate(params.layers):
+        q, k, v = _qkv(rms_norm(h, layer.input_norm, config.rms_norm_eps), tables, layer, i, project, config)
+        h = h + project(attend(i, q, k, v), layer, i, ("o_proj",))[0]
+        h = h + _mlp(rms_norm(h, layer.post_attention_norm, config.rms_norm_eps), layer, i, project)
+    return rms_norm(h, params.norm, config.rms_norm_eps)
+
+
+def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+             length: jax.Array, row: jax.Array, slot: jax.Array) -> tuple[jax.Array, KVCache]:
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        nonlocal cache
+        cache = kv_cache.write_prompt(cache, i, row, k, v)
+        return attention.causal(q, k, v)
+
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, slot=slot), attend)
+    last = jax.lax.dynamic_index_in_dim(h, length - 1, 0, keepdims=False)
+    return _logits(params, last), cache
+
+
+def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+            positions: jax.Array, slots: jax.Array, active: jax.Array, tables: RopeTables, attend_len: int,
+            window: int | None) -> tuple[jax.Array, KVCache]:
+    """One decode step. `attend_len` (static) bounds the positions a bucket attention reads (one
+    compile per length bucket); `window` (static) is the LoRA window where the backend has them."""
+    backend = params.backend
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        # q [B, kv, g, d]; k and v [B, kv, d], written at position positions[b] of row b
+        nonlocal cache
+        out, cache = backend.decode_attention(q, k, v, cache, i, positions, active, attend_len)
+        return out
+
+    batch = None if lora_pool is None else backend.prepare(slots, lora_pool.scaling.shape[0], window)
+    h = _decoder(params, tokens, positions, _Projections(backend, lora_pool, batch=batch), attend, tables)
+    return _logits(params, h), cache
+
+
+def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.Array,
+                  slots: jax.Array) -> jax.Array:
+    n_rows, t = tokens.shape
+    token_slots = jnp.broadcast_to(slots[:, None], (n_rows, t)).reshape(-1)
+    batch = None if lora_pool is None else params.backend.prepare(token_slots, lora_pool.scaling.shape[0], None)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n_rows, t))
+    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch=batch),
+                 lambda i, q, k, v: attention.causal(q, k, v))
+    return _logits(params, h)
+
+
+prefill_jit = jax.jit(_prefill, donate_argnames="cache")
+decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames=("attend_len", "window"))
+forward_full_jit = jax.jit(_forward_full)

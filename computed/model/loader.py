@@ -1,0 +1,152 @@
+"""Loading a Hugging Face Llama checkpoint (config.json + safetensors) into `LlamaParams`.
+
+Weights are read from the memory-mapped shards (shared/checkpoint.py lists them, as the fingerprint
+does), converted to the model dtype, and laid out for the backend chosen at load
+(`computed.backend.select`, or the caller's): packed into column panels for the native dense
+kernel, or `[in, out]` for XLA's dot (`with_layout`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from computed.backend import Backend, select
+from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
+from computed.model.params import LayerParams, LlamaParams, PackedWeight, pack, unpack
+from shared.checkpoint import shard_paths
+from shared.config import MODULE_PARENT, MODULES
+from shared.modelconfig import ModelConfigError, check_tensors
+from shared.tensorfile import TensorFileError, parse_header, to_float32
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+@contextmanager
+def _open_shards(model_dir: Path) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
+    """Tensor name -> (buffer, header, info) over every shard, memory-mapped."""
+    try:
+        shards = shard_paths(model_dir)
+    except (ModelConfigError, OSError, ValueError) as exc:  # a FileError is a ValueError
+        raise ModelLoadError(str(exc)) from None
+    maps: list[mmap.mmap] = []
+    try:
+        tensors: dict[str, tuple[Any, Any, Any]] = {}
+        for path in shards:
+            with path.open("rb") as f:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            maps.append(buf)
+            try:
+                header = parse_header(buf, len(buf))
+            except TensorFileError as exc:
+                raise ModelLoadError(f"{path}: {exc}") from None
+            for name, info in header.tensors.items():
+                tensors[name] = (buf, header, info)
+        yield tensors
+    finally:
+        for m in maps:
+            m.close()
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", *,
+               backend: Backend | None = None) -> tuple[LlamaConfig, LlamaParams]:
+    """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`, laid out for
+    `backend` (None: `computed.backend.select(dtype)`, the one this machine runs best)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model_dir = Path(model_dir)
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{model_dir}: no config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
+    try:
+        config = LlamaConfig.from_hf(raw)
+    except ModelLoadError as exc:  # the text `pool init` gives (shared/fingerprint.py)
+        raise ModelLoadError(f"{model_dir}/{exc}") from None
+    jdt = jnp.dtype(dtype)
+
+    with _open_shards(model_dir) as tensors:
+        try:
+            check_tensors(config, {name: info.shape for name, (_, _, info) in tensors.items()})
+        except ModelConfigError as exc:
+            raise ModelLoadError(f"{model_dir}: {exc}") from None
+
+        def get(name: str, *, transpose: bool = False) -> jax.Array:
+            buf, header, info = tensors[name]  # present, in this shape: check_tensors
+            try:
+                arr = to_float32(buf, header, info)
+            except TensorFileError as exc:
+                raise ModelLoadError(f"{model_dir}: {exc}") from None
+            if transpose:
+                arr = arr.T
+            return jnp.asarray(np.ascontiguousarray(arr), dtype=jdt)
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}"
+            weights: dict[str, jax.Array | PackedWeight] = {}
+            biases = {}
+            for m in MODULES:
+                stem = f"{p}.{MODULE_PARENT[m]}.{m}"
+                weights[m] = get(f"{stem}.weight", transpose=True)
+                if (config.attention_bias and m in ATTN_MODULES) or (config.mlp_bias and m in MLP_MODULES):
+                    biases[m] = get(f"{stem}.bias")
+            layers.append(LayerParams(input_norm=get(f"{p}.input_layernorm.weight"),
+                                      post_attention_norm=get(f"{p}.post_attention_layernorm.weight"),
+                                      weights=weights, biases=biases))
+        if backend is None:
+            backend = select(dtype)
+        params = LlamaParams(
+            config=config,
+            backend=backend,
+            embed=get("model.embed_tokens.weight"),
+            layers=tuple(layers),
+            norm=get("model.norm.weight"),
+            # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
+            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", transpose=True),
+        )
+    return config, with_layout(params, backend)
+
+
+def with_layout(params: LlamaParams, backend: Backend) -> LlamaParams:
+    """`params` for `backend`: every projection and the lm_head packed in the backend's panels
+    (`backend.panel`), or unpacked to [in, out] for XLA where it has none; host work, once per
+    model. A tied model keeps one copy: packed, its lm_head is the embedding's transpose and
+    `embed` is None (lookups read the lm_head's columns). Packing needs a float32 model
+    (ValueError otherwise)."""
+    panel = backend.panel
+    if panel and params.dtype != jnp.float32:
+        raise ValueError(f"packed weights need a float32 model (the native dense kernel's); this is a "
+                         f"{params.dtype} model: pass a backend without packing (panel 0)")
+
+    def convert(w: jax.Array | PackedWeight) -> jax.Array | PackedWeight:
+        if isinstance(w, PackedWeight):
+            if w.panels.shape[2] == panel:
+                return w
+            w = unpack(w)
+        return pack(w, panel) if panel else w
+
+    layers = tuple(dataclasses.replace(layer, weights={m: convert(w) for m, w in layer.weights.items()})
+                   for layer in params.layers)
+    embed, lm_head = params.embed, params.lm_head
+    if params.config.tie_word_embeddings:  # one copy: the embedding, or its packed transpose
+        if embed is None:
+            assert isinstance(lm_head, PackedWeight)
+            if lm_head.panels.shape[2] != panel:
+                embed = unpack(lm_head).T
+        if embed is not None:
+            embed, lm_head = (None, pack(embed.T, panel)) if panel else (embed, None)
+    elif lm_head is not None:
+        lm_head = convert(lm_head)
+    return dataclasses.replace(params, backend=backend, embed=embed, layers=layers, lm_head=lm_head)

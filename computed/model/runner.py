@@ -1,0 +1,223 @@
+"""The model's host side: argument checks, the KV cache, bucket choice and ahead-of-time warm-up.
+
+`prefill`, `decode` and `forward_full` check their arguments on the host (with messages that name
+the limit) and call the jitted forward pass (computed/model/llama.py) on the backend the
+parameters were loaded for. `LlamaRunner` is the model behind the engine's `Model` interface
+(computed/engine.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from computed import lora
+from computed.backend import select
+from computed.model import kv_cache
+from computed.model.config import LlamaConfig
+from computed.model.kv_cache import KVCache
+from computed.model.llama import decode_jit, forward_full_jit, prefill_jit, rope_tables
+from computed.model.params import LlamaParams
+from computed.pool import LoraPool
+
+
+def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32", *,
+               blocked: bool | None = None) -> KVCache:
+    """A zeroed cache of `max_batch` rows of `max_len` positions, in the model's dtype; K blocked
+    for the attention kernel or positions-minor for XLA's attention (KVCache); `blocked` None:
+    as the backend `computed.backend.select(dtype)` attends."""
+    if blocked is None:
+        blocked = select(dtype).blocked
+    return kv_cache.zeros(config, max_batch, max_len, dtype, blocked=blocked)
+
+
+def _host_i32(x: Any, name: str) -> np.ndarray:
+    """A host int32 array: Python ints, numpy ints and int32 arrays all trace alike (no recompile)."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu" and arr.dtype != np.bool_:
+        raise TypeError(f"{name} must be integers, got {arr.dtype}")
+    return arr.astype(np.int32)
+
+
+def _check_tokens(tokens: np.ndarray, config: LlamaConfig) -> None:
+    if tokens.size and not (0 <= tokens.min() and tokens.max() < config.vocab_size):
+        raise ValueError(f"token ids must be in [0, {config.vocab_size}) (vocab_size); "
+                         f"got {tokens.min()}..{tokens.max()}")
+
+
+def _check_slots(slots: np.ndarray, lora_pool: LoraPool | None) -> None:
+    limit = 0 if lora_pool is None else int(lora_pool.scaling.shape[0])
+    bad = slots[(slots < lora.BASE) | (slots >= limit)]
+    if bad.size:
+        raise ValueError(f"slot {int(bad[0])} is outside [-1, {limit}): -1 is the base model"
+                         + ("; no LoRA pool was given" if lora_pool is None else
+                            f", the pool has {limit} slots (max_loras)"))
+
+
+def _check_pool(pool: LoraPool | None, config: LlamaConfig) -> None:
+    if pool is None:
+        return
+    dims = config.module_dims
+    for m, a in pool.A.items():
+        n_in, n_out = dims[m]
+        b = pool.B[m]
+        if a.shape[0] != config.num_layers or a.shape[-1] != n_in or b.shape[-2] != n_out:
+            raise ValueError(f"the LoRA pool's {m} has A {a.shape} and B {b.shape}; the model needs "
+                             f"[{config.num_layers}, slots, rank, {n_in}] and "
+                             f"[{config.num_layers}, slots, {n_out}, rank]: configure the pool for this model")
+
+
+def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, length: int,
+            row: int, slot: int) -> tuple[jax.Array, KVCache]:
+    """Run one prompt (`tokens [P]`, the first `length` real, the rest padding) into cache row `row`.
+
+    Returns (logits [vocab] float32 after token length - 1, the updated cache);
+    `cache` is donated. `slot` is the request's LoRA slot, or -1 for the base model.
+    One compile per P (bucket the prompt lengths).
+    """
+    tokens = _host_i32(tokens, "tokens")
+    if tokens.ndim != 1 or not 1 <= tokens.shape[0] <= cache.max_len:
+        raise ValueError(f"prefill takes tokens [P] with 1 <= P <= the cache's max_len {cache.max_len}; "
+                         f"got shape {tokens.shape}")
+    _check_tokens(tokens, params.config)
+    length_, row_, slot_ = (_host_i32(v, n) for v, n in ((length, "length"), (row, "row"), (slot, "slot")))
+    if not 1 <= length_ <= tokens.shape[0]:
+        raise ValueError(f"length {int(length_)} must be in [1, {tokens.shape[0]}] (the padded prompt's length)")
+    if not 0 <= row_ < cache.max_batch:
+        raise ValueError(f"row {int(row_)} is outside the cache's {cache.max_batch} rows (max_batch)")
+    _check_slots(slot_.reshape(1), lora_pool)
+    _check_pool(lora_pool, params.config)
+    return prefill_jit(params, lora_pool, cache, tokens, length_, row_, slot_)
+
+
+def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
+           slots: Any, active: Any, attend_len: int | None = None, *,
+           window: int | None = None) -> tuple[jax.Array, KVCache]:
+    """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
+
+    Row b appends `tokens[b]` at `positions[b]` (< max_len) and attends to
+    [0, positions[b]] with LoRA slot `slots[b]` (-1: base). Rows with
+    `active[b]` False write nothing to the cache and their other entries are
+    ignored. `cache` is donated. A bucket attention reads the first `attend_len`
+    positions of every row (one compile per length; the attention kernel reads each
+    row's own and one compile serves every length). `window` is the LoRA window where
+    the backend has them (the XLA backend's window loop, one compile per size): by
+    default the backend picks one for this mix (`params.backend.window`).
+    """
+    tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
+                                _host_i32(slots, "slots"))
+    active = np.asarray(active, np.bool_)
+    b = cache.max_batch
+    for name, arr in (("tokens", tokens), ("positions", positions), ("slots", slots), ("active", active)):
+        if arr.shape != (b,):
+            raise ValueError(f"decode takes {name} of shape [{b}] (the cache's max_batch); got {arr.shape}")
+    live = positions[active]
+    if live.size and not (0 <= live.min() and live.max() < cache.max_len):
+        raise ValueError(f"active rows need positions in [0, {cache.max_len}) (the cache's max_len); "
+                         f"got {live.min()}..{live.max()}")
+    _check_tokens(tokens[active], params.config)
+    tokens = np.where(active, tokens, 0).astype(np.int32)
+    slots = np.where(active, slots, lora.BASE).astype(np.int32)  # inactive rows compute no LoRA term
+    _check_slots(slots, lora_pool)
+    _check_pool(lora_pool, params.config)
+    positions = np.where(active, positions, 0).astype(np.int32)
+    if attend_len is None:
+        attend_len = cache.max_len
+    if not (live.size == 0 or live.max() < attend_len <= cache.max_len):
+        raise ValueError(f"attend_len {attend_len} must exceed every active position and be at "
+                         f"most the cache's max_len {cache.max_len}")
+    backend = params.backend
+    backend.check_cache(cache)
+    # no pool: no window, one compile whatever the caller passed
+    window = None if lora_pool is None else backend.window(slots, window)
+    return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
+                      rope_tables(positions, params.config),
+                      attend_len=backend.attend_len(cache, attend_len), window=window)
+
+
+def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
+    """Logits [B, T, vocab] float32 for `tokens [B, T]`, row b with LoRA slot `slots[b]`; no cache."""
+    tokens, slots = _host_i32(tokens, "tokens"), _host_i32(slots, "slots")
+    if tokens.ndim != 2 or slots.shape != tokens.shape[:1]:
+        raise ValueError(f"forward_full takes tokens [B, T] and slots [B]; got {tokens.shape} and {slots.shape}")
+    _check_tokens(tokens, params.config)
+    _check_slots(slots, lora_pool)
+    _check_pool(lora_pool, params.config)
+    return forward_full_jit(params, lora_pool, tokens, slots)
+
+
+def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
+                    prompt_lengths: tuple[int, ...], attend_lens: tuple[int, ...]) -> None:
+    """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
+    one per prompt length, and one per attention length (only one with the attention kernel) and
+    LoRA window of the backend. Only the shapes and dtypes of `lora_pool` and `cache` are used
+    (nothing is read or donated), so a replica can warm up while diffs keep writing its pool."""
+    def shapes(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+    backend = params.backend
+    backend.check_cache(cache)
+    _check_pool(lora_pool, params.config)
+    pool_s, cache_s = shapes(lora_pool), shapes(cache)
+    scalar = np.zeros((), np.int32)
+    for p in prompt_lengths:  # as `prefill` calls it
+        prefill_jit.lower(params, pool_s, cache_s, np.zeros(p, np.int32), scalar, scalar, scalar).compile()
+    rows = np.zeros(cache.max_batch, np.int32)
+    windows = backend.windows(cache.max_batch) if lora_pool is not None else (None,)
+    for attend_len in sorted({backend.attend_len(cache, n) for n in attend_lens}):  # as `decode` calls it
+        for window in windows:
+            decode_jit.lower(params, pool_s, cache_s, rows, rows, rows, np.zeros(cache.max_batch, np.bool_),
+                             rope_tables(rows, params.config), attend_len=attend_len, window=window).compile()
+
+
+class LlamaRunner:
+    """The Llama (computed/model/llama.py) behind the engine's `Model` interface.
+
+    Prompts are padded to power-of-two buckets (from 16 up to max_len), so
+    prefill compiles once per bucket. With the native backend decode compiles
+    once: each row attends over its own positions and the LoRA kernel takes any
+    mix. With the XLA backend a decode step attends over the bucket that holds
+    its longest sequence, and decode compiles once per bucket and LoRA window
+    (`backend.windows(max_batch)`; each step's mix picks its window). `warmup`
+    compiles them all up front, so nothing compiles while serving.
+    """
+
+    def __init__(self, config: Any, params: LlamaParams, *, max_batch: int, max_len: int) -> None:
+        self.config, self.params = config, params
+        self.vocab_size = int(config.vocab_size)
+        self.max_batch = max_batch
+        self.max_len = max_len
+        buckets, b = [], 16
+        while b < max_len:
+            buckets.append(b)
+            b *= 2
+        self.buckets = tuple(buckets) + (max_len,)
+
+    def bucket(self, length: int) -> int:
+        return next(b for b in self.buckets if b >= length)
+
+    def new_cache(self, blocked: bool | None = None) -> KVCache:
+        """A zeroed KV cache for this runner; K's layout as the backend attends, or by `blocked`."""
+        if blocked is None:
+            blocked = self.params.backend.blocked
+        return kv_cache.zeros(self.config, self.max_batch, self.max_len, self.params.dtype, blocked=blocked)
+
+    def prefill(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, length: int, row: int,
+                slot: int) -> tuple[np.ndarray, KVCache]:
+        logits, cache = prefill(self.params, pool, cache, tokens, length, row, slot)
+        return np.asarray(logits), cache
+
+    def decode(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
+               slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, KVCache]:
+        # attention over the smallest bucket that holds every running sequence
+        longest = int(positions[active].max()) + 1 if active.any() else 1
+        logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active,
+                               attend_len=self.bucket(longest))
+        return np.asarray(logits), cache
+
+    def warmup(self, pool: LoraPool, cache: KVCache) -> None:
+        """Compile prefill for every bucket and decode for every bucket and LoRA window; only the
+        shapes of `pool` and `cache` are used."""
+        compile_serving(self.params, pool, cache, prompt_lengths=self.buckets, attend_lens=self.buckets)
