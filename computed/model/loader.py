@@ -23,12 +23,9 @@ from computed.backend import Backend, select
 from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
 from computed.model.params import LayerParams, LlamaParams, PackedWeight, pack, unpack
 from shared.checkpoint import shard_paths
-from shared.config import MODULE_PARENT, MODULES
+from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES
 from shared.modelconfig import ModelConfigError, check_tensors
 from shared.tensorfile import TensorFileError, parse_header, to_float32
-
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 @contextmanager
