@@ -69,7 +69,7 @@ class SyncLoop(threading.Thread):
         self.stopping = threading.Event()
 
     def run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 1_000_000)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -216,7 +216,7 @@ class Daemon:
         self.about = about or {}  # process details (the model dir): operators only under --auth
         self.replica_id = replica_id
         self.engine = engine
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.auth = None if auth_dir is None else ServerAuth(ctx, auth_dir, INFERENCE_ROLES)
         self.router, self.listen = serving_router(
             ctx, check_bind(listen, authenticated=self.auth is not None), self.auth)

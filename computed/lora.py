@@ -166,7 +166,8 @@ def _take(pool: jax.Array, layer: int | None, slot: jax.Array) -> jax.Array:
     by dynamic slice of the whole pool array: slicing out the layer first would make XLA copy
     that layer's slots for every module on every step (the pool is an input of the loop)."""
     if layer is None:
-        return jax.lax.dynamic_index_in_dim(pool, slot, 0, keepdims=False)
+        whole: jax.Array = jax.lax.dynamic_index_in_dim(pool, slot, 0, keepdims=False)
+        return whole
     start = (layer, slot) + (0,) * (pool.ndim - 2)
     return jax.lax.dynamic_slice(pool, start, (1, 1) + pool.shape[2:])[0, 0]
 

@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +151,8 @@ class Lease:
 
 
 def _put(buf: jax.Array, value: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, axis)
+    out: jax.Array = jax.lax.dynamic_update_index_in_dim(buf, value, slot, axis)
+    return out
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -177,7 +178,8 @@ def _slot_of(pool: LoraPool, slot: jax.Array) -> tuple[dict[str, jax.Array],
                                                        dict[str, jax.Array], jax.Array, jax.Array]:
     """One slot's arrays (A, B per module over all layers, scaling, rank), slot traced."""
     def take(buf: jax.Array, axis: int) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(buf, slot, axis, keepdims=False)
+        out: jax.Array = jax.lax.dynamic_index_in_dim(buf, slot, axis, keepdims=False)
+        return out
     return ({m: take(a, 1) for m, a in pool.A.items()}, {m: take(b, 1) for m, b in pool.B.items()},
             take(pool.scaling, 0), take(pool.rank, 0))
 
@@ -223,11 +225,15 @@ class MemoryPool:
         what compiling needs, without the lock or the buffers."""
         spec, dtype = self.spec, storage_dtype(self.spec.dtype)
         lead = (spec.num_layers, spec.slots)
+
+        def abstract(shape: tuple[int, ...], of: Any) -> jax.Array:
+            # jit's lower() takes a ShapeDtypeStruct wherever it takes an array
+            return cast(jax.Array, jax.ShapeDtypeStruct(shape, of))
         return LoraPool(
-            A={m: jax.ShapeDtypeStruct(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
-            B={m: jax.ShapeDtypeStruct(lead + (o, spec.max_rank), dtype) for m, (_, o) in self._dims()},
-            scaling=jax.ShapeDtypeStruct((spec.slots,), jnp.float32),
-            rank=jax.ShapeDtypeStruct((spec.slots,), jnp.int32),
+            A={m: abstract(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
+            B={m: abstract(lead + (o, spec.max_rank), dtype) for m, (_, o) in self._dims()},
+            scaling=abstract((spec.slots,), jnp.float32),
+            rank=abstract((spec.slots,), jnp.int32),
         )
 
     def _dims(self) -> list[tuple[str, tuple[int, int]]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def _check_entry(name: str, entry: Any, data_len: int) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), start, end)
 
 
-def parse_header(prefix: bytes, total_size: int, *, max_header: int = MAX_HEADER_BYTES) -> Header:
+def parse_header(prefix: bytes | mmap.mmap, total_size: int, *, max_header: int = MAX_HEADER_BYTES) -> Header:
     """Parse and check a header from the first bytes of a file of `total_size` bytes.
 
     `prefix` must hold at least the 8-byte length and the header itself.

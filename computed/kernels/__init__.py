@@ -88,11 +88,11 @@ def _cpu_id(compiler: str) -> str:
 
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags, jaxlib and CPU lives."""
-    import jaxlib
+    from jaxlib import version as jaxlib_version
 
     key = hashlib.sha256()
     for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
-                 jaxlib.__version__.encode(), _cpu_id(compiler).encode(), platform.machine().encode()):
+                 jaxlib_version.__version__.encode(), _cpu_id(compiler).encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
     return build_dir() / f"loraplane-kernels-{key.hexdigest()[:16]}.so"

@@ -60,4 +60,4 @@ def inv_freq(config: LlamaConfig) -> np.ndarray:
         smoothed = ((1 - smooth) * scaled / np.float32(rope.factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         freq = np.where(medium, smoothed, scaled).astype(np.float32)
-    return freq
+    return np.asarray(freq, np.float32)  # no copy: typed for mypy

@@ -89,7 +89,8 @@ def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         raise ValueError(f"row {int(row_)} is outside the cache's {cache.max_batch} rows (max_batch)")
     _check_slots(slot_.reshape(1), lora_pool)
     _check_pool(lora_pool, params.config)
-    return prefill_jit(params, lora_pool, cache, tokens, length_, row_, slot_)
+    out: tuple[jax.Array, KVCache] = prefill_jit(params, lora_pool, cache, tokens, length_, row_, slot_)
+    return out
 
 
 def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
@@ -132,9 +133,11 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     backend.check_cache(cache)
     # no pool: no window, one compile whatever the caller passed
     window = None if lora_pool is None else backend.window(slots, window)
-    return decode_jit(params, lora_pool, cache, tokens, positions, slots, active,
-                      rope_tables(positions, params.config),
-                      attend_len=backend.attend_len(cache, attend_len), window=window)
+    out: tuple[jax.Array, KVCache] = decode_jit(
+        params, lora_pool, cache, tokens, positions, slots, active,
+        rope_tables(positions, params.config),
+        attend_len=backend.attend_len(cache, attend_len), window=window)
+    return out
 
 
 def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
@@ -145,7 +148,8 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
     _check_tokens(tokens, params.config)
     _check_slots(slots, lora_pool)
     _check_pool(lora_pool, params.config)
-    return forward_full_jit(params, lora_pool, tokens, slots)
+    logits: jax.Array = forward_full_jit(params, lora_pool, tokens, slots)
+    return logits
 
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
