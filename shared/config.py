@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import re
 
-# computed/model.py reads the module list here until it imports shared/llama.py (issue 14)
-from shared.llama import MODULE_PARENT as MODULE_PARENT, MODULES as MODULES
-
 DEFAULT_CONTROL = "tcp://127.0.0.1:7100"
 DEFAULT_PUBLISH = "tcp://127.0.0.1:7101"
 DEFAULT_REPLICA_LISTEN = "tcp://127.0.0.1:7200"
