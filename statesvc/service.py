@@ -17,8 +17,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from shared.config import (DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS,
-                           REPLICA_STALE_AFTER_S)
+from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
                            Replaced, encode_body, log_id_of)
@@ -29,11 +28,11 @@ from shared.reducer import (State, admit_load, apply, canonical, from_canonical,
                             require_pool, snapshot_bytes)
 from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
+from statesvc.registry import Registry
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
 
 log = logging.getLogger("statesvc")
 
-FORGET_AFTER_S = 3600.0  # a replica silent this long leaves `status`
 # the reads whose results carry `log_id`: all but `blob` (content-addressed, the same bytes in
 # every log) and `heartbeat` (the replica learns the log from the diff stream and catch-up)
 LOG_READS = frozenset({"list", "events", "snapshot", "digest", "status"})
@@ -67,20 +66,6 @@ class _Batch:
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     # every write answered in this batch: if the commit fails, none of them may claim success
     writers: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Registered:
-    """A replica id in the registry: who registered it, and its last heartbeat."""
-
-    owner: str  # the actor of its first heartbeat: a replica key under --auth, else `local`
-    seen: float
-    beat: dict[str, Any]
-    previous_address: str | None = None  # set when the id moved to another address
-
-    @property
-    def address(self) -> str:
-        return str(self.beat["address"])
 
 
 def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
@@ -122,8 +107,7 @@ class StateService:
         # called now and then while a load reads and checks large weights: the server
         # publishes its due heartbeats from it (one thread: it cannot from anywhere else)
         self.progress: Callable[[], None] = lambda: None
-        self.max_replicas = max_replicas
-        self.replicas: dict[str, _Registered] = {}
+        self.registry = Registry(max_replicas=max_replicas, clock=clock)
         self._digests: OrderedDict[int, str] = OrderedDict()
         # the last RECENT_HEADS heads, digested when first asked: `status` never rebuilds
         self._heads: OrderedDict[int, State | str] = OrderedDict()
@@ -419,7 +403,7 @@ class StateService:
         if req.cmd == "blob":
             return self._blob(args)
         if req.cmd == "heartbeat":
-            self._heartbeat(args, actor)
+            self.registry.heartbeat(args, actor)
             return {"head_seq": state.seq}
         if req.cmd == "status":
             return self.status()
@@ -436,78 +420,11 @@ class StateService:
         data = self.blobs.read_chunk(sha, args["offset"], args["length"])
         return {"sha256": sha, "offset": args["offset"], "size": size, "data": data}
 
-    def _heartbeat(self, args: dict[str, Any], actor: str) -> None:
-        """Register or refresh a replica id. An id belongs to the actor that registered it (a
-        replica key under --auth; without --auth every peer is `local`, first come) and moves
-        to another address only once it is STALE: a peer cannot take over a live replica's id."""
-        now = self.clock()
-        rid, address = args["id"], args["address"]
-        reg = self.replicas.get(rid)
-        if reg is not None and now - reg.seen > FORGET_AFTER_S:
-            del self.replicas[rid]  # gone for an hour: registered anew
-            reg = None
-        if reg is None:
-            self._make_room(now)
-            log.info("replica %s registered by %s at %s", rid, actor, address)
-            self.replicas[rid] = _Registered(actor, now, dict(args))
-            return
-        if reg.owner != actor:
-            raise CommandError("forbidden", f"replica id {rid!r} is registered to {reg.owner}; "
-                               f"{actor} may not heartbeat for it (give this replica its own "
-                               "--replica-id)", "args.id")
-        if address != reg.address:
-            silent = now - reg.seen
-            if silent < REPLICA_STALE_AFTER_S:
-                raise CommandError("conflict", f"replica id {rid!r} is live at {reg.address} "
-                                   f"(last heartbeat {silent:.1f} s ago); another address may "
-                                   f"take it only after {REPLICA_STALE_AFTER_S:g} s without "
-                                   "one (STALE); give this replica its own --replica-id",
-                                   "args.id")
-            log.warning("replica %s moved from %s to %s (%s; it was STALE)", rid, reg.address,
-                        address, actor)
-            reg.previous_address = reg.address
-        reg.seen, reg.beat = now, dict(args)
-
-    def _make_room(self, now: float) -> None:
-        """Room for one more id: forget the longest-silent STALE one at the cap, or refuse."""
-        if len(self.replicas) >= self.max_replicas:
-            self._forget(now)
-        if len(self.replicas) < self.max_replicas:
-            return
-        rid, reg = min(self.replicas.items(), key=lambda item: item[1].seen)
-        if now - reg.seen < REPLICA_STALE_AFTER_S:
-            raise CommandError("overloaded", f"the replica registry is full: {self.max_replicas} "
-                               "live replica ids (--max-replicas); restart statesvc with a "
-                               "larger --max-replicas, or stop replicas that should not be there")
-        log.warning("replica registry full (--max-replicas %d): forgot STALE replica %s at %s",
-                    self.max_replicas, rid, reg.address)
-        del self.replicas[rid]
-
-    def _forget(self, now: float) -> None:
-        for gone in [r for r, reg in self.replicas.items() if now - reg.seen > FORGET_AFTER_S]:
-            del self.replicas[gone]  # gone for an hour: no longer part of the fleet
-
     def status(self) -> dict[str, Any]:
-        """Head, digest and every registered replica. Its cost depends only on the registry's
-        size: `agrees` compares with the digests of recent heads, never rebuilds a state."""
-        now, head = self.clock(), self.state.seq
-        self._forget(now)
-        replicas = []
-        for rid in sorted(self.replicas):
-            reg = self.replicas[rid]
-            hb, applied = reg.beat, reg.beat["applied_seq"]
-            known = self.head_digest(applied)
-            # None: an older seq than the recent heads (the replica is behind; not rebuilt)
-            agrees = (False if applied > head else None if known is None
-                      else known == hb["logical_digest"])
-            row = {"id": rid, "address": reg.address,
-                   "state": hb["state"] if now - reg.seen < REPLICA_STALE_AFTER_S else "STALE",
-                   "applied_seq": applied, "logical_digest": hb["logical_digest"],
-                   "pool_digest": hb["pool_digest"], "agrees": agrees}
-            if reg.previous_address is not None:
-                row["previous_address"] = reg.previous_address
-            replicas.append(row)
-        return {"head_seq": head, "digest": self.digest_at(head), "replicas": replicas}
+        """Head, digest and every replica; costs what the registry's size costs (registry.py)."""
+        head = self.state.seq
+        return {"head_seq": head, "digest": self.digest_at(head),
+                "replicas": self.registry.rows(head, self.head_digest)}
 
 
 def _same(old: AdapterLoaded, cand: Candidate, pin: bool) -> bool:
