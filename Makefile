@@ -28,7 +28,7 @@ test-fast: kernels
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 demo: kernels
-	$(BIN)/python -m statesvc.demo
+	$(BIN)/python -m statesvc.tools.demo
 
 # every benchmark, then benchmarks/results/latest.json, the plots and the README tables
 bench: kernels
@@ -39,4 +39,4 @@ clean:
 
 # statesvc and one replica on the example model, in the foreground; Ctrl-C stops both.
 up: kernels
-	$(BIN)/python -m statesvc.up
+	$(BIN)/python -m statesvc.tools.up

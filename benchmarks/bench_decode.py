@@ -1,7 +1,7 @@
 """Decode throughput of 32 sequences on 0, 1, 4, 16 and 32 distinct adapters: ours against PEFT.
 
 One random Llama checkpoint and 32 rank-16 adapters on all seven target
-modules, written as transformers and PEFT write them (statesvc/example.py; no
+modules, written as transformers and PEFT write them (statesvc/tools/example.py; no
 downloads), float32:
 
     vocab 8192, hidden 1024, intermediate 2816, 8 layers, 16 heads, 8 KV heads,
@@ -113,8 +113,8 @@ from shared.events import AdapterLoaded, lora_scaling
 from shared.llama import MODULES
 from shared.reducer import State
 from shared.replica_protocol import generate_args
-from statesvc.example import AdapterSpec, ModelShape, write_adapter, write_model
-from tests.jaxcount import counting_compiles
+from statesvc.tools.example import AdapterSpec, ModelShape, write_adapter, write_model
+from computed.jaxcount import counting_compiles
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -719,7 +719,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                      f"| {d['over_peft']:.2f}, {e['over_peft']:.2f}, {l_peft} |")
     v = result["versions"]
     lines += ["",
-              f"Model (random, written by statesvc/example.py): vocab {m['vocab_size']}, hidden "
+              f"Model (random, written by statesvc/tools/example.py): vocab {m['vocab_size']}, hidden "
               f"{m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
               f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} KV heads, head_dim {m['head_dim']}, "
               f"{m['parameters'] / 1e6:.0f} M parameters, float32. {result['adapters']['count']} adapters, "

@@ -41,8 +41,8 @@ from rich.table import Table
 from benchmarks.report import machine_info, median, print_targets, publish
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, encode_body
-from shared.processes import loopback, start_ready, stop_pid
-from statesvc.example import make_example
+from shared.fleet import loopback, start_ready, stop_pid
+from statesvc.tools.example import make_example
 
 TARGET_EVENTS_PER_S = 1000.0
 TARGET_RATIO = 0.5

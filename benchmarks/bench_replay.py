@@ -54,9 +54,9 @@ from shared.config import DEFAULT_SNAPSHOT_EVERY
 from shared.events import PoolConfigured
 from shared.fingerprint import read_model
 from shared.llama import MODULES
-from statesvc.example import AdapterSpec, make_example
-from tests.inproc import init_pool, open_service, request
-from tests.procs import StateSvc
+from statesvc.tools.example import AdapterSpec, make_example
+from statesvc.tools.inproc import init_pool, open_service, request
+from shared.fleet import StateSvc
 
 TARGET_RATIO = 1.5
 TARGET_SIZE = 100_000

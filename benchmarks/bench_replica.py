@@ -54,9 +54,9 @@ from shared.fingerprint import read_model
 from shared.llama import MODULES
 from shared.peft import parse_lora_name
 from shared.tensorfile import parse_bytes, to_float32
-from statesvc.example import AdapterSpec, ModelShape, make_example
-from tests.jaxcount import counting_compiles
-from tests.procs import Computed, StateSvc
+from statesvc.tools.example import AdapterSpec, ModelShape, make_example
+from computed.jaxcount import counting_compiles
+from shared.fleet import Computed, StateSvc
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
 TARGET_RSS_RATIO = 1.05

@@ -164,7 +164,7 @@ def run_atheris(target: str, minutes: float, input_timeout: int, strict: bool,
         import shared.reducer  # noqa: F401
         import shared.tensorfile  # noqa: F401
         import statesvc.adapters  # noqa: F401
-    from statesvc.example import make_example
+    from statesvc.tools.example import make_example
     from tests import test_fuzz as props
     props.STEP_OVER_KNOWN_BUGS = not strict
 

@@ -1,4 +1,4 @@
-"""Counting XLA compilations and pool buffer addresses in tests."""
+"""Counting XLA compilations and pool buffer addresses (tests and benchmarks)."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -413,7 +413,7 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
     that they agree with every live replica and with statesvc. Exit 1 on any disagreement."""
     from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-    from statesvc.drill import Drill, DrillError
+    from statesvc.tools.drill import Drill, DrillError
 
     bars: dict[str, TaskID] = {}
     with Progress(TextColumn("{task.description:<22}"), BarColumn(),
@@ -478,7 +478,7 @@ def keys_new(name: str, directory: Path) -> None:
 @JSON_OPT
 def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
     """Write a small random Llama checkpoint and PEFT adapters (nothing is downloaded)."""
-    from statesvc.example import make_example
+    from statesvc.tools.example import make_example
 
     t0 = time.perf_counter()
     assets = make_example(directory, seed=seed)

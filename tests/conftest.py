@@ -5,9 +5,9 @@ from typing import Iterator
 
 import pytest
 
-from statesvc.example import ExampleAssets, make_example
+from statesvc.tools.example import ExampleAssets, make_example
 from tests.fleet import fleet  # noqa: F401  (a fixture)
-from tests.procs import StateSvc
+from shared.fleet import StateSvc
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from typing import Any, Iterator
 import pytest
 
 from shared.client import ControlClient, new_event_id
-from statesvc.example import ExampleAssets
-from tests.procs import Computed, StateSvc
+from statesvc.tools.example import ExampleAssets
+from shared.fleet import Computed, StateSvc
 
 
 class Fleet:

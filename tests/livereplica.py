@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterator
 from computed.replica import Replica
 from shared.client import ControlClient, new_event_id
 from shared.fingerprint import read_model
-from statesvc.example import ExampleAssets
-from tests.procs import StateSvc
+from statesvc.tools.example import ExampleAssets
+from shared.fleet import StateSvc
 
 Command = Callable[..., Any]
 

@@ -22,11 +22,11 @@ from safetensors.numpy import load_file, save_file
 
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.llama import MODULE_PARENT
-from statesvc.example import (AdapterSpec, ExampleAssets, ModelShape, adapter_config,
+from statesvc.tools.example import (AdapterSpec, ExampleAssets, ModelShape, adapter_config,
                               adapter_tensor_names, model_config, model_tensor_names)
 from statesvc.service import StateService
-from tests.inproc import CommandError, call, init_pool, open_service
-from tests.procs import StateSvc
+from statesvc.tools.inproc import CommandError, call, init_pool, open_service
+from shared.fleet import StateSvc
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,8 +24,8 @@ import pytest
 from shared.client import ControlClient, Unavailable, new_event_id
 from shared.events import Event
 from shared.reducer import State, apply, logical_digest
-from statesvc.example import ExampleAssets
-from tests.procs import StateSvc
+from statesvc.tools.example import ExampleAssets
+from shared.fleet import StateSvc
 
 CLIENTS = 4
 NAMES_PER_CLIENT = 3

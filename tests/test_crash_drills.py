@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.fleet import Fleet
-from tests.procs import wait_for
+from shared.fleet import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,9 +16,9 @@ import zmq
 
 from shared import runfile
 from shared.client import ControlClient, RemoteError
-from shared.processes import alive, loopback
+from shared.fleet import alive, loopback
 from tests.fleet import Fleet
-from tests.procs import loractl, stop_pid, wait_for
+from shared.fleet import loractl, stop_pid, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

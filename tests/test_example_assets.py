@@ -1,4 +1,4 @@
-"""statesvc.example writes checkpoints and adapters that transformers and PEFT load as their own."""
+"""statesvc.tools.example writes checkpoints and adapters that transformers and PEFT load as their own."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from shared.llama import MLP_MODULES, MODULES  # noqa: E402
-from statesvc.example import (  # noqa: E402
+from statesvc.tools.example import (  # noqa: E402
     EXAMPLE_ADAPTERS,
     AdapterSpec,
     ModelShape,
@@ -50,7 +50,7 @@ def _header(path: Path) -> dict[str, Any]:
 
 def test_module_imports_no_ml_framework() -> None:
     import subprocess
-    code = ("import sys, statesvc.example; "
+    code = ("import sys, statesvc.tools.example; "
             "bad = [m for m in ('torch', 'jax', 'transformers', 'peft') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -74,10 +74,10 @@ from shared.replica_protocol import SLOT_ARGS
 from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, Header, TensorFileError,
                                parse_bytes, parse_header, read_header)
 from statesvc.adapters import AdapterError, inspect_adapter
-from statesvc.example import ExampleAssets
+from statesvc.tools.example import ExampleAssets
 from statesvc.service import Answer, StateService
 from tests.fleet import Fleet
-from tests.inproc import call, init_pool, open_service
+from statesvc.tools.inproc import call, init_pool, open_service
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_ID = "0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a"  # the identity of the log the diffs come from

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from computed import kernels
-from statesvc.example import ExampleAssets
+from statesvc.tools.example import ExampleAssets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ from computed.model.loader import load_model
 from computed.model.params import PackedWeight
 from computed.model.runner import LlamaRunner
 from computed.pool import MemoryPool, PoolSpec
-from tests.jaxcount import counting_compiles
+from computed.jaxcount import counting_compiles
 
 config, params = load_model(sys.argv[1])
 pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=4, max_rank=8,

@@ -19,12 +19,12 @@ from shared.config import UUID_RE
 from shared.llama import MODULES
 from shared.reducer import logical_digest
 from statesvc.blobs import BlobStore
-from statesvc.example import ExampleAssets
+from statesvc.tools.example import ExampleAssets
 from statesvc.service import StateService
 from statesvc.store import NewEvent, SqliteEventStore, sqlite_url
 from tests.fleet import Fleet
-from tests.inproc import call, init_pool, open_service
-from tests.procs import Computed, StateSvc, loractl, wait_for
+from statesvc.tools.inproc import call, init_pool, open_service
+from shared.fleet import Computed, StateSvc, loractl, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

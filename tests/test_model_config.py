@@ -17,8 +17,8 @@ from computed.model.config import ModelLoadError
 from computed.model.loader import load_model
 from shared.fingerprint import ModelError, read_model
 from shared.modelconfig import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_CONFIG_DEPTH
-from statesvc.example import ExampleAssets
-from tests.procs import BIN, StateSvc, loractl
+from statesvc.tools.example import ExampleAssets
+from shared.fleet import BIN, StateSvc, loractl
 
 
 def _nested(levels: int) -> Any:

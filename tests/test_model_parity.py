@@ -45,14 +45,14 @@ from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from computed.weights import slot_weights  # noqa: E402
 from shared.events import AdapterLoaded  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
-from statesvc.example import (  # noqa: E402
+from statesvc.tools.example import (  # noqa: E402
     AdapterSpec,
     ExampleAssets,
     ModelShape,
     make_example,
     model_config,
 )
-from tests.jaxcount import counting_compiles  # noqa: E402
+from computed.jaxcount import counting_compiles  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own deprecations
 

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.reducer import logical_digest
-from statesvc.example import ExampleAssets
-from tests.inproc import CommandError, call, init_pool, open_service, request
+from statesvc.tools.example import ExampleAssets
+from statesvc.tools.inproc import CommandError, call, init_pool, open_service, request
 
 NAMES = ("a", "b", "c", "d")
 ADAPTERS = ("attn-qv-r8", "attn-all-r4", "mlp-only-r16", "all-r2")

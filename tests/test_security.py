@@ -13,8 +13,8 @@ import pytest
 
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.keys import ClientKeys, client_keys
-from statesvc.example import ExampleAssets
-from tests.procs import BIN, Computed, StateSvc, free_port, loractl, wait_for
+from statesvc.tools.example import ExampleAssets
+from shared.fleet import BIN, Computed, StateSvc, free_port, loractl, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

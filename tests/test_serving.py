@@ -11,9 +11,9 @@ import msgpack
 import pytest
 import zmq
 
-from statesvc.example import ExampleAssets
+from statesvc.tools.example import ExampleAssets
 from tests.fleet import Fleet
-from tests.procs import Computed, wait_for
+from shared.fleet import Computed, wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")

@@ -7,8 +7,8 @@ from pathlib import Path
 from computed.engine import Engine
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
-from statesvc.example import ExampleAssets
-from tests.jaxcount import buffer_pointers, counting_compiles
+from statesvc.tools.example import ExampleAssets
+from computed.jaxcount import buffer_pointers, counting_compiles
 from tests.livereplica import live_replica
 
 

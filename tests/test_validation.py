@@ -14,9 +14,9 @@ import pytest
 from safetensors.numpy import load_file, save, save_file
 
 from statesvc import adapters
-from statesvc.example import ExampleAssets, encode_safetensors
+from statesvc.tools.example import ExampleAssets, encode_safetensors
 from statesvc.service import StateService
-from tests.inproc import CommandError, call, init_pool, open_service
+from statesvc.tools.inproc import CommandError, call, init_pool, open_service
 
 QV = "attn-qv-r8"          # r=8, q_proj and v_proj
 ALL = "all-r2"             # r=2, all seven modules

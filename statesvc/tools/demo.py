@@ -27,11 +27,10 @@ from rich.table import Table
 
 from shared import runfile
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
-from shared.processes import alive, loopback, start_ready, stop_pid
+from shared.fleet import BIN, alive, loopback, start_ready, stop_pid
 from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, generate_args
 
-BIN = Path(sys.executable).parent
 console = Console(highlight=False, soft_wrap=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 ADAPTERS = {"support-bot": "attn-qv-r8", "sql-writer": "mlp-only-r16", "summarizer": "all-r2"}

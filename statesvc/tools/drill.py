@@ -18,7 +18,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from typing import Any, Callable
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable
 from shared.keys import ClientKeys, client_keys
-from shared.processes import alive, loopback, start_ready, stop_pid
+from shared.fleet import BIN, alive, loopback, start_ready, stop_pid
 from shared.replica_protocol import GENERATE, STATUS, generate_args
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -151,7 +150,7 @@ class Drill:
     # ---- steps ---------------------------------------------------------------------
 
     def _start(self, model: Path, tmp: Path, name: str, *, from_zero: bool) -> str:
-        argv = [str(Path(sys.executable).parent / "computed"), "serve", "--model", str(model),
+        argv = [str(BIN / "computed"), "serve", "--model", str(model),
                 "--state", self.state, "--diffs", self.diffs, "--listen", loopback(),
                 "--replica-id", name, "--cache-dir", str(tmp / name), "--no-heartbeat",
                 "--no-warmup", "--max-batch", "4",

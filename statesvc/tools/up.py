@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from shared.config import DEFAULT_REPLICA_LISTEN
-from shared.processes import start_ready, stop_pid
+from shared.fleet import BIN, start_ready, stop_pid
 
-BIN = Path(sys.executable).parent
 VAR = Path("var")
 
 

@@ -1,0 +1,1 @@
+"""Admin and developer tools built on the state service: drill, demo, up, example, inproc."""
