@@ -1,8 +1,8 @@
 """Long fuzz runs of the decoders, beyond the bounded ones in `make test`.
 
-Two engines, the same oracles (the check_* functions of tests/test_fuzz.py):
+Two engines, the same oracles (the check_* functions of tests/property/test_fuzz.py):
 
-* Hypothesis (default): the properties of tests/test_fuzz.py, LORAPLANE_FUZZ_EXAMPLES
+* Hypothesis (default): the properties of tests/property/test_fuzz.py, LORAPLANE_FUZZ_EXAMPLES
   random examples each, round after round with a fresh seed, until the time is up or a
   round fails. A failure prints the falsifying example and the seed to replay it with.
 
@@ -56,13 +56,13 @@ def hypothesis_rounds(minutes: float, examples: int, keep_going: bool) -> int:
               flush=True)
         res = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "tests/test_fuzz.py", "-k", "not regression", f"--hypothesis-seed={seed}",
+             "tests/property/test_fuzz.py", "-k", "not regression", f"--hypothesis-seed={seed}",
              "--hypothesis-show-statistics"],
             cwd=REPO, env={**os.environ, "LORAPLANE_FUZZ_EXAMPLES": str(examples)})
         if res.returncode != 0:
             failures += 1
             print(f"round {rounds} FAILED; replay: LORAPLANE_FUZZ_EXAMPLES={examples} "
-                  f".venv/bin/python -m pytest tests/test_fuzz.py --hypothesis-seed={seed}",
+                  f".venv/bin/python -m pytest tests/property/test_fuzz.py --hypothesis-seed={seed}",
                   flush=True)
             if not keep_going:
                 break

@@ -5,9 +5,9 @@ from typing import Iterator
 
 import pytest
 
-from statesvc.tools.example import ExampleAssets, make_example
-from tests.fleet import fleet  # noqa: F401  (a fixture)
 from shared.fleet import StateSvc
+from statesvc.tools.example import ExampleAssets, make_example
+from tests.helpers import Fleet
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +23,13 @@ def statesvc(tmp_path: Path) -> Iterator[StateSvc]:
         yield svc.start()
     finally:
         svc.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, example: ExampleAssets) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, example)
+    f.statesvc.start()
+    try:
+        yield f
+    finally:
+        f.stop()

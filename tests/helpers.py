@@ -1,14 +1,19 @@
-"""A statesvc and its replicas as real subprocesses, for integration tests."""
+"""Test helpers: a statesvc and its replicas as real subprocesses (Fleet), an in-process
+Replica against a real statesvc (live_replica), and transformers + PEFT as the reference for
+served outputs (HFReference; torch and transformers imported only when it is built)."""
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
-
-import pytest
+from typing import Any, Callable, Iterator
 
 from shared.client import ControlClient, new_event_id
-from statesvc.tools.example import ExampleAssets
+from shared.fingerprint import read_model
 from shared.fleet import Computed, StateSvc
+from statesvc.tools.example import ExampleAssets
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 class Fleet:
@@ -52,12 +57,91 @@ class Fleet:
         return all(r.status()["applied_seq"] == head and r.status()["state"] == "ACTIVE"
                    for r in replicas)
 
+Command = Callable[..., Any]
 
-@pytest.fixture
-def fleet(tmp_path: Path, example: ExampleAssets) -> Iterator[Fleet]:
-    f = Fleet(tmp_path, example)
-    f.statesvc.start()
+
+@contextmanager
+def live_replica(tmp_path: Path, example: ExampleAssets,
+                 max_loras: int) -> Iterator[tuple[Command, Replica]]:
+    """Yield (cmd, replica): `cmd(command, **args)` writes to statesvc with a new event_id;
+    the replica is bootstrapped and its slot write, clear and read have compiled."""
+    svc = StateSvc(tmp_path / "data").start()
+    from computed.replica import Replica  # jax: only the tests that use it import it
     try:
-        yield f
+        with ControlClient(svc.control) as c:
+            def cmd(command: str, **args: object) -> Any:
+                return c.call(command, {"event_id": new_event_id(), **args})
+
+            cmd("pool.init", model=str(example.model_dir), max_loras=max_loras, max_rank=32,
+                targets="all")
+            replica = Replica(read_model(example.model_dir), c, tmp_path / "replica")
+            replica.bootstrap()
+            # one diff at a time: applied together, a load and its unload cancel out and
+            # would touch (and compile) nothing
+            first = sorted(example.adapter_dirs)[0]
+            cmd("load", name="warm", path=str(example.adapter_dirs[first]))
+            replica.catch_up()
+            replica.pool_digest()
+            cmd("unload", name="warm")
+            replica.catch_up()
+            yield cmd, replica
     finally:
-        f.stop()
+        svc.stop()
+
+
+class HFReference:
+    """Greedy continuations from transformers + PEFT, cached by (adapter dir, prompt, n)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        import transformers
+        torch.set_num_threads(1)  # a tiny model: threads only fight XLA for the 2 cores
+        self.torch = torch
+        self.base = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32).eval()
+        self.peft_model = None
+        self.names: dict[Path, str] = {}
+        self.cache: dict[tuple[Path | None, tuple[int, ...], int], list[int]] = {}
+
+    def _select(self, adapter_dir: Path | None) -> object:
+        if adapter_dir is None:
+            return self.base if self.peft_model is None else None
+        import peft
+        if adapter_dir not in self.names:
+            name = f"a{len(self.names)}"
+            if self.peft_model is None:
+                self.peft_model = peft.PeftModel.from_pretrained(self.base, str(adapter_dir),
+                                                                 adapter_name=name)
+            else:
+                self.peft_model.load_adapter(str(adapter_dir), adapter_name=name)
+            self.names[adapter_dir] = name
+        assert self.peft_model is not None
+        self.peft_model.set_adapter(self.names[adapter_dir])
+        return self.peft_model
+
+    def greedy(self, adapter_dir: Path | None, prompt: list[int], n: int) -> list[int]:
+        key = (adapter_dir, tuple(prompt), n)
+        if key not in self.cache:
+            self.cache[key] = self._greedy(adapter_dir, prompt, n)
+        return self.cache[key]
+
+    def _greedy(self, adapter_dir: Path | None, prompt: list[int], n: int) -> list[int]:
+        torch = self.torch
+        model = self._select(adapter_dir)
+        ids = list(prompt)
+        with torch.no_grad():
+            if model is None:  # the base model under a PeftModel
+                assert self.peft_model is not None
+                with self.peft_model.disable_adapter():
+                    return self._loop(self.peft_model, ids, n)
+            return self._loop(model, ids, n)
+
+    def _loop(self, model: object, ids: list[int], n: int) -> list[int]:
+        torch = self.torch
+        out = []
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]  # type: ignore[operator]
+            token = int(torch.argmax(logits))
+            out.append(token)
+            ids.append(token)
+        return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet import Fleet
+from tests.helpers import Fleet
 from shared.fleet import wait_for
 
 pytestmark = pytest.mark.timeout(240)

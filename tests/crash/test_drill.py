@@ -17,7 +17,7 @@ import zmq
 from shared import runfile
 from shared.client import ControlClient, RemoteError
 from shared.fleet import alive, loopback
-from tests.fleet import Fleet
+from tests.helpers import Fleet
 from shared.fleet import loractl, stop_pid, wait_for
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ from statesvc.blobs import BlobStore
 from statesvc.tools.example import ExampleAssets
 from statesvc.service import StateService
 from statesvc.store import NewEvent, SqliteEventStore, sqlite_url
-from tests.fleet import Fleet
+from tests.helpers import Fleet
 from statesvc.tools.inproc import call, init_pool, open_service
 from shared.fleet import Computed, StateSvc, loractl, wait_for
 

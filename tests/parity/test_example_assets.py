@@ -53,7 +53,7 @@ def test_module_imports_no_ml_framework() -> None:
     code = ("import sys, statesvc.tools.example; "
             "bad = [m for m in ('torch', 'jax', 'transformers', 'peft') if m in sys.modules]; "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -42,7 +42,7 @@ from shared.fleet import StateSvc, loractl  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::RuntimeWarning")
 
-RTOL = 1e-4  # of the logit scale, as tests/test_model_parity.py
+RTOL = 1e-4  # of the logit scale, as tests/parity/test_model_parity.py
 QV = ["q_proj", "v_proj"]
 
 # name -> LoraConfig arguments (r=4, lora_alpha=8 unless given): every form of target_modules

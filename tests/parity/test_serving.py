@@ -12,12 +12,12 @@ import pytest
 import zmq
 
 from statesvc.tools.example import ExampleAssets
-from tests.fleet import Fleet
+from tests.helpers import Fleet
 from shared.fleet import Computed, wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
-from tests.reference import HFReference  # noqa: E402
+from tests.helpers import HFReference  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[1, 2, 3, 4, 5], [17, 200, 9], [42] * 12, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,

@@ -76,10 +76,10 @@ from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, Header, TensorFile
 from statesvc.adapters import AdapterError, inspect_adapter
 from statesvc.tools.example import ExampleAssets
 from statesvc.service import Answer, StateService
-from tests.fleet import Fleet
+from tests.helpers import Fleet
 from statesvc.tools.inproc import call, init_pool, open_service
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOG_ID = "0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a"  # the identity of the log the diffs come from
 EXAMPLES_ENV = "LORAPLANE_FUZZ_EXAMPLES"
 

@@ -1,6 +1,6 @@
 """The native kernels' build, and the pure-XLA fallback a replica takes without them.
 
-Their arithmetic is checked against PEFT and float64 references in tests/test_model_parity.py."""
+Their arithmetic is checked against PEFT and float64 references in tests/parity/test_model_parity.py."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from computed import kernels
 from statesvc.tools.example import ExampleAssets
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_without_a_compiler_the_build_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from statesvc.tools.example import ExampleAssets
 from computed.jaxcount import buffer_pointers, counting_compiles
-from tests.livereplica import live_replica
+from tests.helpers import live_replica
 
 
 def test_200_diffs_compile_nothing_and_keep_the_buffers(tmp_path: Path,

@@ -9,7 +9,7 @@ from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from statesvc.tools.example import ExampleAssets
 from computed.jaxcount import buffer_pointers, counting_compiles
-from tests.livereplica import live_replica
+from tests.helpers import live_replica
 
 
 def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path,
