@@ -163,8 +163,9 @@ class SchemaOnlyModel:
 
 
 # The replica's commands and their fields, for request_maps.
-REPLICA_SCHEMAS: dict[str, Any] = {"status": {}, "slot": SLOT_ARGS,
-                                   "generate": Engine(SchemaOnlyModel(), None).schema}
+REPLICA_SCHEMAS: dict[str, Any] = {
+    "status": {}, "slot": SLOT_ARGS,
+    "generate": Engine(SchemaOnlyModel(), None).schema}  # type: ignore[arg-type]
 
 
 REPLICA_FIELDS = {f"args.{k}" for k in REPLICA_SCHEMAS["generate"]}
@@ -233,7 +234,8 @@ def check_tensor_file(buf: bytes) -> str:
     one accepts with the same tensors."""
     got = decode(lambda: parse_bytes(buf), TensorFileError, known=TENSOR_BUGS)
     try:
-        reference = {n: (t["dtype"], list(t["shape"])) for n, t in safetensors.deserialize(buf)}
+        reference = {n: (t["dtype"], list(t["shape"])) for n, t in
+                     safetensors.deserialize(buf)}  # type: ignore[no-untyped-call]
     except Exception:
         reference = None
     if reference is not None and not all(d in DTYPE_SIZES and len(shape) <= 4
@@ -316,6 +318,7 @@ def check_heartbeat(hb: Any) -> str:
     heartbeat whose head is an int in range and whose log id is null or a lowercase UUID."""
     got = decode(lambda: validate(PUBLISHED_HEARTBEAT, hb, "hb"), ProtocolError)
     if isinstance(got, Refused):
+        assert isinstance(got.error, ProtocolError)
         assert got.error.code == "bad_request" and (got.error.field or "hb").startswith("hb")
         return "refused"
     assert type(got["head_seq"]) is int and 0 <= got["head_seq"] <= 2**62

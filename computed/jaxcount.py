@@ -16,7 +16,7 @@ def counting_compiles() -> Iterator[list[str]]:
     """Collect one entry per XLA backend compile while the block runs."""
     seen: list[str] = []
 
-    def listener(event: str, duration: float, **kwargs: object) -> None:
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == BACKEND_COMPILE:
             seen.append(event)
 
