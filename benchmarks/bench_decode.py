@@ -103,6 +103,7 @@ from benchmarks.report import machine_info, median, print_targets, publish, spre
 from computed.admission import Grant
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.engine import Engine
+from computed.jaxcount import counting_compiles
 from computed.model.loader import load_model, with_layout
 from computed.model.params import pack
 from computed.model.runner import LlamaRunner, decode
@@ -114,7 +115,6 @@ from shared.llama import MODULES
 from shared.reducer import State
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import AdapterSpec, ModelShape, write_adapter, write_model
-from computed.jaxcount import counting_compiles
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -45,18 +45,18 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import machine_info, median, print_targets, publish, spread
+from computed.jaxcount import counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
 from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
+from shared.fleet import Computed, StateSvc
 from shared.llama import MODULES
 from shared.peft import parse_lora_name
 from shared.tensorfile import parse_bytes, to_float32
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
-from computed.jaxcount import counting_compiles
-from shared.fleet import Computed, StateSvc
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
 TARGET_RSS_RATIO = 1.05

@@ -26,8 +26,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 from shared import runfile
-from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.fleet import BIN, alive, loopback, start_ready, stop_pid
+from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, generate_args
 

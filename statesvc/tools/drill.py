@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable
-from shared.keys import ClientKeys, client_keys
 from shared.fleet import BIN, alive, loopback, start_ready, stop_pid
+from shared.keys import ClientKeys, client_keys
 from shared.replica_protocol import GENERATE, STATUS, generate_args
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Fleet
 from shared.fleet import wait_for
+from tests.helpers import Fleet
 
 pytestmark = pytest.mark.timeout(240)
 

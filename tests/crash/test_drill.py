@@ -17,8 +17,8 @@ import zmq
 from shared import runfile
 from shared.client import ControlClient, RemoteError
 from shared.fleet import alive, loopback
-from tests.helpers import Fleet
 from shared.fleet import loractl, stop_pid, wait_for
+from tests.helpers import Fleet
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,15 +16,15 @@ import zmq
 
 from shared.client import ControlClient, new_event_id
 from shared.config import UUID_RE
+from shared.fleet import Computed, StateSvc, loractl, wait_for
 from shared.llama import MODULES
 from shared.reducer import logical_digest
 from statesvc.blobs import BlobStore
-from statesvc.tools.example import ExampleAssets
 from statesvc.service import StateService
 from statesvc.store import NewEvent, SqliteEventStore, sqlite_url
-from tests.helpers import Fleet
+from statesvc.tools.example import ExampleAssets
 from statesvc.tools.inproc import call, init_pool, open_service
-from shared.fleet import Computed, StateSvc, loractl, wait_for
+from tests.helpers import Fleet
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,10 +11,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from shared.client import ControlClient, new_event_id
+from shared.fleet import Computed, StateSvc, loractl, wait_for
 from shared.peft import parse_lora_name
 from statesvc.tools.example import ExampleAssets, ModelShape, make_example
 from tests.helpers import Fleet
-from shared.fleet import Computed, StateSvc, loractl, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

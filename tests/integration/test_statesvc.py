@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
-from statesvc.tools.example import ExampleAssets
 from shared.fleet import BIN, StateSvc, free_port, loractl
+from statesvc.tools.example import ExampleAssets
 
 
 def raw_call(sock: zmq.Socket[Any], cmd: str, args: dict[str, Any]) -> dict[str, Any]:

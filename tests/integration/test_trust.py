@@ -18,14 +18,14 @@ import zmq
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.config import MAX_REPLICAS, MAX_WIRE_BYTES, REPLICA_STALE_AFTER_S
-from shared.keys import ClientKeys, client_keys
 from shared.fleet import alive
+from shared.fleet import BIN, Computed, StateSvc, wait_for
+from shared.keys import ClientKeys, client_keys
 from statesvc.blobs import BlobStore
-from statesvc.tools.example import ExampleAssets
 from statesvc.service import StateService
 from statesvc.store import SqliteEventStore, sqlite_url
+from statesvc.tools.example import ExampleAssets
 from statesvc.tools.inproc import CommandError, call, init_pool, open_service
-from shared.fleet import BIN, Computed, StateSvc, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

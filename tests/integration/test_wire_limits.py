@@ -23,11 +23,11 @@ import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLIES
+from shared.fleet import BIN, Computed, StateSvc, free_port, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
-from statesvc.tools.example import ExampleAssets
 from statesvc.server import MAX_BATCH_BLOB_BYTES
-from shared.fleet import BIN, Computed, StateSvc, free_port, wait_for
+from statesvc.tools.example import ExampleAssets
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,9 +11,9 @@ import msgpack
 import pytest
 import zmq
 
+from shared.fleet import Computed, wait_for
 from statesvc.tools.example import ExampleAssets
 from tests.helpers import Fleet
-from shared.fleet import Computed, wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")

@@ -73,10 +73,10 @@ from shared.reducer import ReducerError, State, apply, body_of_diff, logical_dig
 from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, TensorFileError, parse_bytes,
                                parse_header, read_header)
 from statesvc.adapters import AdapterError, inspect_adapter
-from statesvc.tools.example import ExampleAssets
 from statesvc.service import Answer, StateService
-from tests.helpers import Fleet
+from statesvc.tools.example import ExampleAssets
 from statesvc.tools.inproc import call, init_pool, open_service
+from tests.helpers import Fleet
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES_ENV = "LORAPLANE_FUZZ_EXAMPLES"

@@ -52,11 +52,11 @@ import json, sys
 import numpy as np
 from computed import lora
 from computed.backend import native
+from computed.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.params import PackedWeight
 from computed.model.runner import LlamaRunner
 from computed.pool import MemoryPool, PoolSpec
-from computed.jaxcount import counting_compiles
 
 config, params = load_model(sys.argv[1])
 pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=4, max_rank=8,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 
-from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights, _clear, _write
 from computed.jaxcount import BACKEND_COMPILE, buffer_pointers, counting_compiles
+from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights, _clear, _write
 
 # Dict order differs from MODULES order on purpose: the pool must not depend on it.
 DIMS = {"v_proj": (32, 16), "q_proj": (32, 32), "down_proj": (48, 32)}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from statesvc.tools.example import ExampleAssets
 from computed.jaxcount import buffer_pointers, counting_compiles
+from statesvc.tools.example import ExampleAssets
 from tests.helpers import live_replica
 
 
