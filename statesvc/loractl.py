@@ -8,43 +8,24 @@ rich markup from the wire reaches the terminal.
 """
 from __future__ import annotations
 
-import functools
-import json
 import sys
-import time
-import unicodedata
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import click
 import zmq
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
-from shared.endpoints import click_address, connect
-from shared.keys import ClientKeys, KeyError_, client_keys
+from shared.client import ControlClient, new_event_id
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, POOL_DTYPES, STATE_ENV
+from shared.endpoints import click_address, connect
 from shared.llama import MODULES
 from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
+from statesvc.console import JSON_OPT, emit, handles_errors, keys_of, out, shown
+from statesvc.tools.commands import drill, make_example_cmd
 
-F = TypeVar("F", bound=Callable[..., Any])
-out = Console(highlight=False, soft_wrap=True, emoji=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
-
-JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0), default=None,
                            help="Refuse (conflict) unless the log's head is at this seq.")
-
-
-def shown(value: Any) -> str:
-    """A value from the wire as text to print: control and format characters as escapes
-    (\\x1b, \\u202e: nothing moves the cursor or recolours the terminal), rich markup escaped
-    (printed as written, never parsed, so `[/x]` in a name cannot crash the print)."""
-    return escape("".join(ch.encode("unicode_escape").decode("ascii")
-                          if unicodedata.category(ch) in ("Cc", "Cf") else ch
-                          for ch in str(value)))
 
 
 def _short(targets: list[str]) -> str:
@@ -52,27 +33,9 @@ def _short(targets: list[str]) -> str:
     return ",".join(t.removesuffix("_proj") for t in targets)
 
 
-def _emit(value: Any) -> None:
-    click.echo(json.dumps(value, indent=None, sort_keys=False))
-
-
 def _client(ctx: click.Context) -> ControlClient:
     return ControlClient(ctx.obj["state"], timeout_s=ctx.obj["timeout"],
-                         keys=_keys(ctx.obj["key"], ctx.obj["server_key"]))
-
-
-def handles_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except RemoteError as exc:
-            err.print(f"[bold red]error[/] ({shown(exc.code)}): {shown(exc)}")
-            sys.exit(1)
-        except Unavailable as exc:
-            err.print(f"[bold red]error[/] (unavailable): {shown(exc)}")
-            sys.exit(3)
-    return wrapper  # type: ignore[return-value]
+                         keys=keys_of(ctx.obj["key"], ctx.obj["server_key"]))
 
 
 @click.group()
@@ -90,14 +53,6 @@ def main(ctx: click.Context, state: str, timeout: float, key: str | None,
          server_key: str | None) -> None:
     """Manage the LoRA adapters served by a loraplane fleet."""
     ctx.obj = {"state": state, "timeout": timeout, "key": key, "server_key": server_key}
-
-
-def _keys(key: str | None, server_key: str | None) -> ClientKeys | None:
-    """CURVE keys for a server from key files; None without either."""
-    try:
-        return client_keys(key, server_key)
-    except KeyError_ as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 @main.group()
@@ -139,7 +94,7 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_rank: int, ta
                                    "targets": _parse_targets(targets), "dtype": dtype,
                                    "expect_head": expect_head})
     if as_json:
-        _emit(res)
+        emit(res)
     else:
         verb = "configured" if res["created"] else "already configured with these settings"
         out.print(shown(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots, max rank "
@@ -164,7 +119,7 @@ def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
                               "path": str(path.resolve()), "pin": pin, "replace": replace,
                               "expect_head": expect_head})
     if as_json:
-        _emit({k: res[k] for k in ("seq", "name", "version", "slot")})
+        emit({k: res[k] for k in ("seq", "name", "version", "slot")})
     elif res["created"]:
         out.print(shown(f"loaded {res['name']} version {res['version']} into slot "
                         f"{res['slot']} (seq {res['seq']})"))
@@ -187,7 +142,7 @@ def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
         res = c.call("unload", {"event_id": new_event_id(), "name": name, "force": force,
                                 "expect_head": expect_head})
     if as_json:
-        _emit(res)
+        emit(res)
     else:
         out.print(shown(f"unloaded {res['name']} version {res['version']} from slot "
                         f"{res['slot']} (seq {res['seq']})"))
@@ -202,7 +157,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     with _client(ctx) as c:
         res = c.call("list")
     if as_json:
-        _emit(res["adapters"])
+        emit(res["adapters"])
         return
     pool_ = res["pool"]
     if pool_ is None:
@@ -259,7 +214,7 @@ def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bo
         evs = _fetch_events(c, since)
         if not follow:
             if as_json:
-                _emit([{k: e[k] for k in EVENT_KEYS} for e in evs])
+                emit([{k: e[k] for k in EVENT_KEYS} for e in evs])
             else:
                 _print_events(evs)
             return
@@ -271,7 +226,7 @@ def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bo
             while True:
                 for e in evs:
                     if as_json:
-                        _emit({k: e[k] for k in EVENT_KEYS})
+                        emit({k: e[k] for k in EVENT_KEYS})
                     else:
                         _print_events([e])
                     since = e["seq"]
@@ -309,7 +264,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     with _client(ctx) as c:
         res = c.call("status")
     if as_json:
-        _emit(res)
+        emit(res)
         return
     out.print(shown(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}, "
                     f"log {res['log_id'] or 'none yet (no pool init)'}"))
@@ -370,12 +325,12 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
                          temperature=temperature, top_p=top_p, seed=seed,
                          stop_token_ids=_parse_ids(stop_token_ids) if stop_token_ids else [],
                          min_seq=min_seq)
-    keys_ = _keys(ctx.obj["key"], replica_server_key) if replica_server_key else None
+    keys_ = keys_of(ctx.obj["key"], replica_server_key) if replica_server_key else None
     with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0,
                        keys=keys_) as c:
         res = c.call(GENERATE, args)
     if as_json:
-        _emit(res)
+        emit(res)
         return
     who = (f"{res['adapter']['name']} v{res['adapter']['version']}" if res["adapter"]
            else "base model")
@@ -385,72 +340,6 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
     out.print("[dim]" + shown(f"queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
                               f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms")
               + "[/]")
-
-
-@main.command()
-@click.option("--kill", "kill", default=None, metavar="REPLICA_ID",
-              help="Also SIGKILL this replica, restart it and time its recovery; what to kill "
-                   "and run comes from its run file (--run-file), never from the network.")
-@click.option("--run-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The --kill replica's run file, written by `computed serve` into its cache "
-                   "dir [default: ./var/replicas/REPLICA_ID/run.json].")
-@click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
-              help="CURVE: the live replicas' public key file when they run with --auth (env "
-                   "LORAPLANE_REPLICA_SERVER_KEY); your --key must be in their operators/.")
-@click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
-              callback=click_address,
-              help="statesvc's diff address, for the drill's fresh replicas.")
-@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Base model dir [default: the --kill replica's run file's, "
-                                 "else what the live replicas report].")
-@JSON_OPT
-@click.pass_context
-@handles_errors
-def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
-          replica_server_key: str | None, diffs: str, model: Path | None,
-          as_json: bool) -> None:
-    """Rebuild replicas from the log (from seq 0 and from the latest snapshot) and prove
-    that they agree with every live replica and with statesvc. Exit 1 on any disagreement."""
-    from rich.progress import BarColumn, Progress, TaskID, TextColumn
-
-    from statesvc.tools.drill import Drill, DrillError
-
-    bars: dict[str, TaskID] = {}
-    with Progress(TextColumn("{task.description:<22}"), BarColumn(),
-                  TextColumn("seq {task.completed:.0f}/{task.total:.0f}"), console=err,
-                  disable=as_json or not err.is_terminal, transient=True) as progress:
-        def show(name: str, seq: int, head: int) -> None:
-            if name not in bars:
-                bars[name] = progress.add_task(name, total=max(head, 1))
-            progress.update(bars[name], completed=seq, total=max(head, 1))
-
-        try:
-            keyed = _keys(ctx.obj["key"], ctx.obj["server_key"]) is not None
-            replica_keys = (_keys(ctx.obj["key"], replica_server_key) if replica_server_key
-                            else None)
-            report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
-                           key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
-                           else None, replica_keys=replica_keys).run(kill, run_file=run_file)
-        except DrillError as exc:
-            err.print(f"[bold red]error[/] (drill): {shown(exc)}")
-            sys.exit(3)
-    if as_json:
-        _emit(report.to_json())
-    else:
-        table = Table(title=f"drill at seq {report.head_seq}: "
-                      + ("[green]all agree[/]" if report.ok else "[bold red]DISAGREEMENT[/]"))
-        for col in ("replica", "check", "result", "detail"):
-            table.add_column(col)
-        for c in report.checks:
-            table.add_row(shown(c.replica), shown(c.check),
-                          "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]", shown(c.detail))
-        out.print(table)
-        out.print("  ".join(f"{k} {v:.2f} s" for k, v in report.timings.items()))
-    for c in report.checks:
-        if not c.ok:
-            err.print(f"[bold red]disagreement[/]: replica {shown(c.replica)}: {shown(c.check)} "
-                      f"{shown(c.detail)}")
-    sys.exit(0 if report.ok else 1)
 
 
 @main.group("keys")
@@ -472,25 +361,8 @@ def keys_new(name: str, directory: Path) -> None:
               f"replicas/)\nsecret key {secret}: use it as --key (env LORAPLANE_KEY)")
 
 
-@main.command("make-example")
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True)
-@JSON_OPT
-def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
-    """Write a small random Llama checkpoint and PEFT adapters (nothing is downloaded)."""
-    from statesvc.tools.example import make_example
-
-    t0 = time.perf_counter()
-    assets = make_example(directory, seed=seed)
-    res: dict[str, Any] = {"model": str(assets.model_dir.resolve()),
-           "adapters": {n: str(p.resolve()) for n, p in sorted(assets.adapter_dirs.items())}}
-    if as_json:
-        _emit(res)
-    else:
-        out.print(f"model    {res['model']}")
-        for n, p in res["adapters"].items():
-            out.print(f"adapter  {n:<16} {p}")
-        out.print(f"written in {time.perf_counter() - t0:.2f} s")
+main.add_command(drill)
+main.add_command(make_example_cmd)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""loractl's tool commands: the recovery drill and the example model's writer."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from shared.config import DEFAULT_PUBLISH
+from shared.endpoints import click_address
+from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
+
+
+@click.command()
+@click.option("--kill", "kill", default=None, metavar="REPLICA_ID",
+              help="Also SIGKILL this replica, restart it and time its recovery; what to kill "
+                   "and run comes from its run file (--run-file), never from the network.")
+@click.option("--run-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The --kill replica's run file, written by `computed serve` into its cache "
+                   "dir [default: ./var/replicas/REPLICA_ID/run.json].")
+@click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
+              help="CURVE: the live replicas' public key file when they run with --auth (env "
+                   "LORAPLANE_REPLICA_SERVER_KEY); your --key must be in their operators/.")
+@click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
+              callback=click_address,
+              help="statesvc's diff address, for the drill's fresh replicas.")
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="Base model dir [default: the --kill replica's run file's, "
+                                 "else what the live replicas report].")
+@JSON_OPT
+@click.pass_context
+@handles_errors
+def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
+          replica_server_key: str | None, diffs: str, model: Path | None,
+          as_json: bool) -> None:
+    """Rebuild replicas from the log (from seq 0 and from the latest snapshot) and prove
+    that they agree with every live replica and with statesvc. Exit 1 on any disagreement."""
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+    from statesvc.tools.drill import Drill, DrillError
+
+    bars: dict[str, TaskID] = {}
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(),
+                  TextColumn("seq {task.completed:.0f}/{task.total:.0f}"), console=err,
+                  disable=as_json or not err.is_terminal, transient=True) as progress:
+        def show(name: str, seq: int, head: int) -> None:
+            if name not in bars:
+                bars[name] = progress.add_task(name, total=max(head, 1))
+            progress.update(bars[name], completed=seq, total=max(head, 1))
+
+        try:
+            keyed = keys_of(ctx.obj["key"], ctx.obj["server_key"]) is not None
+            replica_keys = (keys_of(ctx.obj["key"], replica_server_key) if replica_server_key
+                            else None)
+            report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
+                           key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
+                           else None, replica_keys=replica_keys).run(kill, run_file=run_file)
+        except DrillError as exc:
+            err.print(f"[bold red]error[/] (drill): {shown(exc)}")
+            sys.exit(3)
+    if as_json:
+        emit(report.to_json())
+    else:
+        table = Table(title=f"drill at seq {report.head_seq}: "
+                      + ("[green]all agree[/]" if report.ok else "[bold red]DISAGREEMENT[/]"))
+        for col in ("replica", "check", "result", "detail"):
+            table.add_column(col)
+        for c in report.checks:
+            table.add_row(shown(c.replica), shown(c.check),
+                          "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]", shown(c.detail))
+        out.print(table)
+        out.print("  ".join(f"{k} {v:.2f} s" for k, v in report.timings.items()))
+    for c in report.checks:
+        if not c.ok:
+            err.print(f"[bold red]disagreement[/]: replica {shown(c.replica)}: {shown(c.check)} "
+                      f"{shown(c.detail)}")
+    sys.exit(0 if report.ok else 1)
+
+
+@click.command("make-example")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True)
+@JSON_OPT
+def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
+    """Write a small random Llama checkpoint and PEFT adapters (nothing is downloaded)."""
+    from statesvc.tools.example import make_example
+
+    t0 = time.perf_counter()
+    assets = make_example(directory, seed=seed)
+    res: dict[str, Any] = {"model": str(assets.model_dir.resolve()),
+           "adapters": {n: str(p.resolve()) for n, p in sorted(assets.adapter_dirs.items())}}
+    if as_json:
+        emit(res)
+    else:
+        out.print(f"model    {res['model']}")
+        for n, p in res["adapters"].items():
+            out.print(f"adapter  {n:<16} {p}")
+        out.print(f"written in {time.perf_counter() - t0:.2f} s")
