@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, Any, Protocol, Sequence
 
 from shared.replica_protocol import STATUS
 
@@ -79,6 +79,16 @@ class _Process:
     """Stop (SIGTERM, then SIGKILL) or kill a started service, always by its pid."""
 
     proc: subprocess.Popen[Any] | None
+    ready: str  # its READY line, once started
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -98,14 +108,16 @@ class StateSvc(_Process):
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     wrapper: tuple[str, ...] = ()  # a command that execs statesvc (setpriv, prlimit ...)
+    log_file: Path | None = None  # default: statesvc-DATA.log beside the data dir
     proc: subprocess.Popen[Any] | None = None
+    ready: str = ""
 
     @property
     def log(self) -> Path:
-        return self.data_dir.parent / f"statesvc-{self.data_dir.name}.log"
+        return self.log_file or self.data_dir.parent / f"statesvc-{self.data_dir.name}.log"
 
     def start(self) -> StateSvc:
-        self.proc, _ = start_ready(
+        self.proc, self.ready = start_ready(
             [*self.wrapper, str(BIN / "statesvc"), "serve", "--data-dir", str(self.data_dir),
              "--control", self.control, "--publish", self.publish, *self.extra_args],
             log=self.log, env=self.env)
@@ -122,26 +134,44 @@ def loractl(state: StateSvc, *args: str, check: bool = True,
     return res
 
 
+class Addresses(Protocol):
+    """Where a replica finds statesvc: a StateSvc started here, or `Endpoints` of another."""
+
+    @property
+    def control(self) -> str: ...
+
+    @property
+    def publish(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    control: str
+    publish: str
+
+
 @dataclass
 class Computed(_Process):
     """A `computed serve` subprocess following `state`."""
 
     model_dir: Path
-    state: StateSvc
+    state: Addresses
     cache_dir: Path
     listen: str = field(default_factory=loopback)
     replica_id: str | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    log_file: Path | None = None  # default: computed-CACHE.log beside the cache dir
     proc: subprocess.Popen[Any] | None = None
+    ready: str = ""
 
     @property
     def log(self) -> Path:
-        return self.cache_dir.parent / f"computed-{self.cache_dir.name}.log"
+        return self.log_file or self.cache_dir.parent / f"computed-{self.cache_dir.name}.log"
 
     def start(self) -> Computed:
         self.cache_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.proc, _ = start_ready(
+        self.proc, self.ready = start_ready(
             [str(BIN / "computed"), "serve", "--model", str(self.model_dir), "--state",
              self.state.control, "--diffs", self.state.publish, "--listen", self.listen,
              "--cache-dir", str(self.cache_dir),

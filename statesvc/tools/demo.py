@@ -26,7 +26,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from shared import runfile
-from shared.fleet import BIN, alive, loopback, start_ready, stop_pid
+from shared.fleet import BIN, Computed, StateSvc, alive, loopback
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, generate_args
@@ -48,25 +48,29 @@ class Demo:
         public, self.operator = new_client_keys(self.mine, "admin")
         for server in (self.keys, self.replica_keys):
             (server / "operators" / public.name).write_bytes(public.read_bytes())
-        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self.procs: dict[str, StateSvc | Computed] = {}
         self.extra_pids: list[int] = []  # processes the drill restarted
         self.env = {**os.environ, "COLUMNS": str(max(console.width, 120))}
 
-    def start(self, name: str, argv: list[str]) -> str:
-        proc, ready = start_ready(argv, log=self.root / f"{name}.log")
-        self.procs[name] = proc
-        console.print(f"[dim]{name}: pid {proc.pid}, {ready}[/]")
-        return ready
+    def start(self, name: str, service: StateSvc | Computed) -> str:
+        self.procs[name] = service.start()
+        console.print(f"[dim]{name}: pid {service.pid}, {service.ready}[/]")
+        return service.ready
 
-    def start_replica(self, name: str, model: str) -> str:
+    def start_statesvc(self) -> StateSvc:
+        svc = StateSvc(self.root / "data", self.control, self.publish,
+                       extra_args=("--auth", str(self.keys)), log_file=self.root / "statesvc.log")
+        self.start("statesvc", svc)
+        return svc
+
+    def start_replica(self, name: str, model: str, svc: StateSvc) -> str:
         public, secret = new_client_keys(self.mine, name)
         (self.keys / "replicas" / public.name).write_bytes(public.read_bytes())
-        ready = self.start(name, [str(BIN / "computed"), "serve", "--model", model, "--state",
-                                  self.control, "--diffs", self.publish, "--listen", loopback(),
-                                  "--replica-id", name, "--cache-dir", str(self.root / name),
-                                  "--max-batch", "8", "--max-len", "64", "--key", str(secret),
-                                  "--server-key", str(self.keys / "server.key"),
-                                  "--auth", str(self.replica_keys)])
+        ready = self.start(name, Computed(
+            Path(model), svc, self.root / name, replica_id=name, log_file=self.root / f"{name}.log",
+            extra_args=("--max-batch", "8", "--max-len", "64", "--key", str(secret),
+                        "--server-key", str(self.keys / "server.key"),
+                        "--auth", str(self.replica_keys))))
         return ready.split("listen=")[1].split()[0]
 
     def replica_client_keys(self) -> ClientKeys:
@@ -92,15 +96,15 @@ class Demo:
         return res.stdout
 
     def stop_all(self) -> list[int]:
-        for name, proc in reversed(list(self.procs.items())):
-            stop_pid(proc)
+        for service in reversed(list(self.procs.values())):
+            service.stop()
         for pid in self.extra_pids:
             try:
                 os.kill(pid, 15)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 15
-        pids = [p.pid for p in self.procs.values()] + self.extra_pids
+        pids = [s.pid for s in self.procs.values()] + self.extra_pids
         while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.1)
         return [p for p in pids if alive(p)]
@@ -142,11 +146,9 @@ def run(root: Path) -> None:
     report: list[tuple[str, bool]] = []
     try:
         console.print(Rule("2. statesvc and two replicas on loopback, every socket with --auth"))
-        demo.start("statesvc", [str(BIN / "statesvc"), "serve", "--data-dir",
-                                str(root / "data"), "--control", demo.control, "--publish",
-                                demo.publish, "--auth", str(demo.keys)])
-        r1 = demo.start_replica("replica-1", assets["model"])
-        demo.start_replica("replica-2", assets["model"])
+        svc = demo.start_statesvc()
+        r1 = demo.start_replica("replica-1", assets["model"], svc)
+        demo.start_replica("replica-2", assets["model"], svc)
         console.print(Rule("3. configure the pool, load three adapters"))
         demo.loractl("pool", "init", "--model", assets["model"], "--max-loras", "4",
                      "--max-rank", "16", "--targets", "all")

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable
-from shared.fleet import BIN, alive, loopback, start_ready, stop_pid
+from shared.fleet import Computed, Endpoints, alive
 from shared.keys import ClientKeys, client_keys
 from shared.replica_protocol import GENERATE, STATUS, generate_args
 
@@ -95,7 +95,7 @@ class Drill:
         self.progress = progress or (lambda *_: None)
         self.timeout = timeout
         self.report = Report()
-        self.procs: list[subprocess.Popen[Any]] = []
+        self.procs: list[Computed] = []
 
     def _status(self, address: str) -> dict[str, Any] | None:
         return _status(address, None if address in self.fresh else self.replica_keys)
@@ -144,22 +144,21 @@ class Drill:
                 self._compare({**live, **fresh})
             finally:
                 for proc in self.procs:
-                    stop_pid(proc)
+                    proc.stop()
         return self.report
 
     # ---- steps ---------------------------------------------------------------------
 
     def _start(self, model: Path, tmp: Path, name: str, *, from_zero: bool) -> str:
-        argv = [str(BIN / "computed"), "serve", "--model", str(model),
-                "--state", self.state, "--diffs", self.diffs, "--listen", loopback(),
-                "--replica-id", name, "--cache-dir", str(tmp / name), "--no-heartbeat",
-                "--no-warmup", "--max-batch", "4",
-                *(["--replay-from-zero"] if from_zero else []),
-                *(["--key", self.key_files[0], "--server-key", self.key_files[1]]
-                  if self.key_files else [])]
-        proc, ready = start_ready(argv, log=tmp / f"{name}.log")
-        self.procs.append(proc)
-        address = ready.split("listen=")[1].split()[0]
+        replica = Computed(model, Endpoints(self.state, self.diffs), tmp / name, replica_id=name,
+                           log_file=tmp / f"{name}.log", extra_args=(
+                               "--no-heartbeat", "--no-warmup", "--max-batch", "4",
+                               *(["--replay-from-zero"] if from_zero else []),
+                               *(["--key", self.key_files[0], "--server-key", self.key_files[1]]
+                                 if self.key_files else [])))
+        self.procs.append(replica)
+        replica.start()
+        address = replica.ready.split("listen=")[1].split()[0]
         self.fresh.add(address)
         return address
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.config import DEFAULT_REPLICA_LISTEN
-from shared.fleet import BIN, start_ready, stop_pid
+from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN
+from shared.fleet import BIN, Computed, StateSvc
 
 VAR = Path("var")
 
@@ -23,7 +23,7 @@ def main() -> None:
     if not (example / "model" / "config.json").exists():
         subprocess.run([str(BIN / "loractl"), "make-example", str(example)], check=True)
     VAR.mkdir(exist_ok=True)
-    procs: list[subprocess.Popen[Any]] = []
+    procs: list[StateSvc | Computed] = []
     stopping = False
 
     def stop(*_: Any) -> None:
@@ -33,14 +33,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        proc, ready = start_ready([str(BIN / "statesvc"), "serve"], log=VAR / "statesvc.log")
-        procs.append(proc)
-        print(f"statesvc  pid {proc.pid}: {ready} (log var/statesvc.log)")
-        proc, ready = start_ready([str(BIN / "computed"), "serve", "--model",
-                                   str(example / "model"), "--replica-id", "replica-1"],
-                                  log=VAR / "replica-1.log")
-        procs.append(proc)
-        print(f"computed  pid {proc.pid}: {ready} (log var/replica-1.log)")
+        svc = StateSvc(VAR, DEFAULT_CONTROL, DEFAULT_PUBLISH, log_file=VAR / "statesvc.log")
+        procs.append(svc.start())
+        print(f"statesvc  pid {svc.pid}: {svc.ready} (log var/statesvc.log)")
+        replica = Computed(example / "model", svc, VAR / "replicas" / "replica-1",
+                           DEFAULT_REPLICA_LISTEN, "replica-1", log_file=VAR / "replica-1.log")
+        procs.append(replica.start())
+        print(f"computed  pid {replica.pid}: {replica.ready} (log var/replica-1.log)")
         print(f"""
 Try, in another terminal:
   .venv/bin/loractl pool init --model {example}/model --max-loras 8 --max-rank 32 --targets all
@@ -48,14 +47,14 @@ Try, in another terminal:
   .venv/bin/loractl generate --replica {DEFAULT_REPLICA_LISTEN} --adapter chat --input-ids 1,2,3
   .venv/bin/loractl status
 Ctrl-C stops both.""", flush=True)
-        while not stopping and all(p.poll() is None for p in procs):
+        while not stopping and all(p.running for p in procs):
             time.sleep(0.2)
         for p in procs:
-            if p.poll() is not None:
-                print(f"pid {p.pid} exited with {p.returncode}; stopping the rest")
+            if not p.running:
+                print(f"pid {p.pid} exited; stopping the rest")
     finally:
         for p in reversed(procs):
-            stop_pid(p)
+            p.stop()
         print("stopped")
 
 
