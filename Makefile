@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# the native LoRA kernel (computed/kernels): built once per source, compiler and CPU; where it
+# the native LoRA kernel (computed/backend/kernels): built once per source, compiler and CPU; where it
 # cannot be built, the replica says why and uses the XLA window loop instead
 kernels: $(STAMP)
-	-$(BIN)/python -m computed.kernels
+	-$(BIN)/python -m computed.backend.kernels
 
 test: kernels
 	$(BIN)/python -m mypy

@@ -24,7 +24,7 @@ other down:
                 slots (32 of them filled), the KV cache `--max-len` positions. Each
                 As in serving on the CPU (the native backend, computed/backend/native.py):
                 the projections from the native dense kernel
-                over packed weights (computed/kernels/dense.cc), the LoRA terms from
+                over packed weights (computed/backend/kernels/dense.cc), the LoRA terms from
                 sgmv.cc, attention from attention.cc.
 * loop:         the same loop on XLA alone (XlaBackend), as a replica runs where the native
                 kernels cannot be built: XLA's dot over unpacked weights (a
@@ -728,7 +728,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
               f"of the rounds (their range in brackets). decode: "
               f"`LlamaRunner.decode` (`computed.model.runner.decode` as the engine calls it: projections from the "
-              f"native dense kernel `computed/kernels/dense.cc` over packed weights, LoRA from `sgmv.cc`, "
+              f"native dense kernel `computed/backend/kernels/dense.cc` over packed weights, LoRA from `sgmv.cc`, "
               f"attention from `attention.cc`) in a loop; XLA only: the same "
               f"loop without the native kernels, as a replica runs where they cannot be built (XLA's dot, LoRA from "
               f"XLA's window loop `lora.segmented_group`, attention over the length bucket); per-token "

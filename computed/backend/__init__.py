@@ -1,7 +1,7 @@
 """The compute backends, and the one choice of them a model makes when it loads (`select`).
 
 `base.Backend` is what the forward pass asks; `xla.XlaBackend` runs on any JAX device,
-`native.NativeBackend` on the CPU kernels (computed/kernels). See computed/backend/base.py.
+`native.NativeBackend` on the CPU kernels (computed/backend/kernels). See computed/backend/base.py.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def select(dtype: str | jnp.dtype) -> Backend:
     they are built and loaded (not with LORAPLANE_LORA_KERNEL=xla, not off the CPU), packing a
     float32 model's weights for the dense kernel where it runs and attending with the attention
     kernel over a float32 cache; else XLA alone. The reason the kernels are unavailable is logged
-    once (computed/kernels)."""
+    once (computed/backend/kernels)."""
     if not native.available():
         return XlaBackend()
     f32 = jnp.dtype(dtype) == jnp.float32

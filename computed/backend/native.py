@@ -1,4 +1,4 @@
-"""The native backend: the CPU kernels built from computed/kernels (docs/kernels.md).
+"""The native backend: the CPU kernels built from computed/backend/kernels (docs/kernels.md).
 
 - LoRA: `sgmv.cc` (`lora_sgmv`). Rows stay in batch order; the kernel groups them by slot and
   reads each slot's A and B once, in place in the pool, stopping at the slot's own rank. XLA's
@@ -11,7 +11,7 @@
 - Decode attention: `attention.cc` (`attention_kernel`), each row over its own positions of a
   float32 cache with K in blocks, in place; one compile serves every length.
 
-This is the only module that imports the kernels' build (computed/kernels).
+This is the only module that imports the kernels' build (computed/backend/kernels).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from computed import kernels
+from computed.backend import kernels
 from computed.backend.base import Backend
 from computed.backend.xla import lora_gather
 from computed.model import attention
@@ -52,7 +52,7 @@ def dense_panel() -> int:
 
 def lora_sgmv(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], scaling: jax.Array,
               rank: jax.Array, slots: jax.Array, layer: int) -> list[jax.Array]:
-    """`lora.segmented_group`'s terms from the SGMV kernel (computed/kernels/sgmv.cc), rows in batch
+    """`lora.segmented_group`'s terms from the SGMV kernel (computed/backend/kernels/sgmv.cc), rows in batch
     order: `[N, out]` float32 per (A, B) pair, A and B the whole `[layers, slots, ...]` pool arrays
     of one dtype (float32, or a bfloat16 pool's uint16 bits), `rank [slots]` each slot's rank.
 
@@ -81,7 +81,7 @@ def dense_matmuls(x: jax.Array, ws: Sequence[jax.Array | PackedWeight]) -> list[
 
 def attention_kernel(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, k: jax.Array,
                      v: jax.Array, layer: int, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decode step's attention of layer `layer` by the native kernel (computed/kernels/attention.cc):
+    """One decode step's attention of layer `layer` by the native kernel (computed/backend/kernels/attention.cc):
     writes `k` and `v` [B, kv, d] at position lengths[b] - 1 of row b of the caches (rows with
     length 0 write nothing), then attends q [B, kv, g, d] over each row's first lengths[b]
     positions, read in place. Returns (out [B, kv, g, d] float32, k_cache, v_cache); the caches are

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from computed.model.config import LlamaConfig
 
-KV_BLOCK = 16  # positions per block of K (KVCache); computed/kernels/attention.cc assumes it
+KV_BLOCK = 16  # positions per block of K (KVCache); computed/backend/kernels/attention.cc assumes it
 
 
 @jax.tree_util.register_dataclass

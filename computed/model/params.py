@@ -26,7 +26,7 @@ class PackedWeight:
     """W [in, out] packed for the dense kernel: `panels [ceil(out / panel), in, panel]` float32.
 
     Each panel is `panel` consecutive output columns whose `in` rows lie one after another, the
-    last panel zero-padded: the dense kernel (computed/kernels/dense.cc) streams that layout
+    last panel zero-padded: the dense kernel (computed/backend/kernels/dense.cc) streams that layout
     exactly once per product, which is what a decode step wants (few rows, weights too large for
     the cache); XLA's dot packs W into blocks on every call instead."""
 

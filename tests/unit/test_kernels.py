@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from computed import kernels
+from computed.backend import kernels
 from statesvc.tools.example import ExampleAssets
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ headers that jaxlib ships, with `-march=native`, into
 a file named by a hash of the sources, the flags, jaxlib's version and the CPU,
 so a change to any of them builds afresh and an unchanged one is reused.
 Processes that start together take a file lock, and one of them compiles.
-`make kernels` builds it ahead (`python -m computed.kernels`); otherwise the
+`make kernels` builds it ahead (`python -m computed.backend.kernels`); otherwise the
 first use does, in about 3 s.
 
 Where they cannot be used (no compiler, a failed build, a backend other than
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import jax
 
-log = logging.getLogger("computed.kernels")
+log = logging.getLogger("computed.backend.kernels")
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "sgmv.cc", HERE / "attention.cc", HERE / "dense.cc")
@@ -64,7 +64,7 @@ class KernelError(RuntimeError):
 
 def build_dir() -> Path:
     env = os.environ.get("LORAPLANE_KERNEL_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "build" / "kernels"
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "build" / "kernels"
 
 
 def _cpu_id(compiler: str) -> str:
@@ -171,11 +171,11 @@ def require() -> None:
 
 
 def main() -> int:
-    """`python -m computed.kernels`: build (or find) the kernels' library and say where it is."""
+    """`python -m computed.backend.kernels`: build (or find) the kernels' library and say where it is."""
     try:
         path = build()
     except KernelError as e:
-        print(f"computed.kernels: {e}", file=sys.stderr)
+        print(f"computed.backend.kernels: {e}", file=sys.stderr)
         return 1
-    print(f"computed.kernels: {path}")
+    print(f"computed.backend.kernels: {path}")
     return 0

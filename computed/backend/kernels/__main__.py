@@ -1,0 +1,5 @@
+import sys
+
+from computed.backend.kernels import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from computed.kernels import main
-
-sys.exit(main())
