@@ -533,6 +533,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peft_proc = PeftProcess(model_dir, dirs, args.torch_threads, prompts)
         try:
             config, params = load_model(model_dir)
+            # which backend the "decode" column ran on, as serving selects it here
+            backend_info = {"name": type(params.backend).__name__,
+                            **dataclasses.asdict(params.backend)}
             pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims,
                                        slots=args.slots, max_rank=RANK, dtype=args.pool_dtype))
             adapters = {}
@@ -660,7 +663,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "target": f">= {TARGET_OVER_PEFT}x", "met": top["over_peft"] >= TARGET_OVER_PEFT}]
     info = peft_proc.info
     return {
-        "machine": machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "machine": machine_info(), "backend": backend_info, "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "versions": {"jax": jax.__version__, "torch": info["torch"], "transformers": info["transformers"],
                      "peft": info["peft"]},
         "model": {**{k: v for k, v in vars(shape).items() if k != "rope_scaling"}, "parameters": n_params,
@@ -759,7 +762,10 @@ def machine_line(result: dict[str, Any]) -> str:
     clean = len(s["clean_rounds"])
     ours, theirs = shares(result, ("decode", "engine"), "cpu_share"), shares(result, ("peft",), "cpu_share")
     others = shares(result, PATHS, "others_share")
-    line = (f"{result['machine']['nproc']} CPUs, Python {result['machine']['python']}, jax "
+    m, backend = result["machine"], result.get("backend") or {}
+    line = (f"{m['nproc']} CPUs ({m.get('cpu', 'model not recorded')}; kernels built for "
+            f"{', '.join(m.get('kernel_isas') or ['no vector ISA recorded'])}; the decode column "
+            f"on {backend.get('name', 'an unrecorded backend')}), Python {m['python']}, jax "
             f"{result['versions']['jax']}, load average {result['load_average_before'][0]:.2f} before the run, "
             f"{result['machine']['date']}. {s['rounds_run']} rounds run; the medians are of "
             + (f"the {clean} that ran without other load (other processes under {100 * CONTENDED:.0f}% of "

@@ -38,9 +38,24 @@ def may_write(quick: bool) -> bool:
     return not quick or OUT_ENV in os.environ
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
-    """What a reader needs to compare runs: CPUs, Python, OS and when it ran."""
+    """What a reader needs to compare runs: the CPU and the vector instruction sets the native
+    kernels are built for here, Python, OS and when it ran."""
+    from computed.backend.kernels import built_isas
+
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu_model(), "kernel_isas": built_isas(),
             "nproc": os.cpu_count(),
             "python": platform.python_version(),
             "implementation": sys.implementation.name,

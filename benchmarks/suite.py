@@ -218,7 +218,9 @@ def summary_table(latest: dict[str, Any]) -> str:
     m = latest["machine"]
     missed = [f for f in latest["figures"] if f["meets"] is False]
     lines += ["", f"{len(latest['figures'])} figures, {len(missed)} targets missed. "
-              f"{m.get('nproc')} CPUs, {m.get('platform')}, Python {m.get('python')}, "
+              f"{m.get('nproc')} CPUs ({m.get('cpu', 'CPU model not recorded')}; kernels built "
+              f"for {', '.join(m.get('kernel_isas') or ['no vector ISA recorded'])}), "
+              f"{m.get('platform')}, Python {m.get('python')}, "
               f"{latest['date']}. Written by `make bench` from `benchmarks/results/latest.json`; "
               "the sections below give each benchmark's detail."]
     if latest["plots"]:

@@ -26,6 +26,18 @@ def test_without_a_compiler_the_build_says_what_to_do(tmp_path: Path, monkeypatc
     assert not (tmp_path / "kernels").exists()
 
 
+def test_the_kernels_isas_are_what_the_compiler_enables(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Benchmarks record the vector ISAs the kernels are built for: -march=native as the compiler
+    resolves it (a VM's /proc/cpuinfo may hide AVX-512 that g++ still enables)."""
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\nprintf '  -mavx2  [enabled]\\n  -mavx512f  [disabled]\\n"
+                    "  -mfma  [enabled]\\n  -mavx512vl  [enabled]\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert kernels.built_isas() == ["avx2", "fma", "avx512vl"]
+
+
 def test_a_failed_compile_reports_the_compiler_and_leaves_no_library(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "cxx"

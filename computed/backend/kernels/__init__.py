@@ -86,6 +86,22 @@ def _cpu_id(compiler: str) -> str:
     return platform.processor()
 
 
+# vector instruction sets that decide which kernel paths can run, as -march=native names them
+VECTOR_ISAS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")
+
+
+def built_isas() -> list[str]:
+    """The vector instruction sets the kernels are (or would be) compiled for here: what the
+    compiler's -march=native enables, or /proc/cpuinfo's flags where it cannot say."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or "g++"
+    cpu = _cpu_id(compiler)
+    enabled = {line.split()[0].removeprefix("-m") for line in cpu.splitlines()
+               if line.strip().startswith("-m") and line.rstrip().endswith("[enabled]")}
+    if not enabled:  # /proc/cpuinfo's flags line
+        enabled = set(cpu.split())
+    return [isa for isa in VECTOR_ISAS if isa in enabled]
+
+
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags, jaxlib and CPU lives."""
     from jaxlib import version as jaxlib_version
