@@ -32,7 +32,7 @@ demo: kernels
 
 # every benchmark, then benchmarks/results/latest.json, the plots and the README tables
 bench: kernels
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(if $(ISA),--isa $(ISA))
 
 clean:
 	rm -rf $(VENV) var bench-results .pytest_cache

@@ -16,7 +16,7 @@ those files and writes
 writes into `--out` (default: a fresh temp dir) and a copy of the README there,
 never into the repository. `make test` runs it once so the suite cannot rot.
 
-    .venv/bin/python -m benchmarks [--quick] [--only events,replay] [--out DIR] [--collect-only]
+    .venv/bin/python -m benchmarks [--quick] [--only events,replay] [--out DIR] [--collect-only] [--isa avx2]
 """
 from __future__ import annotations
 
@@ -263,11 +263,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="where results, plots and (for --quick) the README copy go")
     ap.add_argument("--collect-only", action="store_true",
                     help="run nothing: rebuild latest.json, plots and table from the results")
+    ap.add_argument("--isa", choices=("native", "avx2"), default=None,
+                    help="build the native kernels for this ISA in every bench process "
+                         "(sets LORAPLANE_KERNEL_ISA; avx2 measures an AVX2+FMA CPU on an AVX-512 one)")
     a = ap.parse_args(argv)
     chosen = [b for b in BENCHES if not a.only or b.name in a.only.split(",")]
     out = a.out or (Path(tempfile.mkdtemp(prefix="loraplane-bench-")) if a.quick else RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    if a.isa:
+        env["LORAPLANE_KERNEL_ISA"] = os.environ["LORAPLANE_KERNEL_ISA"] = a.isa  # also for built_isas() here
     readme = README
     if out.resolve() != RESULTS_DIR.resolve():
         env[OUT_ENV] = str(out)

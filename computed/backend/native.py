@@ -4,10 +4,10 @@
   reads each slot's A and B once, in place in the pool, stopping at the slot's own rank. XLA's
   window loop copies them out of the pool for every window instead. Any mix of slots runs
   in one compile.
-- Dense products: `dense.cc` (`dense_matmuls`), for a float32 model on an AVX-512 CPU, over
+- Dense products: `dense.cc` (`dense_matmuls`), for a float32 model on an AVX-512 or AVX2+FMA CPU, over
   weights packed into column panels once at load (computed/model/params.py `PackedWeight`): the
   kernel streams each weight once per decode step, where XLA's dot repacks it on every call.
-  Weights left [in, out] (a bfloat16 model, no AVX-512) go to XLA's dot.
+  Weights left [in, out] (a bfloat16 model, neither AVX-512 nor AVX2+FMA) go to XLA's dot.
 - Decode attention: `attention.cc` (`attention_kernel`), each row over its own positions of a
   float32 cache with K in blocks, in place; one compile serves every length.
 
@@ -46,7 +46,7 @@ def unavailable_reason() -> str | None:
 
 
 def dense_panel() -> int:
-    """The dense kernel's panel width here, or 0 where it cannot run (no kernels, no AVX-512)."""
+    """The dense kernel's panel width here, or 0 where it cannot run (no kernels, neither AVX-512 nor AVX2+FMA)."""
     return kernels.dense_panel()
 
 
@@ -101,7 +101,7 @@ class NativeBackend(Backend):
     cannot be. Options, for tests and benchmarks that force a path:
 
     - `panel`: the dense kernel's panel width to pack weights in (default: this CPU's, 0 without
-      AVX-512); 0 keeps weights [in, out] for XLA's dot (a bfloat16 model).
+      AVX-512 or AVX2+FMA); 0 keeps weights [in, out] for XLA's dot (a bfloat16 model).
     - `attention`: "kernel" (a float32 cache with K in blocks), or "xla" over a length bucket
       (a bfloat16 cache, or either layout for comparisons).
     - `lora`: "sgmv", or "gather" (the per-token gather, for benchmarks only)."""
@@ -119,7 +119,7 @@ class NativeBackend(Backend):
                              f"got {self.attention!r}")
         if self.panel not in (0, dense_panel()):
             raise ValueError(f"panel {self.panel}: the dense kernel here packs {dense_panel()} columns "
-                             "(0: no AVX-512), or pass 0 to keep weights [in, out]")
+                             "(0: neither AVX-512 nor AVX2+FMA), or pass 0 to keep weights [in, out]")
 
     @property
     def blocked(self) -> bool:

@@ -544,18 +544,18 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
 
 
 def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail() -> None:
-    """Row counts around the kernel's chunks of 16 and 32 rows, inputs of odd width, outputs that end
-    mid-panel; and the packing round trip."""
+    """Row counts around the kernel's chunks of one and two vectors of rows (8 and 16 on AVX2, 16 and 32 on
+    AVX-512), inputs of odd width, outputs that end mid-panel; and the packing round trip."""
     panel = native.dense_panel()
     if not panel:
-        pytest.skip(f"no dense kernel here: {native.unavailable_reason() or 'no AVX-512'}")
+        pytest.skip(f"no dense kernel here: {native.unavailable_reason() or 'neither AVX-512 nor AVX2+FMA'}")
     rng = np.random.default_rng(5)
     for n_in, out in ((48, 96), (37, 13), (100, 2 * panel + 1), (16, 1)):
         w = rng.standard_normal((n_in, out)).astype(np.float32)
         packed = pack(w, panel)
         assert packed.shape == (n_in, out) and packed.panels.shape == (-(-out // panel), n_in, panel)
         np.testing.assert_array_equal(np.asarray(unpack(packed)), w)
-        for rows in (1, 5, 16, 17, 32, 33, 70):
+        for rows in (1, 5, 8, 9, 16, 17, 32, 33, 70):
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
             want = x.astype(np.float64) @ w.astype(np.float64)
             got = np.asarray(dense_matmuls(jnp.asarray(x), [packed])[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,60 @@ def test_a_build_is_reused_until_its_source_or_flags_change(tmp_path: Path, monk
     assert kernels.build() == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
     monkeypatch.setattr(kernels, "FLAGS", kernels.FLAGS + ("-DLORAPLANE_OTHER_FLAGS",))
     assert kernels.library_path(shutil.which(os.environ.get("CXX", "g++")) or "g++") != first
+
+
+def test_the_isa_can_be_forced_to_avx2_in_its_own_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LORAPLANE_KERNEL_ISA=avx2 builds for AVX2+FMA (x86-64-v3) whatever this CPU has beyond it, under
+    its own name, and says so to the benchmarks' machine info."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"AVX2 is an x86 instruction set; this is {platform.machine()}")
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or "g++"
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    native_path = kernels.library_path(compiler)
+    monkeypatch.setenv(kernels.ISA_ENV, "AVX2")
+    assert kernels.built_isas() == ["avx2", "fma"]
+    assert "-march=x86-64-v3" in kernels.flags() and "-march=native" not in kernels.flags()
+    assert kernels.library_path(compiler) != native_path
+    monkeypatch.setenv(kernels.ISA_ENV, "sse9")
+    with pytest.raises(kernels.KernelError, match="LORAPLANE_KERNEL_ISA='sse9': expected one of native, avx2"):
+        kernels.flags()
+
+
+AVX2_CHECK = """
+import json
+from computed.backend import kernels
+print(json.dumps({"isas": kernels.built_isas(), "available": kernels.available(), "panel": kernels.dense_panel(),
+                  "library": kernels.build().name}))
+"""
+# the kernels against float64 references, and the model through the native backend against PEFT
+AVX2_TESTS = ("attention_kernel or segmented_lora or every_decode_window or kernel_stops or bfloat16_pool"
+              " or dense_kernel or forward_full or inactive_rows or base_rows")
+
+
+def test_the_avx2_build_matches_the_float64_references(tmp_path: Path) -> None:
+    """The AVX2+FMA build, forced on whatever x86 CPU runs the tests: the kernel and parity checks of
+    tests/parity run in a process of their own, on a library built into a directory of its own."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"AVX2 is an x86 instruction set; this is {platform.machine()}")
+    here = {k: v for k, v in os.environ.items() if k != kernels.ISA_ENV}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(kernels.ISA_ENV, raising=False)
+        if not {"avx2", "fma"} <= set(kernels.built_isas()):
+            pytest.skip("this CPU has no AVX2+FMA")
+    env = {**here, kernels.ISA_ENV: "avx2", "LORAPLANE_KERNEL_DIR": str(tmp_path / "kernels"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["isas"] == ["avx2", "fma"] and out["available"] is True
+    assert out["panel"] == 6  # the dense kernel's AVX2 blocking: 2 x 6 accumulators in 16 registers
+    assert [p.name for p in (tmp_path / "kernels").glob("*.so")] == [out["library"]]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", AVX2_TESTS,
+                           str(REPO / "tests" / "parity" / "test_model_parity.py")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout and " skipped" not in done.stdout
+    assert [p.name for p in (tmp_path / "kernels").glob("*.so")] == [out["library"]]  # no native build
 
 
 FALLBACK = """

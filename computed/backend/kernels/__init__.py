@@ -6,7 +6,7 @@
   out of the pool first, and runs a handful of tiny ops, each with its own
   dispatch. The kernel groups the rows by slot and reads each slot's weights
   once, from the pool's own buffers.
-- `dense.cc`: the float32 model's products x W on AVX-512 CPUs, over weights
+- `dense.cc`: the float32 model's products x W on AVX-512 and AVX2+FMA CPUs, over weights
   packed into column panels when the model loads (computed/model/params.py); XLA's
   dot repacks W on every call and ran a decode step's products markedly slower.
 - `attention.cc`: decode attention over the KV cache in place
@@ -14,7 +14,7 @@
   bucket of K and V out of the cache for every layer of every step.
 
 They are compiled, into one library, with the C++ compiler (`$CXX`, else `g++`) against the XLA FFI
-headers that jaxlib ships, with `-march=native`, into
+headers that jaxlib ships, with `-march=native` (or, with `LORAPLANE_KERNEL_ISA=avx2`, for AVX2+FMA: `-march=x86-64-v3`), into
 `$LORAPLANE_KERNEL_DIR` (default `build/kernels/` at the repository root), as
 a file named by a hash of the sources, the flags, jaxlib's version and the CPU,
 so a change to any of them builds afresh and an unchanged one is reused.
@@ -54,8 +54,14 @@ TARGETS = {"loraplane_sgmv": "LoraplaneSgmv", "loraplane_decode_attention": "Lor
 SGMV, ATTENTION, DENSE = TARGETS
 # No -ffast-math and no FMA contraction: the vector code is written out, so every sum has one order
 # and a float32 and a bfloat16 pool that hold the same values give bit-identical terms.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
+FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 ENV_SWITCH = "LORAPLANE_LORA_KERNEL"  # "xla": never use the kernel
+ISA_ENV = "LORAPLANE_KERNEL_ISA"  # "avx2": build for AVX2+FMA whatever this CPU has beyond it
+# The instruction-set flags for each ISA the build can be forced to (default: this CPU's own).
+# avx2 is x86-64-v3 (the psABI level: AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE), which every AVX2 CPU
+# from Haswell and Zen 1 on has; `-march=native -mno-avx512f` would instead keep whatever else this
+# CPU has (AVX-VNNI, GFNI, ...) and build something no plain AVX2 machine could load.
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=generic")}
 
 
 class KernelError(RuntimeError):
@@ -67,11 +73,25 @@ def build_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[3] / "build" / "kernels"
 
 
+def forced_isa() -> str:
+    """The ISA the build is forced to by $LORAPLANE_KERNEL_ISA, "native" where it is unset."""
+    isa = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise KernelError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler's flags for this build: the instruction-set flags, then FLAGS."""
+    return (*ISA_FLAGS[forced_isa()], *FLAGS)
+
+
 def _cpu_id(compiler: str) -> str:
-    """What `-march=native` means here, as the compiler resolves it (a VM's /proc/cpuinfo may hide
+    """What the build's -march means here, as the compiler resolves it (a VM's /proc/cpuinfo may hide
     instruction sets the compiler still finds and uses); /proc/cpuinfo's flags where it cannot say."""
+    march = list(ISA_FLAGS[forced_isa()])
     try:
-        done = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True,
+        done = subprocess.run([compiler, *march, "-Q", "--help=target"], capture_output=True,
                               text=True, timeout=30)
         if done.returncode == 0 and done.stdout:
             return done.stdout
@@ -92,12 +112,13 @@ VECTOR_ISAS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")
 
 def built_isas() -> list[str]:
     """The vector instruction sets the kernels are (or would be) compiled for here: what the
-    compiler's -march=native enables, or /proc/cpuinfo's flags where it cannot say."""
+    compiler's -march (native, or the ISA forced by $LORAPLANE_KERNEL_ISA) enables, or
+    /proc/cpuinfo's flags where it cannot say (an unforced build only)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or "g++"
     cpu = _cpu_id(compiler)
     enabled = {line.split()[0].removeprefix("-m") for line in cpu.splitlines()
                if line.strip().startswith("-m") and line.rstrip().endswith("[enabled]")}
-    if not enabled:  # /proc/cpuinfo's flags line
+    if not enabled and forced_isa() == "native":  # /proc/cpuinfo's flags line
         enabled = set(cpu.split())
     return [isa for isa in VECTOR_ISAS if isa in enabled]
 
@@ -107,7 +128,7 @@ def library_path(compiler: str) -> Path:
     from jaxlib import version as jaxlib_version
 
     key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(flags()).encode(),
                  jaxlib_version.__version__.encode(), _cpu_id(compiler).encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
@@ -130,7 +151,7 @@ def build() -> Path:
             return path
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
         os.close(fd)
-        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
+        cmd = [compiler, *flags(), "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
@@ -170,8 +191,8 @@ def available() -> bool:
 
 def dense_panel() -> int:
     """Output columns per panel of the dense kernel's packed weights (computed/model/params.py), or 0 where it
-    cannot run: the kernels are unavailable, or this CPU has no AVX-512 (the kernel needs its 32
-    vector registers)."""
+    cannot run: the kernels are unavailable, or built with neither AVX-512 (panels of 12) nor AVX2+FMA
+    (panels of 6, blocked for its 16 vector registers)."""
     return _dense_panel if available() else 0
 
 
