@@ -1014,6 +1014,9 @@ def main(argv: list[str] | None = None) -> int:
     table, markdown = render(result)
     console.print(table)
     print_targets(result, console.print)
+    console.print("served tokens/s: " + ", ".join(
+        f"{_mix_label(k)} {result['served'][str(k)]['tokens_per_s']:,.0f} "
+        f"({result['served'][str(k)]['over_engine']:.2f}x Engine.step)" for k in MIXES))
     console.print(notes(result))
     console.print(machine_line(result))
     publish("decode", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
