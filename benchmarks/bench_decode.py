@@ -48,6 +48,18 @@ other down:
                 the CPU count, as XLA uses every core); every round crops the cache back
                 to the prompt. Its process waits on a pipe while ours run, and ours
                 while it runs.
+* served:       the served path, in the same rounds: a real `statesvc serve` and
+                `computed serve --max-batch 32` (shared/fleet.py, subprocesses) with the
+                same model, the pool and the 32 adapters loaded through the state
+                service; `--served-clients` clients (one ZeroMQ DEALER each) each send
+                one `generate` (the same prompts and adapters per row, greedy,
+                `--served-tokens` new tokens) at once. tokens/s = the tokens generated
+                over the wall time from the first send to the last reply (prefill
+                included); ratios pair it with the other paths' rates in the same
+                round. Targets: 16 adapters >= 0.75x served base, >= 3x PEFT, and
+                >= 0.9x the in-process Engine.step (issue 15). The replica's CPU time
+                counts as other load in /proc/stat, so the undisturbed rounds are
+                the in-process paths' ones.
 
 tokens/s = 32 * steps / seconds, the median over the rounds, with the spread
 (min, max) beside it; ratios pair the figures of one round. Targets (PASS/MISS),
@@ -96,6 +108,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import zmq
 from rich.console import Console
 from rich.table import Table
 
@@ -109,9 +122,12 @@ from computed.model.params import pack
 from computed.model.runner import LlamaRunner, decode
 from computed.pool import LoraPool, MemoryPool, PoolSpec
 from computed.weights import slot_weights
+from shared.client import ControlClient, new_event_id
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
+from shared.fleet import Computed, StateSvc, wait_for
 from shared.llama import MODULES
+from shared.protocol import encode_request, unpack
 from shared.reducer import State
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import AdapterSpec, ModelShape, write_adapter, write_model
@@ -453,6 +469,98 @@ class PeftProcess:
         self.proc.join(timeout=30)
 
 
+# --------------------------------------------------------------------------- the served path
+
+SERVED_TOKENS = 64  # new tokens per request on the served path (--served-tokens)
+TARGET_SERVED_OVER_ENGINE = 0.9  # issue 15: served >= 0.9x Engine.step
+
+
+@dataclass
+class ServedTiming:
+    """Per round: wall seconds from the first send to the last reply, and the tokens generated."""
+
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def rate(self, i: int) -> float:
+        return self.tokens[i] / self.seconds[i]
+
+    def as_dict(self, used: list[int] | None) -> dict[str, Any]:
+        rounds = list(range(len(self.seconds))) if used is None else used
+        rates = [self.rate(i) for i in rounds]
+        return {"tokens_per_s": median(rates), "tokens_per_s_spread": spread(rates),
+                "seconds": self.seconds, "tokens": self.tokens, "used_rounds": used}
+
+
+class ServedReplica:
+    """A real `statesvc serve` and `computed serve` (subprocesses), the pool and adapters loaded
+    through the state service, and `clients` DEALER sockets that each send one `generate`."""
+
+    def __init__(self, root: Path, model_dir: Path, dirs: dict[str, Path], prompts: np.ndarray, *,
+                 clients: int, new_tokens: int, max_len: int, slots: int, pool_dtype: str) -> None:
+        self.prompts, self.clients, self.new_tokens = prompts, clients, new_tokens
+        self.svc = StateSvc(root / "served-data")
+        self.replica = Computed(model_dir, self.svc, root / "served-replica", replica_id="bench",
+                                extra_args=("--max-batch", str(BATCH), "--max-len", str(max_len)))
+        self.ctx = zmq.Context()
+        self.socks: list[zmq.Socket[Any]] = []
+        try:
+            self.svc.start()
+            with ControlClient(self.svc.control, timeout_s=60) as c:
+                def cmd(command: str, **args: Any) -> Any:
+                    return c.call(command, {"event_id": new_event_id(), **args})
+                seq = cmd("pool.init", model=str(model_dir), max_loras=slots, max_rank=RANK,
+                          targets="all", dtype=pool_dtype)["seq"]
+                for name in adapter_names():
+                    seq = cmd("load", name=name, path=str(dirs[name]))["seq"]
+            self.seq = int(seq)
+            self.replica.start()
+            wait_for(lambda: int(self.replica.status()["applied_seq"]) >= self.seq, timeout=300,
+                     what="the replica to apply the adapters")
+            for _ in range(clients):
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self.replica.listen)
+                self.socks.append(sock)
+        except BaseException:
+            self.stop()
+            raise
+
+    def round(self, distinct: int, timing: ServedTiming | None) -> None:
+        names = adapter_names()
+        frames = [encode_request(f"r{i}", "generate", generate_args(
+            [int(t) for t in self.prompts[i % BATCH]], adapter=names[i % distinct] if distinct else None,
+            max_new_tokens=self.new_tokens, min_seq=self.seq)) for i in range(self.clients)]
+        poller = zmq.Poller()
+        for sock in self.socks:
+            poller.register(sock, zmq.POLLIN)
+        tokens, waiting = 0, set(self.socks)
+        started = time.perf_counter()
+        for sock, frame in zip(self.socks, frames):
+            sock.send(frame)
+        while waiting:
+            ready = dict(poller.poll(120_000))
+            if not ready:
+                raise RuntimeError(f"the served replica did not answer; see {self.replica.log}")
+            for sock in ready:
+                reply = unpack(sock.recv())
+                if not reply.get("ok"):
+                    raise RuntimeError(f"generate failed: {reply.get('error')}")
+                tokens += len(reply["result"]["output_ids"])
+                waiting.discard(sock)
+        if timing is not None:
+            timing.seconds.append(time.perf_counter() - started)
+            timing.tokens.append(tokens)
+
+    def stop(self) -> None:
+        for sock in self.socks:
+            sock.close(0)
+        self.ctx.term()
+        for proc in (self.replica, self.svc):
+            if proc.proc is not None:
+                proc.stop()
+
+
 # --------------------------------------------------------------------------- GEMM rates
 
 GEMM = (BATCH, SHAPE.hidden_size, SHAPE.intermediate_size)  # the MLP's up/gate product in a decode step
@@ -531,7 +639,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"loading transformers + PEFT in a process of its own ({args.torch_threads} torch "
                       "threads) ...")
         peft_proc = PeftProcess(model_dir, dirs, args.torch_threads, prompts)
+        served_proc: ServedReplica | None = None
         try:
+            if PROMPT + args.served_tokens > max_len:
+                raise SystemExit(f"--max-len {max_len} is too short for {args.served_tokens} served tokens")
+            console.print(f"starting statesvc and `computed serve` ({args.served_clients} clients, "
+                          f"{args.served_tokens} new tokens each) ...")
+            served_proc = ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
+                                   new_tokens=args.served_tokens, max_len=max_len, slots=args.slots,
+                                   pool_dtype=args.pool_dtype)
+            replica = served_proc
             config, params = load_model(model_dir)
             # which backend the "decode" column ran on, as serving selects it here
             backend_info = {"name": type(params.backend).__name__,
@@ -558,6 +675,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for a, by_mix in alternatives.items():
                 timings[a] = {k: Timing() for k in by_mix}
             no_pool_timing = Timing()
+            served_t = {k: ServedTiming() for k in MIXES}
 
             def one_round(k: int, count: bool) -> None:
                 if k == 0:
@@ -568,6 +686,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         by_mix[k].round(steps, timings[a][k] if count else None)
                 engines[k].round(steps, timings["engine"][k] if count else None)
                 peft_proc.round(k, steps, timings["peft"][k] if count else None)
+                replica.round(k, served_t[k] if count else None)
 
             console.print("round 0 (warm-up)")
             for k in MIXES:
@@ -597,6 +716,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gemm = {"xla": gemm_rate_xla(), "kernel": gemm_rate_kernel(), "torch": peft_proc.gemm_rate()}
         finally:
             peft_proc.stop()
+            if served_proc is not None:
+                served_proc.stop()
 
         long_base = long_context = None
         if args.long_max_len:
@@ -653,6 +774,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name, other in (("base", timings["decode"][0]), ("peft", timings["peft"][k])):
                     row[a][f"over_{name}"], row[a][f"over_{name}_spread"] = ratio(timings[a][k], other)
         table[str(k)] = row
+    served_table: dict[str, Any] = {}
+    for k in MIXES:
+        used = timings["engine"][k].used
+        cell = served_t[k].as_dict(used)
+        rounds = timings["engine"][k].rounds()
+        for name, other in (("base", lambda i: served_t[0].rate(i)),
+                            ("peft", lambda i, k=k: BATCH * steps / timings["peft"][k].seconds[i]),
+                            ("engine", lambda i, k=k: BATCH * steps / timings["engine"][k].seconds[i])):
+            per_round = [served_t[k].rate(i) / other(i) for i in rounds]
+            cell[f"over_{name}"], cell[f"over_{name}_spread"] = median(per_round), spread(per_round)
+        served_table[str(k)] = cell
     targets = []
     for p in ("decode", "engine"):
         top = table[str(TARGET_MIX)][p]
@@ -661,6 +793,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "target": f">= {TARGET_OVER_BASE}x", "met": top["over_base"] >= TARGET_OVER_BASE},
             {"name": f"{LABELS[p]}: {TARGET_MIX} adapters / PEFT, same batch", "measured": round(top["over_peft"], 3),
              "target": f">= {TARGET_OVER_PEFT}x", "met": top["over_peft"] >= TARGET_OVER_PEFT}]
+    top = served_table[str(TARGET_MIX)]
+    targets += [
+        {"name": f"served: {TARGET_MIX} adapters / base model", "measured": round(top["over_base"], 3),
+         "target": f">= {TARGET_OVER_BASE}x", "met": top["over_base"] >= TARGET_OVER_BASE},
+        {"name": f"served: {TARGET_MIX} adapters / PEFT, same batch", "measured": round(top["over_peft"], 3),
+         "target": f">= {TARGET_OVER_PEFT}x", "met": top["over_peft"] >= TARGET_OVER_PEFT},
+        {"name": f"served / in-process Engine.step, {TARGET_MIX} adapters", "measured": round(top["over_engine"], 3),
+         "target": f">= {TARGET_SERVED_OVER_ENGINE}x", "met": top["over_engine"] >= TARGET_SERVED_OVER_ENGINE}]
     info = peft_proc.info
     return {
         "machine": machine_info(), "backend": backend_info, "load_average_before": load_before, "load_average_after": os.getloadavg(),
@@ -674,8 +814,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "rounds_run": rounds, "clean_rounds": clean, "contended_above": CONTENDED,
                      "slots": args.slots, "pool_dtype": args.pool_dtype, "max_len": max_len,
                      "torch_threads": args.torch_threads, "quick": args.quick,
+                     "served_clients": args.served_clients, "served_tokens": args.served_tokens,
                      "xla_threads": os.cpu_count()},
-        "results": table, "targets": targets, "compiles_while_timing": len(compiles),
+        "results": table, "served": served_table, "targets": targets, "compiles_while_timing": len(compiles),
         "no_pool_base": no_pool_timing.as_dict(steps),
         "tokens_agree": tokens_agree, "long_cache_base": long_base,
         "long_context": long_context, "gemm_gflops": gemm,
@@ -720,6 +861,19 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
         lines.append(f"| {_mix_label(k)} | {rate(d)} | {rate(e)} | {lp} | {g} | {rate(p)} "
                      f"| {d['over_base']:.2f}, {e['over_base']:.2f}, {l_base} | {over_l} | {over_g} "
                      f"| {d['over_peft']:.2f}, {e['over_peft']:.2f}, {l_peft} |")
+    served = result.get("served")
+    if served:
+        lines += ["", "| distinct adapters | served tok/s | served / base | served / PEFT | served / Engine.step |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {_mix_label(k)} | {rate(served[str(k)])} | {served[str(k)]['over_base']:.2f} "
+                  f"| {served[str(k)]['over_peft']:.2f} | {served[str(k)]['over_engine']:.2f} |" for k in MIXES]
+        lines += ["", f"Served: a real `statesvc serve` and `computed serve --max-batch {s['batch']}` "
+                  f"(subprocesses, the same model and adapters, loaded through the state service), "
+                  f"{s['served_clients']} concurrent clients (one ZeroMQ DEALER each) sending one `generate` "
+                  f"of {s['served_tokens']} new tokens each from the same prompts (greedy), in the same "
+                  "rounds as the in-process paths after a warm-up round; tokens/s: the generated tokens "
+                  "over the wall time from the first send to the last reply (prefill included). Ratios "
+                  "are per round, the served rate over the other path's decode rate in that round."]
     v = result["versions"]
     lines += ["",
               f"Model (random, written by statesvc/tools/example.py): vocab {m['vocab_size']}, hidden "
@@ -841,6 +995,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the base batch again with a cache this long (0: skip)")
     ap.add_argument("--long-repeats", type=int, default=3,
                     help="undisturbed rounds wanted for each long-cache figure")
+    ap.add_argument("--served-clients", type=int, default=BATCH,
+                    help="concurrent clients (one DEALER each) of the served replica (`--max-batch` is 32)")
+    ap.add_argument("--served-tokens", type=int, default=SERVED_TOKENS,
+                    help="new tokens each served request generates")
     ap.add_argument("--no-write", action="store_true",
                     help="print only: leave benchmarks/results and README.md alone")
     ap.add_argument("--quick", action="store_true",
@@ -849,12 +1007,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
+        args.served_clients, args.served_tokens = 4, 4
     if args.slots < ADAPTERS:
         ap.error(f"--slots must be at least {ADAPTERS}, the adapters the batch mixes")
     result = run(args)
     table, markdown = render(result)
     console.print(table)
     print_targets(result, console.print)
+    console.print("served tokens/s: " + ", ".join(
+        f"{_mix_label(k)} {result['served'][str(k)]['tokens_per_s']:,.0f} "
+        f"({result['served'][str(k)]['over_engine']:.2f}x Engine.step)" for k in MIXES))
     console.print(notes(result))
     console.print(machine_line(result))
     publish("decode", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)

@@ -164,6 +164,23 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
             out.append(figure("decode", f"decode, {label} {name}".replace(" :", ":"), value, "x",
                               target=target, meets=value >= goal if target and goal else None,
                               spread=ours.get(f"over_{key}_spread"), runs=runs))
+    served = r.get("served") or {}
+    for k in sorted(served, key=int):
+        cell = served[k]
+        runs = len(cell["seconds"]) if cell.get("used_rounds") is None else len(cell["used_rounds"])
+        label = "base model" if k == "0" else f"{k} distinct adapter{'s' if k != '1' else ''}"
+        if k == "0":
+            out.append(figure("decode", "served, base model, batch 32", cell["tokens_per_s"], "tokens/s",
+                              spread=cell["tokens_per_s_spread"], runs=runs))
+        for key, name, goal in (("base", "/ served base", 0.75), ("peft", "/ PEFT mixed batch", 3.0),
+                                ("engine", "/ in-process Engine.step", 0.9)):
+            if k == "0" and key == "base":
+                continue
+            value = cell[f"over_{key}"]
+            target = f">= {goal:g}x" if k == "16" else None
+            out.append(figure("decode", f"served, {label} {name}", value, "x", target=target,
+                              meets=value >= goal if target else None,
+                              spread=cell.get(f"over_{key}_spread"), runs=runs))
     lc = r.get("long_context")
     if lc:
         out.append(figure("decode", f"decode, base model from position {lc['start']} of {lc['max_len']}: "

@@ -52,6 +52,7 @@ def test_quick_suite_writes_figures_plots_and_the_readme_table(tmp_path: Path) -
     assert any("/ raw sqlite3" in n for n in named)
     assert any("per-token gather" in n for n in named)
     assert any("PEFT" in n for n in named)
+    assert any(n.startswith("served") and "Engine.step" in n for n in named)  # the served path ran
 
     assert latest["plots"], "no plots were drawn"
     for plot in latest["plots"]:
