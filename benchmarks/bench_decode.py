@@ -234,8 +234,8 @@ def timed(timing: Timing | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- assets
 
 
-def write_assets(root: Path, shape: ModelShape) -> tuple[Path, dict[str, Path]]:
-    model_dir = write_model(root / "model", shape, seed=0)
+def write_assets(root: Path, shape: ModelShape, dtype: str = "float32") -> tuple[Path, dict[str, Path]]:
+    model_dir = write_model(root / "model", shape, seed=0, dtype=dtype)
     dirs = {name: write_adapter(root / "adapters" / name,
                                 AdapterSpec(name, r=RANK, lora_alpha=ALPHA, target_modules=MODULES),
                                 shape, seed=0, base_model_name_or_path=str(model_dir))
@@ -497,11 +497,13 @@ class ServedReplica:
     through the state service, and `clients` DEALER sockets that each send one `generate`."""
 
     def __init__(self, root: Path, model_dir: Path, dirs: dict[str, Path], prompts: np.ndarray, *,
-                 clients: int, new_tokens: int, max_len: int, slots: int, pool_dtype: str) -> None:
+                 clients: int, new_tokens: int, max_len: int, slots: int, pool_dtype: str,
+                 dtype: str = "float32", name: str = "served") -> None:
         self.prompts, self.clients, self.new_tokens = prompts, clients, new_tokens
-        self.svc = StateSvc(root / "served-data")
-        self.replica = Computed(model_dir, self.svc, root / "served-replica", replica_id="bench",
-                                extra_args=("--max-batch", str(BATCH), "--max-len", str(max_len)))
+        self.svc = StateSvc(root / f"{name}-data")
+        self.replica = Computed(model_dir, self.svc, root / f"{name}-replica", replica_id="bench",
+                                extra_args=("--max-batch", str(BATCH), "--max-len", str(max_len),
+                                            "--dtype", dtype))
         self.ctx = zmq.Context()
         self.socks: list[zmq.Socket[Any]] = []
         try:

@@ -51,6 +51,7 @@ BENCHES = (
     Bench("replica", "benchmarks.bench_replica", ("--quick",)),
     Bench("replay", "benchmarks.bench_replay", ("--quick",)),
     Bench("decode", "benchmarks.bench_decode", ("--quick",)),
+    Bench("dtype", "benchmarks.bench_dtype", ("--quick",)),
 )
 
 
@@ -189,9 +190,22 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def dtype_figures(r: dict[str, Any]) -> list[Figure]:
+    """bfloat16 model over float32 model, in process and served (issue 15: served >= 1.0x)."""
+    out = []
+    for path, label in (("decode", "decode"), ("served", "served")):
+        for k, cell in r[path].items():
+            mix = "base model" if k == "0" else f"{k} distinct adapters"
+            target = cell.get("target")
+            out.append(figure("dtype", f"{label}, {mix}: bfloat16 model / float32 model", cell["bf16_over_f32"], "x",
+                              target=None if target is None else f">= {target}x", meets=cell.get("pass"),
+                              spread=cell["bf16_over_f32_spread"], runs=r["settings"]["repeats"]))
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "replica": replica_figures, "replay": replay_figures,
-    "decode": decode_figures}
+    "decode": decode_figures, "dtype": dtype_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

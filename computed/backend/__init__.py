@@ -15,14 +15,14 @@ from computed.backend.xla import XlaBackend
 
 def select(dtype: str | jnp.dtype) -> Backend:
     """The backend a model of `dtype` runs on here, chosen once at load: the native kernels where
-    they are built and loaded (not with LORAPLANE_LORA_KERNEL=xla, not off the CPU), packing a
-    float32 model's weights for the dense kernel where it runs and attending with the attention
-    kernel over a float32 cache; else XLA alone. The reason the kernels are unavailable is logged
-    once (computed/backend/kernels)."""
+    they are built and loaded (not with LORAPLANE_LORA_KERNEL=xla, not off the CPU), packing the
+    weights for the dense kernel where it runs (a bfloat16 model's as their bits) and attending
+    with the attention kernel over a float32 cache (`Backend.cache_dtype`); else XLA alone. The
+    reason the kernels are unavailable is logged once (computed/backend/kernels)."""
+    jnp.dtype(dtype)  # a TypeError for a name that is no dtype
     if not native.available():
         return XlaBackend()
-    f32 = jnp.dtype(dtype) == jnp.float32
-    return NativeBackend(panel=native.dense_panel() if f32 else 0, attention="kernel" if f32 else "xla")
+    return NativeBackend()
 
 
 __all__ = ["Backend", "NativeBackend", "XlaBackend", "select"]

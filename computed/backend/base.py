@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
@@ -75,6 +76,11 @@ class Backend(ABC):
     def attend_len(self, cache: KVCache, attend_len: int) -> int:
         """The `attend_len` decode compiles for, given the caller's (checked) bucket."""
         return attend_len
+
+    def cache_dtype(self, dtype: str | jnp.dtype) -> jnp.dtype:
+        """The KV cache's dtype for a model of `dtype`: the model's own, unless the backend's
+        attention reads another."""
+        return jnp.dtype(dtype)
 
     def check_cache(self, cache: KVCache) -> None:
         """ValueError where this backend cannot attend over `cache`'s layout or dtype."""

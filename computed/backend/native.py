@@ -4,12 +4,14 @@
   reads each slot's A and B once, in place in the pool, stopping at the slot's own rank. XLA's
   window loop copies them out of the pool for every window instead. Any mix of slots runs
   in one compile.
-- Dense products: `dense.cc` (`dense_matmuls`), for a float32 model on an AVX-512 or AVX2+FMA CPU, over
-  weights packed into column panels once at load (computed/model/params.py `PackedWeight`): the
-  kernel streams each weight once per decode step, where XLA's dot repacks it on every call.
-  Weights left [in, out] (a bfloat16 model, neither AVX-512 nor AVX2+FMA) go to XLA's dot.
+- Dense products: `dense.cc` (`dense_matmuls`), on an AVX-512 or AVX2+FMA CPU, over weights packed
+  into column panels once at load (computed/model/params.py `PackedWeight`; float32, or a bfloat16
+  model's bits, widened in registers): the kernel streams each weight once per decode step, where
+  XLA's dot repacks it on every call. Weights left [in, out] (neither AVX-512 nor AVX2+FMA) go to
+  XLA's dot.
 - Decode attention: `attention.cc` (`attention_kernel`), each row over its own positions of a
-  float32 cache with K in blocks, in place; one compile serves every length.
+  float32 cache with K in blocks (a bfloat16 model's too: `cache_dtype`), in place; one compile
+  serves every length.
 
 This is the only module that imports the kernels' build (computed/backend/kernels).
 """
@@ -101,9 +103,9 @@ class NativeBackend(Backend):
     cannot be. Options, for tests and benchmarks that force a path:
 
     - `panel`: the dense kernel's panel width to pack weights in (default: this CPU's, 0 without
-      AVX-512 or AVX2+FMA); 0 keeps weights [in, out] for XLA's dot (a bfloat16 model).
-    - `attention`: "kernel" (a float32 cache with K in blocks), or "xla" over a length bucket
-      (a bfloat16 cache, or either layout for comparisons).
+      AVX-512 or AVX2+FMA); 0 keeps weights [in, out] for XLA's dot.
+    - `attention`: "kernel" (a float32 cache with K in blocks, whatever the model's dtype), or
+      "xla" over a length bucket (a cache in the model's dtype, either layout, for comparisons).
     - `lora`: "sgmv", or "gather" (the per-token gather, for benchmarks only)."""
 
     panel: int = field(default_factory=dense_panel)
@@ -158,6 +160,11 @@ class NativeBackend(Backend):
     def attend_len(self, cache: KVCache, attend_len: int) -> int:
         # unused by the kernel: one compile for every length
         return cache.max_len if self.attention == "kernel" else attend_len
+
+    def cache_dtype(self, dtype: str | jnp.dtype) -> jnp.dtype:
+        # the attention kernel's cache is float32; a bfloat16 model's K and V are bfloat16 values,
+        # which it holds exactly (docs/kernels.md, bfloat16 models)
+        return jnp.dtype(jnp.float32) if self.attention == "kernel" else jnp.dtype(dtype)
 
     def check_cache(self, cache: KVCache) -> None:
         if self.attention == "kernel" and not (cache.blocked and cache.k.dtype == jnp.float32):

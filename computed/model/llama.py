@@ -131,9 +131,7 @@ def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
     if params.embed is not None:
         return params.embed[tokens]
     assert isinstance(params.lm_head, PackedWeight)
-    panels = params.lm_head.panels
-    width = panels.shape[2]
-    return panels[tokens // width, :, tokens % width]  # [*tokens.shape, hidden]
+    return params.lm_head.columns(tokens)  # [*tokens.shape, hidden]
 
 
 def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:

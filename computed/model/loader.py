@@ -1,9 +1,10 @@
 """Loading a Hugging Face Llama checkpoint (config.json + safetensors) into `LlamaParams`.
 
 Weights are read from the memory-mapped shards (shared/checkpoint.py lists them, as the fingerprint
-does), converted to the model dtype, and laid out for the backend chosen at load
-(`computed.backend.select`, or the caller's): packed into column panels for the native dense
-kernel, or `[in, out]` for XLA's dot (`with_layout`).
+does), one tensor at a time, converted to the model dtype, and laid out for the backend chosen at
+load (`computed.backend.select`, or the caller's) as they are read: packed into column panels for
+the native dense kernel (a bfloat16 model's as bfloat16 bits), or `[in, out]` for XLA's dot
+(`with_layout` changes the layout of a loaded model).
 """
 from __future__ import annotations
 
@@ -79,15 +80,25 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
         except ModelConfigError as exc:
             raise ModelLoadError(f"{model_dir}: {exc}") from None
 
-        def get(name: str, *, transpose: bool = False) -> jax.Array:
+        if backend is None:
+            backend = select(dtype)
+        panel = backend.panel
+
+        def host(name: str) -> np.ndarray:
             buf, header, info = tensors[name]  # present, in this shape: check_tensors
             try:
-                arr = to_float32(buf, header, info)
+                return to_float32(buf, header, info).astype(jdt, copy=False)  # one tensor at a time
             except TensorFileError as exc:
                 raise ModelLoadError(f"{model_dir}: {exc}") from None
-            if transpose:
-                arr = arr.T
-            return jnp.asarray(np.ascontiguousarray(arr), dtype=jdt)
+
+        def get(name: str) -> jax.Array:
+            return jnp.asarray(host(name))
+
+        def weight(name: str) -> jax.Array | PackedWeight:
+            """A projection as the backend multiplies it: packed as it is read (no second copy of the
+            model, however briefly), or transposed to [in, out] for XLA."""
+            w = host(name).T
+            return pack(w, panel) if panel else jnp.asarray(np.ascontiguousarray(w))
 
         layers = []
         for i in range(config.num_layers):
@@ -96,14 +107,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
             biases = {}
             for m in MODULES:
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
-                weights[m] = get(f"{stem}.weight", transpose=True)
+                weights[m] = weight(f"{stem}.weight")
                 if (config.attention_bias and m in ATTN_MODULES) or (config.mlp_bias and m in MLP_MODULES):
                     biases[m] = get(f"{stem}.bias")
             layers.append(LayerParams(input_norm=get(f"{p}.input_layernorm.weight"),
                                       post_attention_norm=get(f"{p}.post_attention_layernorm.weight"),
                                       weights=weights, biases=biases))
-        if backend is None:
-            backend = select(dtype)
         params = LlamaParams(
             config=config,
             backend=backend,
@@ -111,7 +120,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
             layers=tuple(layers),
             norm=get("model.norm.weight"),
             # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
-            lm_head=None if config.tie_word_embeddings else get("lm_head.weight", transpose=True),
+            lm_head=None if config.tie_word_embeddings else weight("lm_head.weight"),
         )
     return config, with_layout(params, backend)
 
@@ -120,16 +129,13 @@ def with_layout(params: LlamaParams, backend: Backend) -> LlamaParams:
     """`params` for `backend`: every projection and the lm_head packed in the backend's panels
     (`backend.panel`), or unpacked to [in, out] for XLA where it has none; host work, once per
     model. A tied model keeps one copy: packed, its lm_head is the embedding's transpose and
-    `embed` is None (lookups read the lm_head's columns). Packing needs a float32 model
-    (ValueError otherwise)."""
+    `embed` is None (lookups read the lm_head's columns). A bfloat16 model packs its weights'
+    bits (computed/model/params.py `pack`)."""
     panel = backend.panel
-    if panel and params.dtype != jnp.float32:
-        raise ValueError(f"packed weights need a float32 model (the native dense kernel's); this is a "
-                         f"{params.dtype} model: pass a backend without packing (panel 0)")
 
     def convert(w: jax.Array | PackedWeight) -> jax.Array | PackedWeight:
         if isinstance(w, PackedWeight):
-            if w.panels.shape[2] == panel:
+            if w.panel == panel:
                 return w
             w = unpack(w)
         return pack(w, panel) if panel else w
@@ -140,7 +146,7 @@ def with_layout(params: LlamaParams, backend: Backend) -> LlamaParams:
     if params.config.tie_word_embeddings:  # one copy: the embedding, or its packed transpose
         if embed is None:
             assert isinstance(lm_head, PackedWeight)
-            if lm_head.panels.shape[2] != panel:
+            if lm_head.panel != panel:
                 embed = unpack(lm_head).T
         if embed is not None:
             embed, lm_head = (None, pack(embed.T, panel)) if panel else (embed, None)

@@ -23,38 +23,76 @@ if TYPE_CHECKING:  # the backend package imports this module
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PackedWeight:
-    """W [in, out] packed for the dense kernel: `panels [ceil(out / panel), in, panel]` float32.
+    """W [in, out] packed for the dense kernel, in panels of `panel` consecutive output columns (the
+    last zero-padded):
 
-    Each panel is `panel` consecutive output columns whose `in` rows lie one after another, the
-    last panel zero-padded: the dense kernel (computed/backend/kernels/dense.cc) streams that layout
-    exactly once per product, which is what a decode step wants (few rows, weights too large for
-    the cache); XLA's dot packs W into blocks on every call instead."""
+    - float32: `panels [ceil(out / panel), in, panel]`, each panel's `in` rows one after another;
+    - bfloat16: `panels [ceil(out / panel), ceil(in / 2), panel, 2]` uint16, the bfloat16 bit
+      patterns (as a bfloat16 pool holds its weights, computed/pool.py), each column's two
+      consecutive k side by side (zero past `in`): the pairs VDPBF16PS multiplies, and XLA never
+      sees a bfloat16 array it would widen whole.
+
+    The dense kernel (computed/backend/kernels/dense.cc) streams that layout exactly once per
+    product, which is what a decode step wants (few rows, weights too large for the cache); XLA's
+    dot packs W into blocks on every call instead."""
 
     panels: jax.Array
     out: int = field(metadata=dict(static=True))
+    n_in: int = field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
         """W's logical shape [in, out]."""
-        return int(self.panels.shape[1]), self.out
+        return self.n_in, self.out
+
+    @property
+    def panel(self) -> int:
+        """Output columns per panel."""
+        return int(self.panels.shape[2])
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """W's dtype: float32, or bfloat16 for panels of its bits."""
+        return jnp.dtype(jnp.bfloat16) if self.panels.dtype == jnp.uint16 else self.panels.dtype
+
+    def columns(self, cols: jax.Array) -> jax.Array:
+        """W[:, cols] as rows `[*cols.shape, in]` in W's dtype, in the graph (a tied model's embeddings)."""
+        width = self.panel
+        got = self.panels[cols // width, :, cols % width]  # [*cols, in] or bfloat16 [*cols, in2, 2]
+        if self.panels.dtype != jnp.uint16:
+            return got
+        got = got.reshape(*cols.shape, -1)[..., :self.n_in]
+        return jax.lax.bitcast_convert_type(got, jnp.bfloat16)
 
 
 def pack(w: np.ndarray | jax.Array, panel: int) -> PackedWeight:
-    """W [in, out] float32 -> its panels (host work, once per weight)."""
-    w = np.asarray(w, np.float32)
+    """W [in, out] -> its panels (host work, once per weight): a bfloat16 W as its uint16 bits in
+    pairs of k, any other as float32."""
+    w = np.asarray(w)
+    bf16 = w.dtype == jnp.bfloat16
+    if not bf16:
+        w = w.astype(np.float32, copy=False)
     n_in, out = w.shape
     count = -(-out // panel)
-    padded = np.zeros((n_in, count * panel), np.float32)
-    padded[:, :out] = w
-    return PackedWeight(jnp.asarray(np.ascontiguousarray(padded.reshape(n_in, count, panel).transpose(1, 0, 2))),
-                        out)
+    rows = n_in + (n_in % 2 if bf16 else 0)
+    padded = np.zeros((rows, count * panel), w.dtype)
+    padded[:n_in, :out] = w
+    panels: np.ndarray
+    if bf16:  # [in2, 2, count, panel] -> [count, in2, panel, 2]
+        panels = padded.view(np.uint16).reshape(rows // 2, 2, count, panel).transpose(2, 0, 3, 1)
+    else:
+        panels = padded.reshape(n_in, count, panel).transpose(1, 0, 2)
+    return PackedWeight(jnp.asarray(np.ascontiguousarray(panels)), out, n_in)
 
 
 def unpack(w: PackedWeight) -> jax.Array:
-    """The panels back to W [in, out]."""
+    """The panels back to W [in, out], in W's dtype."""
     panels = np.asarray(w.panels)
-    n_in = panels.shape[1]
-    return jnp.asarray(np.ascontiguousarray(panels.transpose(1, 0, 2).reshape(n_in, -1)[:, :w.out]))
+    if panels.dtype == np.uint16:  # [count, in2, panel, 2] -> [in2, 2, count, panel]
+        full = panels.transpose(1, 3, 0, 2).reshape(-1, panels.shape[0] * panels.shape[2]).view(jnp.bfloat16)
+    else:
+        full = panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)
+    return jnp.asarray(np.ascontiguousarray(full[:w.n_in, :w.out]))
 
 
 @jax.tree_util.register_dataclass
@@ -85,5 +123,5 @@ class LlamaParams:
     def dtype(self) -> jnp.dtype:
         if self.embed is None:
             assert isinstance(self.lm_head, PackedWeight)
-            return self.lm_head.panels.dtype
+            return self.lm_head.dtype
         return self.embed.dtype

@@ -25,12 +25,14 @@ from computed.pool import LoraPool
 
 def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32", *,
                blocked: bool | None = None) -> KVCache:
-    """A zeroed cache of `max_batch` rows of `max_len` positions, in the model's dtype; K blocked
-    for the attention kernel or positions-minor for XLA's attention (KVCache); `blocked` None:
-    as the backend `computed.backend.select(dtype)` attends."""
+    """A zeroed cache of `max_batch` rows of `max_len` positions for a model of `dtype`, as the
+    backend `computed.backend.select(dtype)` attends: in its `cache_dtype` (float32 for the
+    attention kernel, else the model's), K blocked for the attention kernel or positions-minor
+    for XLA's attention (KVCache), unless `blocked` says."""
+    backend = select(dtype)
     if blocked is None:
-        blocked = select(dtype).blocked
-    return kv_cache.zeros(config, max_batch, max_len, dtype, blocked=blocked)
+        blocked = backend.blocked
+    return kv_cache.zeros(config, max_batch, max_len, backend.cache_dtype(dtype), blocked=blocked)
 
 
 def _host_i32(x: Any, name: str) -> np.ndarray:
@@ -206,7 +208,8 @@ class LlamaRunner:
         """A zeroed KV cache for this runner; K's layout as the backend attends, or by `blocked`."""
         if blocked is None:
             blocked = self.params.backend.blocked
-        return kv_cache.zeros(self.config, self.max_batch, self.max_len, self.params.dtype, blocked=blocked)
+        return kv_cache.zeros(self.config, self.max_batch, self.max_len,
+                              self.params.backend.cache_dtype(self.params.dtype), blocked=blocked)
 
     def prefill(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, length: int, row: int,
                 slot: int) -> tuple[np.ndarray, KVCache]:

@@ -108,11 +108,11 @@ def one_torch_thread() -> Iterator[None]:
 class Reference:
     """transformers + PEFT with every adapter of a checkpoint loaded; greedy decoding."""
 
-    def __init__(self, assets: ExampleAssets) -> None:
+    def __init__(self, assets: ExampleAssets, dtype: str = "float32") -> None:
         from peft import PeftModel
         from transformers import LlamaForCausalLM
 
-        base = LlamaForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32,
+        base = LlamaForCausalLM.from_pretrained(assets.model_dir, dtype=getattr(torch, dtype),
                                                 attn_implementation="eager")
         names = [a.name for a in assets.adapters]
         model = PeftModel.from_pretrained(base, assets.adapter_dirs[names[0]], adapter_name=names[0])
@@ -126,7 +126,7 @@ class Reference:
         names = ["__base__" if a is None else a for a in adapters]
         with torch.no_grad():
             return self.model(torch.tensor(np.asarray(tokens), dtype=torch.long),
-                              adapter_names=names).logits.numpy()
+                              adapter_names=names).logits.float().numpy()
 
     def greedy(self, prompt: list[int], adapter: str | None) -> tuple[list[int], np.ndarray]:
         """NEW_TOKENS greedy tokens and the logits [NEW_TOKENS, vocab] each was chosen from."""
@@ -543,33 +543,56 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail(dtype: str) -> None:
     """Row counts around the kernel's chunks of one and two vectors of rows (8 and 16 on AVX2, 16 and 32 on
-    AVX-512), inputs of odd width, outputs that end mid-panel; and the packing round trip."""
+    AVX-512), inputs of odd width, outputs that end mid-panel; and the packing round trip. A bfloat16 W
+    is packed as its bits in pairs of k and multiplies x rounded to bfloat16, as transformers' bfloat16
+    Linear does (a bfloat16 model's x already is): the float64 product of those values, to float32
+    rounding, whether VDPBF16PS or the widened float32 loop computes it."""
     panel = native.dense_panel()
     if not panel:
         pytest.skip(f"no dense kernel here: {native.unavailable_reason() or 'neither AVX-512 nor AVX2+FMA'}")
     rng = np.random.default_rng(5)
+    wdt = np.dtype(jnp.dtype(dtype))
+
+    def weight(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32).astype(wdt)
+
+    def want(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        if dtype == "bfloat16":
+            x = x.astype(wdt)  # the kernel's rounding of x, to nearest even
+        return x.astype(np.float64) @ w.astype(np.float64)
+
     for n_in, out in ((48, 96), (37, 13), (100, 2 * panel + 1), (16, 1)):
-        w = rng.standard_normal((n_in, out)).astype(np.float32)
+        w = weight(n_in, out)
         packed = pack(w, panel)
-        assert packed.shape == (n_in, out) and packed.panels.shape == (-(-out // panel), n_in, panel)
+        assert packed.shape == (n_in, out) and packed.dtype == wdt
+        assert packed.panels.shape == ((-(-out // panel), -(-n_in // 2), panel, 2) if dtype == "bfloat16" else
+                                       (-(-out // panel), n_in, panel))
+        assert packed.panels.dtype == (np.uint16 if dtype == "bfloat16" else np.float32)
         np.testing.assert_array_equal(np.asarray(unpack(packed)), w)
         for rows in (1, 5, 8, 9, 16, 17, 32, 33, 70):
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
-            want = x.astype(np.float64) @ w.astype(np.float64)
             got = np.asarray(dense_matmuls(jnp.asarray(x), [packed])[0])
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(n_in))
+            np.testing.assert_allclose(got, want(x, w), rtol=1e-5, atol=1e-5 * np.sqrt(n_in))
     # several weights that read one x share a call; an unpacked one among them goes to XLA
-    x = rng.standard_normal((33, 37)).astype(np.float32)
-    ws = [rng.standard_normal((37, out)).astype(np.float32) for out in (13, 24, 7)]
-    got = dense_matmuls(jnp.asarray(x), [pack(ws[0], panel), jnp.asarray(ws[1]), pack(ws[2], panel)])
+    x = rng.standard_normal((33, 37)).astype(np.float32).astype(wdt).astype(np.float32)
+    ws = [weight(37, out) for out in (13, 24, 7)]
+    got = dense_matmuls(jnp.asarray(x), [pack(ws[0], panel), jnp.asarray(ws[1].astype(np.float32)),
+                                         pack(ws[2], panel)])
     for g, w in zip(got, ws):
-        np.testing.assert_allclose(np.asarray(g), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(g), want(x, w), rtol=1e-5, atol=1e-4)
     x3 = rng.standard_normal((2, 3, 37)).astype(np.float32)  # leading dimensions are kept
-    w = rng.standard_normal((37, 13)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(dense_matmuls(jnp.asarray(x3), [pack(w, panel)])[0]), x3 @ w,
+    w = weight(37, 13)
+    np.testing.assert_allclose(np.asarray(dense_matmuls(jnp.asarray(x3), [pack(w, panel)])[0]), want(x3, w),
                                rtol=1e-5, atol=1e-4)
+    if dtype == "bfloat16":  # a bfloat16 x keeps its dtype: the float32 sums rounded once
+        xb = jnp.asarray(x3).astype(jnp.bfloat16)
+        got = dense_matmuls(xb, [pack(w, panel)])[0]
+        assert got.dtype == jnp.bfloat16
+        exact = want(np.asarray(xb.astype(jnp.float32)), w)
+        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), exact, rtol=2 ** -8, atol=1e-6)
 
 
 def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: Setup,
@@ -590,10 +613,16 @@ def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: 
     assert tied_plain.lm_head is None
     for a, b in zip(jax.tree.leaves(with_layout(tied, XlaBackend())), jax.tree.leaves(tied_plain)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a bfloat16 model packs its weights' bits, as it reads them, and with_layout goes both ways exactly
     _, bf16 = load_model(example_setup.assets.model_dir, "bfloat16")
-    assert not isinstance(bf16.layers[0].weights["q_proj"], PackedWeight)  # XLA multiplies bfloat16
-    with pytest.raises(ValueError, match="float32 model"):
-        with_layout(bf16, NativeBackend())
+    _, bf16_plain = load_model(example_setup.assets.model_dir, "bfloat16", backend=XlaBackend())
+    q = bf16.layers[0].weights["q_proj"]
+    assert isinstance(q, PackedWeight) == packed and bf16.dtype == jnp.bfloat16
+    if packed:
+        assert isinstance(q, PackedWeight) and q.panels.dtype == jnp.uint16
+    for a, b in zip(jax.tree.leaves(with_layout(bf16, XlaBackend())), jax.tree.leaves(bf16_plain), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --------------------------------------------------------------------------- loading
@@ -646,12 +675,12 @@ def test_bfloat16_checkpoint_in_float32_is_exact(bf16_assets: ExampleAssets) -> 
 
 def test_bfloat16_model_runs_close_to_float32(bf16_assets: ExampleAssets) -> None:
     config, params = load_model(bf16_assets.model_dir, dtype="bfloat16")
-    assert params.embed.dtype == jnp.bfloat16
-    assert all(w.dtype == jnp.bfloat16 for w in jax.tree.leaves(params))
+    assert params.embed is not None and params.embed.dtype == jnp.bfloat16
+    assert all(w.dtype in (jnp.bfloat16, jnp.uint16) for w in jax.tree.leaves(params))  # uint16: packed bits
     pool, slots = fill_pool(bf16_assets, config, dtype="bfloat16")
     ref = Reference(bf16_assets)
     cache = init_cache(config, MAX_BATCH, MAX_LEN, dtype="bfloat16")
-    assert cache.k.dtype == jnp.bfloat16
+    assert cache.k.dtype == params.backend.cache_dtype("bfloat16")
     names = [a.name for a in bf16_assets.adapters]
     rows = [(None, list(range(3, 14))), (names[3], list(range(40, 47)))]
     for row, (adapter, prompt) in enumerate(rows):

@@ -85,7 +85,7 @@ print(json.dumps({"isas": kernels.built_isas(), "available": kernels.available()
 """
 # the kernels against float64 references, and the model through the native backend against PEFT
 AVX2_TESTS = ("attention_kernel or segmented_lora or every_decode_window or kernel_stops or bfloat16_pool"
-              " or dense_kernel or forward_full or inactive_rows or base_rows")
+              " or dense_kernel or forward_full or inactive_rows or base_rows or peft_in_bfloat16")
 
 
 def test_the_avx2_build_matches_the_float64_references(tmp_path: Path) -> None:
@@ -107,7 +107,8 @@ def test_the_avx2_build_matches_the_float64_references(tmp_path: Path) -> None:
     assert out["panel"] == 6  # the dense kernel's AVX2 blocking: 2 x 6 accumulators in 16 registers
     assert [p.name for p in (tmp_path / "kernels").glob("*.so")] == [out["library"]]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", AVX2_TESTS,
-                           str(REPO / "tests" / "parity" / "test_model_parity.py")],
+                           str(REPO / "tests" / "parity" / "test_model_parity.py"),
+                           str(REPO / "tests" / "parity" / "test_bfloat16_parity.py")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout and " skipped" not in done.stdout

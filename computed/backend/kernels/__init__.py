@@ -6,8 +6,9 @@
   out of the pool first, and runs a handful of tiny ops, each with its own
   dispatch. The kernel groups the rows by slot and reads each slot's weights
   once, from the pool's own buffers.
-- `dense.cc`: the float32 model's products x W on AVX-512 and AVX2+FMA CPUs, over weights
-  packed into column panels when the model loads (computed/model/params.py); XLA's
+- `dense.cc`: the model's products x W on AVX-512 and AVX2+FMA CPUs, over weights packed into
+  column panels when the model loads (computed/model/params.py; a bfloat16 model's as bfloat16
+  bits, multiplied by VDPBF16PS where the CPU has AVX512-BF16); XLA's
   dot repacks W on every call and ran a decode step's products markedly slower.
 - `attention.cc`: decode attention over the KV cache in place
   (computed/backend/native.py), each row over its own length; XLA copies the attended

@@ -1,4 +1,5 @@
-// Dense products y = x W for float32 models on AVX-512 or AVX2+FMA CPUs, an XLA FFI custom call.
+// Dense products y = x W on AVX-512 or AVX2+FMA CPUs, an XLA FFI custom call, for float32 models and
+// bfloat16 ones (W held as its bfloat16 bits, uint16; float32 sums).
 //
 // W is packed once, when the model loads (computed/dense.py): [panels, in, kPanel], each panel
 // kPanel consecutive output columns with its `in` rows stored one after another, zero-padded past
@@ -17,18 +18,35 @@
 // 32 zmm: 2 x 12 accumulators; AVX2, 16 ymm: 2 x 6 (plus the two row vectors and a broadcast).
 // Built without either, `loraplane_dense_panel` says 0 and the model keeps W unpacked for XLA.
 //
-// Operands: x f32 [rows, in], then one or more w f32 [panels, in, kPanel], all read x. Results: one
-// y f32 [rows, out] per w, with panels = ceil(out / kPanel).
+// A bfloat16 W (a bfloat16 model's) is packed in the same panels, its k in pairs: [panels, ceil(in / 2),
+// kPanel, 2] uint16 bits, the two consecutive k of each column side by side (zero past `in`). It
+// multiplies x rounded to bfloat16 (a bfloat16 model's x already is: exact), as transformers'
+// bfloat16 Linear does, with float32 sums:
+// - with AVX512-BF16, by VDPBF16PS: x is transposed into bfloat16 bits, [in / 2][rows][2], so a
+//   vector holds 16 rows' pair of k, and each column's pair of weights is one broadcast 32-bit
+//   load; one instruction does 32 multiply-adds where an FMA does 16, over half the bytes;
+// - without, the pairs are widened to float32 in registers, exactly (a shift), a block of k at a
+//   time into a buffer that stays in L1, and the float32 loop runs over it.
+// Either way every product is exact in float32 and the sums are float32's, in k order but for the
+// pair (VDPBF16PS adds k + 1 before k, and flushes denormals): results differ by float32 rounding.
+//
+// Operands: x f32 [rows, in], then one or more w, all f32 [panels, in, kPanel] or all u16 (bfloat16
+// bits) [panels, ceil(in / 2), kPanel, 2], reading x. Results: one y f32 [rows, out] per w, with
+// panels = ceil(out / kPanel).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define LORAPLANE_DENSE 1
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define LORAPLANE_DPBF16 1  // bfloat16 pairs multiplied by VDPBF16PS
 #endif
 
 #include "parallel.h"
@@ -55,62 +73,146 @@ inline Vec splat(float f) { return (Vec)_mm256_set1_ps(f); }
 constexpr int64_t kLanes = 16, kPanel = 12;  // unused: the kernel is not built
 #endif
 constexpr int64_t kChunk = 2 * kLanes;  // rows per chunk: two vectors
-constexpr int64_t kPrefetch = 1024;   // floats (4 KB) ahead in a panel's stream
+constexpr int64_t kPrefetch = 4096;    // bytes ahead in a panel's stream
 constexpr int64_t kPanelsPerItem = 4;  // panels per work item
 constexpr int64_t kRowBlock = 256;     // rows per work item: a prefill's x, a block at a time, stays in cache
+constexpr int64_t kPairBlock = 64;     // pairs of k of a bfloat16 panel widened at once (6 KB of floats)
+
+// x's element rounded to bfloat16 (to nearest, ties to even; NaN stays NaN): its bits, and its value
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_round(float f) { return loraplane::widen(bf16_bits(f)); }
 
 #if defined(LORAPLANE_DENSE)
-// y[r][c] (r < rows, c < cols) of one chunk and one panel; xt is the chunk, [in][kLanes * V]
+// The accumulators of one chunk and one panel, [kPanel][kLanes * V], into y[r][c] (r < rows, c < cols)
 template <int V>
-void panel_product(const float* xt, const float* w, int64_t in, float* y, int64_t ldy, int64_t rows,
-                   int64_t cols) {
-  Vec acc[V][kPanel];
-  for (int v = 0; v < V; ++v)
-    for (int j = 0; j < kPanel; ++j) acc[v][j] = Vec{};
-  for (int64_t k = 0; k < in; ++k) {
-    Vec x[V];
-    for (int v = 0; v < V; ++v) x[v] = loraplane::load<Vec>(xt + k * kLanes * V + kLanes * v);
-    const float* wk = w + k * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch), _MM_HINT_T0);  // never faults
-#pragma GCC unroll 12
-    for (int j = 0; j < kPanel; ++j) {
-      const Vec b = splat(wk[j]);
-      for (int v = 0; v < V; ++v) acc[v][j] = fmadd(x[v], b, acc[v][j]);
-    }
-  }
+void store(Vec (&acc)[V][kPanel], float* y, int64_t ldy, int64_t rows, int64_t cols) {
   alignas(64) float t[kPanel][kLanes * V];
   for (int j = 0; j < kPanel; ++j)
     for (int v = 0; v < V; ++v) std::memcpy(t[j] + kLanes * v, &acc[v][j], sizeof(Vec));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = t[c][r];
 }
+
+// acc += the outer products of n consecutive k: xt the chunk's rows at the first, [n][kLanes * V]; w the
+// panel's weights there as float32, k's row of kPanel at w + k * kPanel (S 1), or in pairs of k, k's at
+// w + k / 2 * 2 kPanel + k % 2 with a stride of 2 (S 2); `stream` the panel's bytes in memory at the
+// first k, `step` bytes per k, prefetched ahead (never faults)
+template <int V, int S>
+inline void accumulate(Vec (&acc)[V][kPanel], const float* xt, const float* w, int64_t n, const char* stream,
+                       int64_t step) {
+  for (int64_t k = 0; k < n; ++k) {
+    Vec x[V];
+    for (int v = 0; v < V; ++v) x[v] = loraplane::load<Vec>(xt + k * kLanes * V + kLanes * v);
+    const float* wk = w + k / S * kPanel * S + k % S;
+    _mm_prefetch(stream + k * step + kPrefetch, _MM_HINT_T0);
+#pragma GCC unroll 12
+    for (int j = 0; j < kPanel; ++j) {
+      const Vec b = splat(wk[S * j]);
+      for (int v = 0; v < V; ++v) acc[v][j] = fmadd(x[v], b, acc[v][j]);
+    }
+  }
+}
+
+// y[r][c] (r < rows, c < cols) of one chunk and one panel; xt is the chunk, [in][kLanes * V]
+template <int V>
+void panel_product(const float* xt, const float* w, int64_t in, float* y, int64_t ldy, int64_t rows,
+                   int64_t cols) {
+  Vec acc[V][kPanel] = {};
+  accumulate<V, 1>(acc, xt, w, in, reinterpret_cast<const char*>(w), kPanel * sizeof(float));
+  store<V>(acc, y, ldy, rows, cols);
+}
+
+#if defined(LORAPLANE_DPBF16)
+// The same for a bfloat16 panel [in2][kPanel][2] and x's bfloat16 bits, the chunk [in2][kLanes * V][2]
+template <int V>
+void panel_product_bf16(const uint16_t* xt, const uint16_t* w, int64_t in2, float* y, int64_t ldy, int64_t rows,
+                        int64_t cols) {
+  Vec acc[V][kPanel] = {};
+  for (int64_t k = 0; k < in2; ++k) {
+    __m512bh x[V];
+    for (int v = 0; v < V; ++v) x[v] = (__m512bh)_mm512_loadu_si512(xt + (k * V + v) * kLanes * 2);
+    const uint16_t* wk = w + k * kPanel * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+#pragma GCC unroll 12
+    for (int j = 0; j < kPanel; ++j) {
+      int32_t pair;
+      std::memcpy(&pair, wk + 2 * j, sizeof pair);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < V; ++v) acc[v][j] = (Vec)_mm512_dpbf16_ps((__m512)acc[v][j], x[v], b);
+    }
+  }
+  store<V>(acc, y, ldy, rows, cols);
+}
+#else
+// The same for a bfloat16 panel [in2][kPanel][2], widened a block at a time; xt as for float32 (x rounded)
+template <int V>
+void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y, int64_t ldy, int64_t rows,
+                        int64_t cols) {
+  Vec acc[V][kPanel] = {};
+  alignas(64) float buf[kPairBlock * kPanel * 2];
+  for (int64_t k0 = 0; k0 < in; k0 += 2 * kPairBlock) {
+    const uint16_t* wb = w + k0 * kPanel;  // pair k0 / 2
+    const int64_t n = std::min(2 * kPairBlock, in - k0), count = (n + 1) / 2 * kPanel * 2;
+    int64_t i = 0;
+    for (; i + kLanes <= count; i += kLanes) {
+      const Vec v = loraplane::load<Vec>(wb + i);
+      std::memcpy(buf + i, &v, sizeof v);
+    }
+    for (; i < count; ++i) buf[i] = loraplane::widen(wb[i]);
+    accumulate<V, 2>(acc, xt + k0 * kLanes * V, buf, n, reinterpret_cast<const char*>(wb), kPanel * sizeof(uint16_t));
+  }
+  store<V>(acc, y, ldy, rows, cols);
+}
+#endif
 #endif
 
-// x [rows, in] into chunks of kChunk rows, each [in][kChunk] (a last chunk of <= kLanes rows: [in][kLanes])
+// How x is laid out for the products: as float32, rounded to bfloat16 (for bfloat16 weights, widened), or
+// as bfloat16 bits in pairs of k (for bfloat16 weights, VDPBF16PS)
+enum class XLayout { kFloat, kRounded, kPairs };
+
+// x [rows, in] into chunks of kChunk rows, each [in][kChunk] (a last chunk of <= kLanes rows: [in][kLanes]);
+// kPairs: [ceil(in / 2)][kChunk][2] bits (zero past `in`)
 struct Transpose {
   const float* x;
   float* xt;
   int64_t rows, in;
+  XLayout layout;
 
   void run(int64_t chunk) const {
     const int64_t r0 = chunk * kChunk, n = std::min(kChunk, rows - r0), width = n > kLanes ? kChunk : kLanes;
+    if (layout == XLayout::kPairs) {
+      uint16_t* c = reinterpret_cast<uint16_t*>(xt) + r0 * ((in + 1) / 2) * 2;
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t k = 0; k < in; ++k) c[(k / 2 * width + r) * 2 + (k & 1)] = bf16_bits(x[(r0 + r) * in + k]);
+      return;
+    }
     float* c = xt + r0 * in;
     for (int64_t r = 0; r < n; ++r)
-      for (int64_t k = 0; k < in; ++k) c[k * width + r] = x[(r0 + r) * in + k];
+      for (int64_t k = 0; k < in; ++k) {
+        const float v = x[(r0 + r) * in + k];
+        c[k * width + r] = layout == XLayout::kRounded ? bf16_round(v) : v;
+      }
   }
 };
 
-// One product of a call: a packed weight and its result.
+// One product of a call: a packed weight (float32, or bfloat16 bits) and its result.
+template <typename T>
 struct Product {
-  const float* w;
+  const T* w;
   float* y;
   int64_t out, panels;
 };
 
+template <typename T>
 struct Dense {
-  const float* xt;  // chunks of kChunk rows, each [in][kChunk] (a last chunk of <= kLanes rows: [in][kLanes])
+  const float* xt;  // x transposed into chunks (Transpose)
   int64_t rows, in;
-  std::vector<Product> products;
+  std::vector<Product<T>> products;
   std::vector<std::pair<int32_t, int64_t>> groups;  // (product, first panel) of each group of panels
 
   int64_t items() const { return (rows + kRowBlock - 1) / kRowBlock * static_cast<int64_t>(groups.size()); }
@@ -120,19 +222,36 @@ struct Dense {
 #if defined(LORAPLANE_DENSE)
     const int64_t n_groups = static_cast<int64_t>(groups.size());
     const int64_t block = item / n_groups;
-    const Product& pr = products[groups[item % n_groups].first];
+    const Product<T>& pr = products[groups[item % n_groups].first];
     const int64_t first = groups[item % n_groups].second, last = std::min(pr.panels, first + kPanelsPerItem);
     const int64_t row_end = std::min(rows, (block + 1) * kRowBlock);
+    const int64_t in2 = (in + 1) / 2;  // a bfloat16 panel's pairs of k
     for (int64_t p = first; p < last; ++p) {
-      const float* wp = pr.w + p * in * kPanel;
       const int64_t cols = std::min(kPanel, pr.out - p * kPanel);
       for (int64_t r0 = block * kRowBlock; r0 < row_end; r0 += kChunk) {
         const int64_t n = std::min(kChunk, row_end - r0);
         float* yp = pr.y + r0 * pr.out + p * kPanel;
-        if (n > kLanes)
-          panel_product<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
-        else
-          panel_product<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+        if constexpr (std::is_same_v<T, float>) {
+          const float* wp = pr.w + p * in * kPanel;
+          if (n > kLanes)
+            panel_product<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+          else
+            panel_product<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+        } else {
+          const uint16_t* wp = pr.w + p * in2 * kPanel * 2;
+#if defined(LORAPLANE_DPBF16)
+          const uint16_t* xp = reinterpret_cast<const uint16_t*>(xt) + r0 * in2 * 2;
+          if (n > kLanes)
+            panel_product_bf16<2>(xp, wp, in2, yp, pr.out, n, cols);
+          else
+            panel_product_bf16<1>(xp, wp, in2, yp, pr.out, n, cols);
+#else
+          if (n > kLanes)
+            panel_product_bf16<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+          else
+            panel_product_bf16<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+#endif
+        }
       }
     }
 #else
@@ -141,44 +260,64 @@ struct Dense {
   }
 };
 
+#if defined(LORAPLANE_DENSE)
+// The products of one call, every weight of element type T: float32 [panels, in, kPanel] (FFI type F32),
+// or bfloat16 bits [panels, ceil(in / 2), kPanel, 2] (U16).
+template <typename T, ffi::DataType D>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::RemainingArgs& ws, ffi::RemainingRets& ys) {
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1], in2 = (in + 1) / 2;
+  auto call = std::make_shared<Dense<T>>();
+  call->rows = rows;
+  call->in = in;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<D>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w || !y)
+      return ffi::Error::InvalidArgument("dense: weights must be all float32 or all uint16 (bfloat16 bits), "
+                                         "results float32");
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    const bool ok = bf16 ? wd.size() == 4 && wd[1] == in2 && wd[2] == kPanel && wd[3] == 2
+                         : wd.size() == 3 && wd[1] == in && wd[2] == kPanel;
+    if (!ok || yd.size() != 2 || yd[0] != rows || wd[0] != (yd[1] + kPanel - 1) / kPanel)
+      return ffi::Error::InvalidArgument("dense: need x [rows, in], w [ceil(out / panel), in, panel] float32 or "
+                                         "[ceil(out / panel), ceil(in / 2), panel, 2] bfloat16 bits, y [rows, out]");
+    call->products.push_back({reinterpret_cast<const T*>(w->untyped_data()), (*y)->typed_data(), yd[1], wd[0]});
+    for (int64_t p = 0; p < wd[0]; p += kPanelsPerItem) call->groups.push_back({static_cast<int32_t>(i), p});
+  }
+  if (rows == 0 || call->groups.empty()) return ffi::Error::Success();
+#if defined(LORAPLANE_DPBF16)
+  const XLayout layout = bf16 ? XLayout::kPairs : XLayout::kFloat;
+#else
+  const XLayout layout = bf16 ? XLayout::kRounded : XLayout::kFloat;
+#endif
+  // x transposed into chunks (kPairs: half the floats' room holds the bits); reused by this thread's
+  // later calls (helpers only read it)
+  thread_local std::vector<float> scratch;
+  const int64_t chunks = (rows + kChunk - 1) / kChunk;
+  scratch.assign(static_cast<size_t>(chunks * kChunk * (layout == XLayout::kPairs ? in2 : in)), 0.f);
+  auto transpose = std::make_shared<Transpose>(Transpose{x.typed_data(), scratch.data(), rows, in, layout});
+  if (chunks == 1)
+    transpose->run(0);  // a decode step's: not worth waking the threads for
+  else
+    loraplane::run_parallel<Transpose>(pool, transpose, chunks);
+  call->xt = scratch.data();
+  loraplane::run_parallel<Dense<T>>(pool, call, call->items());
+  return ffi::Error::Success();
+}
+#endif
+
 // y_i = x w_i for every packed weight w_i, one result each: products that read the same x (q, k and v;
 // gate and up) share one call, one transpose of x and one wake-up of the threads.
 ffi::Error DenseProducts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
 #if !defined(LORAPLANE_DENSE)
   return ffi::Error::Internal("dense: built without AVX-512 or AVX2+FMA; the model should not have packed its weights");
 #else
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("dense: x must be [rows, in]");
+  if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("dense: x must be [rows, in]");
   if (ws.size() == 0 || ws.size() != ys.size())
     return ffi::Error::InvalidArgument("dense: one result per packed weight");
-  const int64_t rows = xd[0], in = xd[1];
-  auto call = std::make_shared<Dense>();
-  call->rows = rows;
-  call->in = in;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
-    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w || !y) return ffi::Error::InvalidArgument("dense: weights and results must be float32");
-    const auto wd = w->dimensions(), yd = (*y)->dimensions();
-    if (wd.size() != 3 || yd.size() != 2 || wd[1] != in || wd[2] != kPanel || yd[0] != rows ||
-        wd[0] != (yd[1] + kPanel - 1) / kPanel)
-      return ffi::Error::InvalidArgument("dense: need x [rows, in], w [ceil(out / panel), in, panel], y [rows, out]");
-    call->products.push_back({w->typed_data(), (*y)->typed_data(), yd[1], wd[0]});
-    for (int64_t p = 0; p < wd[0]; p += kPanelsPerItem) call->groups.push_back({static_cast<int32_t>(i), p});
-  }
-  if (rows == 0 || call->groups.empty()) return ffi::Error::Success();
-  // x transposed into chunks; reused by this thread's later calls (helpers only read it)
-  thread_local std::vector<float> scratch;
-  scratch.assign(static_cast<size_t>((rows + kChunk - 1) / kChunk * kChunk * in), 0.f);
-  auto transpose = std::make_shared<Transpose>(Transpose{x.typed_data(), scratch.data(), rows, in});
-  const int64_t chunks = (rows + kChunk - 1) / kChunk;
-  if (chunks == 1)
-    transpose->run(0);  // a decode step's: not worth waking the threads for
-  else
-    loraplane::run_parallel<Transpose>(pool, transpose, chunks);
-  call->xt = scratch.data();
-  loraplane::run_parallel<Dense>(pool, call, call->items());
-  return ffi::Error::Success();
+  if (ws.get<ffi::Buffer<ffi::U16>>(0)) return Run<uint16_t, ffi::U16>(pool, x, ws, ys);
+  return Run<float, ffi::F32>(pool, x, ws, ys);
 #endif
 }
 
