@@ -30,6 +30,7 @@ and puts the served ratios, with their target, in the summary table.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_len = PROMPT + 4 + (args.repeats + 2) * args.steps
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, shape.vocab_size, (BATCH, PROMPT)).astype(np.int32)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-dtype-") as tmp:
         print("writing the bfloat16 checkpoint and adapters ...", flush=True)
         model_dir, dirs = write_assets(Path(tmp), shape, dtype="bfloat16")
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "bf16_over_f32": median(sratios), "bf16_over_f32_spread": spread(sratios),
                 "target": TARGET, "pass": median(sratios) >= TARGET}
     result["seconds"] = round(time.perf_counter() - started, 1)
+    result["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
     return result
 
 
@@ -167,7 +169,9 @@ def report(result: dict[str, Any]) -> str:
                  f"({model['bfloat16']['weight_bytes'] / 1e6:.0f} MB), batch {BATCH}, side by side in one run "
                  f"(`python -m benchmarks.bench_dtype`, {result['settings']['repeats']} rounds, medians); "
                  f"on {m['cpu']}, {m['nproc']} CPUs, kernels built for {', '.join(m['kernel_isas'])}; "
-                 f"{result['compiles_while_timing']} compiles while timing.")
+                 f"{result['compiles_while_timing']} compiles while timing; load average "
+                 f"{result['load_average']['before']:.1f} before, {result['load_average']['after']:.1f} after "
+                 "(other processes' load slows both models alike within a round; the ratios pair one round's).")
     return "\n".join(lines)
 
 
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a tiny model, for a smoke run; writes only where `python -m benchmarks --quick` says")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/dtype.json")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.steps, args.served_tokens = 1, 4, 8
     result = run(args)
     markdown = report(result)
     print(markdown)

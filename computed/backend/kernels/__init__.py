@@ -108,7 +108,7 @@ def _cpu_id(compiler: str) -> str:
 
 
 # vector instruction sets that decide which kernel paths can run, as -march=native names them
-VECTOR_ISAS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")
+VECTOR_ISAS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512bf16")  # bf16: dense.cc's VDPBF16PS
 
 
 def built_isas() -> list[str]:
