@@ -21,8 +21,12 @@ bfloat16 cannot decide, and the step is not judged; decode is fed the reference'
 (teacher forcing), so one near-tie does not make every later step incomparable. The tiny random
 model's logits are flat (median top-2 margin 7% of the logit scale), so about half the steps are
 judged; the test asserts at least a third are, so a bound grown too loose to judge anything fails.
+A served replica (`computed serve --dtype bfloat16`) decodes free-running, so there a step is judged
+only while its output has agreed with the reference's so far.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,3 +140,55 @@ def test_prefill_then_decode_matches_peft_in_bfloat16(bf16: Bf16) -> None:
             bf16.check(logits[row], want[row][1][step])
     total = bf16.judged + bf16.skipped
     assert 3 * bf16.judged >= total, f"only {bf16.judged} of {total} steps judged"
+
+
+def decided(logits: np.ndarray) -> np.ndarray:
+    """Which greedy steps the reference's margin decides (module docstring)."""
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return np.asarray(top2[:, 1] - top2[:, 0] > 2 * BF16_BOUND * np.abs(logits).max(axis=-1))
+
+
+@pytest.mark.timeout(300)
+def test_a_served_bfloat16_replica_decodes_what_peft_does(bf16: Bf16, tmp_path: Path) -> None:
+    """`computed serve --dtype bfloat16` (a real subprocess, the pool bfloat16 too): each request's greedy
+    output is the reference's at every step the reference's margin decides, as long as the two have
+    agreed so far (free-running: a near-tie that went the other way leaves the rest incomparable)."""
+    from shared.fleet import wait_for
+    from tests.helpers import Fleet
+    from tests.parity.test_serving import Client, generate
+
+    fleet = Fleet(tmp_path, bf16.assets)
+    fleet.statesvc.start()
+    client = None
+    try:
+        fleet.init(max_loras=4, max_rank=32, dtype="bfloat16")
+        names = [a.name for a in bf16.assets.adapters][:2]
+        for name in names:
+            fleet.load(name, name)
+        replica = fleet.replica("r1", args=("--no-warmup", "--dtype", "bfloat16", "--max-batch", "4",
+                                            "--max-len", "64"))
+        wait_for(lambda: fleet.converged(replica), what="adapters applied")
+        client = Client(replica.listen)
+        rng = np.random.default_rng(11)
+        asked = {}
+        for adapter in (None, *names):
+            prompt = [int(t) for t in rng.integers(0, bf16.config.vocab_size, 7)]
+            asked[client.send("generate", generate(adapter, prompt, n=NEW_TOKENS))] = (adapter, prompt)
+        replies = client.gather(list(asked))
+        judged = 0
+        for rid, (adapter, prompt) in asked.items():
+            assert replies[rid]["ok"], replies[rid]
+            want, logits = bf16.ref.greedy(prompt, adapter)
+            got = replies[rid]["result"]["output_ids"]
+            assert len(got) == NEW_TOKENS
+            for step, sure in enumerate(decided(logits)):
+                if sure:
+                    assert got[step] == want[step], f"{adapter}: step {step} differs where the margin decides it"
+                    judged += 1
+                elif got[step] != want[step]:
+                    break  # a near-tie went the other way: the contexts differ from here on
+        assert judged >= NEW_TOKENS // 2, f"only {judged} steps decided by the margin: too few to judge"
+    finally:
+        if client is not None:
+            client.close()
+        fleet.stop()
