@@ -33,6 +33,8 @@ import pytest
 
 from tests.parity.test_model_parity import (
     NEW_TOKENS,
+    OTHER_ADAPTERS,
+    OTHER_SHAPE,
     Reference,
     fill_pool,
     padded,
@@ -115,6 +117,23 @@ def test_mixed_batch_matches_peft_in_bfloat16(bf16: Bf16, backend: str) -> None:
     ours = forward_full(params, bf16.pool.arrays, tokens, [bf16.slot(a) for a in adapters])
     for row in range(len(adapters)):
         bf16.check(np.asarray(ours)[row], ref[row])
+
+
+def test_a_tied_bfloat16_model_reads_its_embeddings_from_the_packed_lm_head(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tied embeddings, llama3 RoPE, full multi-head attention, rsLoRA: one copy of the embedding, packed as
+    the lm_head's bfloat16 bits where the kernel runs, its columns bit-cast back for the lookups."""
+    tied = Bf16(make_example(tmp_path_factory.mktemp("bf16-tied"), seed=3, shape=OTHER_SHAPE,
+                             adapters=OTHER_ADAPTERS, dtype="bfloat16"))
+    if native.dense_panel():
+        assert tied.params.embed is None and isinstance(tied.params.lm_head, PackedWeight)
+        assert tied.params.lm_head.panels.dtype == jnp.uint16
+    adapters: list[str | None] = [None] + [a.name for a in tied.assets.adapters]
+    tokens = np.random.default_rng(5).integers(0, tied.config.vocab_size, (len(adapters), 9))
+    ref = tied.ref.logits(tokens, adapters)
+    ours = np.asarray(forward_full(tied.params, tied.pool.arrays, tokens, [tied.slot(a) for a in adapters]))
+    for row in range(len(adapters)):
+        tied.check(ours[row], ref[row])
 
 
 def test_prefill_then_decode_matches_peft_in_bfloat16(bf16: Bf16) -> None:

@@ -85,7 +85,8 @@ print(json.dumps({"isas": kernels.built_isas(), "available": kernels.available()
 """
 # the kernels against float64 references, and the model through the native backend against PEFT
 AVX2_TESTS = ("attention_kernel or segmented_lora or every_decode_window or kernel_stops or bfloat16_pool"
-              " or dense_kernel or forward_full or inactive_rows or base_rows or peft_in_bfloat16")
+              " or dense_kernel or forward_full or inactive_rows or base_rows or peft_in_bfloat16"
+              " or packed_lm_head")
 
 
 def test_the_avx2_build_matches_the_float64_references(tmp_path: Path) -> None:
