@@ -1,7 +1,7 @@
 // Dense products y = x W on AVX-512 or AVX2+FMA CPUs, an XLA FFI custom call, for float32 models and
 // bfloat16 ones (W held as its bfloat16 bits, uint16; float32 sums).
 //
-// W is packed once, when the model loads (computed/dense.py): [panels, in, kPanel], each panel
+// W is packed once, when the model loads (computed/model/params.py): [panels, in, kPanel], each panel
 // kPanel consecutive output columns with its `in` rows stored one after another, zero-padded past
 // the last column. A decode step's products have few rows (the batch) and large weights that are
 // read once per step, so the kernel is built around streaming W exactly once, in the order it
