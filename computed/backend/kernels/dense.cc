@@ -25,8 +25,8 @@
 // - with AVX512-BF16, by VDPBF16PS: x is transposed into bfloat16 bits, [in / 2][rows][2], so a
 //   vector holds 16 rows' pair of k, and each column's pair of weights is one broadcast 32-bit
 //   load; one instruction does 32 multiply-adds where an FMA does 16, over half the bytes;
-// - without, the pairs are widened to float32 in registers, exactly (a shift), a block of k at a
-//   time into a buffer that stays in L1, and the float32 loop runs over it.
+// - without, each panel is widened to float32, exactly (a shift), once into a per-thread buffer that
+//   stays in L2 for every chunk of rows that reads it, and the float32 loop runs over it.
 // Either way every product is exact in float32 and the sums are float32's, in k order but for the
 // pair (VDPBF16PS adds k + 1 before k, and flushes denormals): results differ by float32 rounding.
 //
@@ -76,7 +76,6 @@ constexpr int64_t kChunk = 2 * kLanes;  // rows per chunk: two vectors
 constexpr int64_t kPrefetch = 4096;    // bytes ahead in a panel's stream
 constexpr int64_t kPanelsPerItem = 4;  // panels per work item
 constexpr int64_t kRowBlock = 256;     // rows per work item: a prefill's x, a block at a time, stays in cache
-constexpr int64_t kPairBlock = 64;     // pairs of k of a bfloat16 panel widened at once (6 KB of floats)
 
 // x's element rounded to bfloat16 (to nearest, ties to even; NaN stays NaN): its bits, and its value
 inline uint16_t bf16_bits(float f) {
@@ -149,23 +148,24 @@ void panel_product_bf16(const uint16_t* xt, const uint16_t* w, int64_t in2, floa
   store<V>(acc, y, ldy, rows, cols);
 }
 #else
-// The same for a bfloat16 panel [in2][kPanel][2], widened a block at a time; xt as for float32 (x rounded)
+// A bfloat16 panel [in2][kPanel][2] widened to float32 in the same layout, exactly, into `buf`: once per
+// panel, for every chunk of rows that reads it (two at decode's 32 rows on AVX2)
+inline void widen_panel(const uint16_t* w, int64_t count, float* buf) {
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetch, _MM_HINT_T0);
+    const Vec v = loraplane::load<Vec>(w + i);
+    std::memcpy(buf + i, &v, sizeof v);
+  }
+  for (; i < count; ++i) buf[i] = loraplane::widen(w[i]);
+}
+
+// y[r][c] of one chunk and a widened bfloat16 panel `buf` [in2][kPanel][2]; xt as for float32 (x rounded)
 template <int V>
-void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y, int64_t ldy, int64_t rows,
+void panel_product_bf16(const float* xt, const float* buf, int64_t in, float* y, int64_t ldy, int64_t rows,
                         int64_t cols) {
   Vec acc[V][kPanel] = {};
-  alignas(64) float buf[kPairBlock * kPanel * 2];
-  for (int64_t k0 = 0; k0 < in; k0 += 2 * kPairBlock) {
-    const uint16_t* wb = w + k0 * kPanel;  // pair k0 / 2
-    const int64_t n = std::min(2 * kPairBlock, in - k0), count = (n + 1) / 2 * kPanel * 2;
-    int64_t i = 0;
-    for (; i + kLanes <= count; i += kLanes) {
-      const Vec v = loraplane::load<Vec>(wb + i);
-      std::memcpy(buf + i, &v, sizeof v);
-    }
-    for (; i < count; ++i) buf[i] = loraplane::widen(wb[i]);
-    accumulate<V, 2>(acc, xt + k0 * kLanes * V, buf, n, reinterpret_cast<const char*>(wb), kPanel * sizeof(uint16_t));
-  }
+  accumulate<V, 2>(acc, xt, buf, in, reinterpret_cast<const char*>(buf), kPanel * sizeof(float));
   store<V>(acc, y, ldy, rows, cols);
 }
 #endif
@@ -246,10 +246,15 @@ struct Dense {
           else
             panel_product_bf16<1>(xp, wp, in2, yp, pr.out, n, cols);
 #else
+          thread_local std::vector<float> buf;
+          if (r0 == block * kRowBlock) {  // the panel's first chunk of this item
+            buf.resize(static_cast<size_t>(in2 * kPanel * 2));
+            widen_panel(wp, in2 * kPanel * 2, buf.data());
+          }
           if (n > kLanes)
-            panel_product_bf16<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+            panel_product_bf16<2>(xt + r0 * in, buf.data(), in, yp, pr.out, n, cols);
           else
-            panel_product_bf16<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+            panel_product_bf16<1>(xt + r0 * in, buf.data(), in, yp, pr.out, n, cols);
 #endif
         }
       }
