@@ -52,14 +52,15 @@ other down:
                 `computed serve --max-batch 32` (shared/fleet.py, subprocesses) with the
                 same model, the pool and the 32 adapters loaded through the state
                 service; `--served-clients` clients (one ZeroMQ DEALER each) each send
-                one `generate` (the same prompts and adapters per row, greedy,
-                `--served-tokens` new tokens) at once. tokens/s = the tokens generated
-                over the wall time from the first send to the last reply (prefill
-                included); ratios pair it with the other paths' rates in the same
-                round. Targets: 16 adapters >= 0.75x served base, >= 3x PEFT, and
-                >= 0.9x the in-process Engine.step (issue 15). The replica's CPU time
-                counts as other load in /proc/stat, so the undisturbed rounds are
-                the in-process paths' ones.
+                one `generate` (prompt i, adapter i % k, greedy, `--served-tokens` new
+                tokens) at once. tokens/s = the tokens generated over the wall time from
+                the first send to the last reply (prefill included). It is paired with the
+                same requests timed whole two other ways, in the same rounds: in process
+                (Engine.submit of them all, then Engine.step until the last finishes) and
+                by PEFT (the prompts prefilled as one batch, then greedy steps; on the
+                16-adapter batch only). Targets: 16 adapters >= 0.75x served base, >= 3x
+                PEFT, >= 0.9x in process (issue 15). The replica's and statesvc's CPU
+                time counts as the served path's own, not as other load.
 
 tokens/s = 32 * steps / seconds, the median over the rounds, with the spread
 (min, max) beside it; ratios pair the figures of one round. Targets (PASS/MISS),
