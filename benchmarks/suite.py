@@ -174,8 +174,8 @@ def decode_figures(r: dict[str, Any]) -> list[Figure]:
             out.append(figure("decode", "served, base model, batch 32", cell["tokens_per_s"], "tokens/s",
                               spread=cell["tokens_per_s_spread"], runs=runs))
         for key, name, goal in (("base", "/ served base", 0.75), ("peft", "/ PEFT mixed batch", 3.0),
-                                ("engine", "/ in-process Engine.step", 0.9)):
-            if k == "0" and key == "base":
+                                ("engine", "/ in-process Engine.step, the same requests", 0.9)):
+            if k == "0" and key == "base" or f"over_{key}" not in cell:
                 continue
             value = cell[f"over_{key}"]
             target = f">= {goal:g}x" if k == "16" else None

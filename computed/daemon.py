@@ -247,7 +247,8 @@ class Daemon:
                 if self.router.poll(wait_ms):
                     self._serve_clients()
                 if busy and self.engine is not None:
-                    self._send(self.engine.step())
+                    # requests that arrive while the step prefills are admitted in it
+                    self._send(self.engine.step(intake=self._serve_clients))
                 self.replies.flush()
         finally:
             self.sync.stopping.set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -154,10 +154,15 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------
 
-    def step(self) -> list[Done]:
-        """Admit what can be admitted, then run one decode step for every running request."""
+    def step(self, intake: Callable[[], object] | None = None) -> list[Done]:
+        """Admit what can be admitted, then run one decode step for every running request.
+
+        `intake`, called after each prefill, may `submit` what arrived meanwhile: those
+        requests are admitted in this step too, so a burst that lands while the first of it is
+        prefilled decodes in step with it instead of finishing a step behind (the replica passes
+        its socket's non-blocking read)."""
         done: list[Done] = []
-        self._admit(done)
+        self._admit(done, intake)
         active = [r for r in self.rows if r is not None]
         if not active:
             return done
@@ -202,16 +207,24 @@ class Engine:
                         "total_ms": (now - r.req.arrived) * 1e3}}
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
-    def _admit(self, done: list[Done]) -> None:
-        kept: deque[Request] = deque()
-        while self.waiting:
-            req = self.waiting.popleft()
+    def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
+        """Admit the waiting requests in order; those that must wait stay in the queue, where
+        the limits `submit` checks count them while `intake` runs."""
+        i = 0
+        while i < len(self.waiting):
+            req = self.waiting[i]
             try:
-                if not self._try_admit(req, done):
-                    kept.append(req)
+                admitted = self._try_admit(req, done)
             except GenerateError as exc:
+                del self.waiting[i]
                 done.append(Done(req.reply_to, req.req_id, error=exc))
-        self.waiting = kept
+                continue
+            if not admitted:
+                i += 1
+                continue
+            del self.waiting[i]
+            if intake is not None:
+                intake()  # what came meanwhile joins the queue's end, and this loop
 
     def _try_admit(self, req: Request, done: list[Done]) -> bool:
         """Admit `req` into a free row; False to keep it waiting."""
