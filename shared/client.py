@@ -6,6 +6,7 @@ original result (the ZeroMQ Guide's Lazy Pirate pattern).
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any, Mapping
 
@@ -35,6 +36,9 @@ class ControlClient:
         self.retries = retries
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket[Any] | None = None
+        # one request at a time: a replica's sync thread and its engine (filling a slot on a
+        # miss) share one client, and a ZeroMQ socket is not thread-safe
+        self._calling = threading.Lock()
 
     def _socket(self) -> zmq.Socket[Any]:
         if self.sock is None:
@@ -63,6 +67,10 @@ class ControlClient:
 
     def call(self, cmd: str, args: Mapping[str, Any] | None = None) -> Any:
         """Send one command and return its result; raises RemoteError or Unavailable."""
+        with self._calling:
+            return self._call(cmd, args)
+
+    def _call(self, cmd: str, args: Mapping[str, Any] | None) -> Any:
         req_id = uuid.uuid4().hex
         frame = encode_request(req_id, cmd, args or {})
         for _ in range(self.retries + 1):

@@ -19,13 +19,13 @@ import msgpack
 
 from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS
 from shared.errors import CodedError
-from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
-                           Replaced, encode_body, log_id_of)
+from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, EventError,
+                           PoolConfigured, Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
 from shared.llama import MODULES
 from shared.protocol import Request
-from shared.reducer import (State, admit_load, apply, canonical, from_canonical, logical_digest,
-                            require_pool, snapshot_bytes)
+from shared.reducer import (State, admit_load, apply, canonical, logical_digest, require_pool,
+                            snapshot_bytes, verified_snapshot)
 from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
 from statesvc.registry import Registry
@@ -72,8 +72,7 @@ def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
     if isinstance(body, PoolConfigured):
         return {"seq": seq, "created": True, **_pool_view(body)}
     assert isinstance(body, (AdapterLoaded, AdapterUnloaded))
-    out: dict[str, Any] = {"seq": seq, "name": body.name, "version": body.version,
-                           "slot": body.slot}
+    out: dict[str, Any] = {"seq": seq, "name": body.name, "version": body.version}
     if isinstance(body, AdapterLoaded):
         out["created"] = True
     return out
@@ -81,12 +80,12 @@ def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
 
 def _pool_view(pool: PoolConfigured) -> dict[str, Any]:
     return {"fingerprint": pool.fingerprint, "max_loras": pool.max_loras,
-            "max_rank": pool.max_rank, "targets": list(pool.targets), "dtype": pool.dtype,
+            "max_adapters": pool.max_adapters, "max_rank": pool.max_rank, "targets": list(pool.targets), "dtype": pool.dtype,
             "num_layers": pool.num_layers}
 
 
 def adapter_view(a: AdapterLoaded) -> dict[str, Any]:
-    return {"name": a.name, "version": a.version, "slot": a.slot, "rank": a.rank,
+    return {"name": a.name, "version": a.version, "rank": a.rank,
             "alpha": a.alpha, "scaling": a.scaling, "targets": list(a.targets),
             "sha256": a.sha256, "pinned": a.pinned}
 
@@ -144,9 +143,11 @@ class StateService:
     def rebuild(self, *, until: int | None = None, use_snapshot: bool = True) -> State:
         """The state at `until` (default: head) from the latest snapshot before it and the tail."""
         snap = self.store.latest_snapshot(until) if use_snapshot else None
-        state = State() if snap is None else from_canonical(snap.seq, msgpack.unpackb(snap.state))
-        if snap is not None and logical_digest(state) != snap.digest:
-            raise RuntimeError(f"snapshot at seq {snap.seq} does not match its digest")
+        try:
+            state = State() if snap is None else verified_snapshot(
+                snap.seq, msgpack.unpackb(snap.state), snap.digest)
+        except EventError as exc:
+            raise RuntimeError(str(exc)) from None
         while True:
             page = self.store.read(state.seq, 1000, until=until)
             if not page:
@@ -316,7 +317,8 @@ class StateService:
             m for m in MODULES if m in args["targets"])
         body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
                               model.module_dims, args["max_loras"], args["max_rank"], targets,
-                              args["dtype"], log_id=str(uuid.uuid4()))
+                              args["dtype"], log_id=str(uuid.uuid4()),
+                              max_adapters=args["max_adapters"])
         if state.pool is not None:
             if _pool_view(state.pool) == _pool_view(body):
                 return {"seq": 1, "created": False, **_pool_view(state.pool)}
@@ -328,8 +330,9 @@ class StateService:
     def _load(self, state: State, seq: int,
               args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | bytearray | None]:
         pool, name = require_pool(state), args["name"]
-        # the reducer's rules first (no pool, a bad name, no free slot): a refusal reads no file
-        old, slot = admit_load(state, name)
+        # the reducer's rules first (no pool, a bad name, a full registry, too many pinned): a
+        # refusal reads no file
+        old = admit_load(state, name, pin=args["pin"])
         path = _absolute(args["path"], "args.path")
         roots = self.adapter_roots or ANYWHERE
         if self.adapter_roots and ".." in path.parts:
@@ -350,11 +353,10 @@ class StateService:
                             name, args["path"])
                 self.blobs.put(cand.weights, cand.sha256, overwrite=True)
         if old is not None and _same(old, cand, args["pin"]):
-            return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
-                    "created": False}
+            return {"seq": old.version, "name": name, "version": old.version, "created": False}
         # other content under a loaded name without --replace: `apply` refuses it (`exists`)
-        replaces = Replaced(old.version, old.slot) if old is not None and args["replace"] else None
-        body = AdapterLoaded(name, seq, slot, cand.sha256, cand.size, cand.rank,
+        replaces = Replaced(old.version) if old is not None and args["replace"] else None
+        body = AdapterLoaded(name, seq, cand.sha256, cand.size, cand.rank,
                              cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
                              args["pin"], replaces)
         return body, cand.weights
@@ -369,7 +371,7 @@ class StateService:
         if cur.pinned and not args["force"]:
             raise CommandError("pinned", f"adapter {cur.name!r} is pinned; pass --force to "
                                "unload it anyway")
-        return AdapterUnloaded(cur.name, cur.version, cur.slot), None
+        return AdapterUnloaded(cur.name, cur.version), None
 
     # ---- reads ---------------------------------------------------------------
 
@@ -445,6 +447,6 @@ def _absolute(path: str, field: str) -> Path:
 
 
 def _describe_pool(pool: PoolConfigured) -> str:
-    return (f"max_loras={pool.max_loras}, max_rank={pool.max_rank}, "
+    return (f"max_loras={pool.max_loras}, max_adapters={pool.max_adapters}, max_rank={pool.max_rank}, "
             f"targets={','.join(pool.targets)}, dtype={pool.dtype}, "
             f"model {pool.fingerprint[:12]}")
