@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import zmq
 
-from shared.config import MAX_WIRE_BYTES
+from shared.config import MAX_LIST_PAGE, MAX_WIRE_BYTES
 from shared.endpoints import connect
 from shared.errors import CodedError
 from shared.keys import ClientKeys
@@ -101,6 +101,27 @@ class ControlClient:
                 "is it running? (a server started with --auth also needs --key and --server-key)")
         raise Unavailable(f"no answer from {self.address} within {self.timeout_ms / 1000:g} s "
                           f"({self.retries + 1} tries); {hint}")
+
+
+def list_adapters(client: ControlClient, *, after: str | None = None,
+                  limit: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The registry by name from after `after`, at most `limit` adapters (None: all), fetched
+    page by page; returns the first reply (head_seq, pool, count) and the adapters."""
+    first: dict[str, Any] | None = None
+    out: list[dict[str, Any]] = []
+    while limit is None or len(out) < limit:
+        args: dict[str, Any] = {"limit": MAX_LIST_PAGE if limit is None
+                                else min(MAX_LIST_PAGE, limit - len(out))}
+        if after is not None:
+            args["after"] = after
+        res = client.call("list", args)
+        first = first or res
+        out += res["adapters"]
+        after = res.get("next_after")
+        if after is None:
+            break
+    assert first is not None or limit == 0
+    return first or {}, out
 
 
 def new_event_id() -> str:

@@ -16,7 +16,7 @@ import click
 import zmq
 from rich.table import Table
 
-from shared.client import ControlClient, new_event_id
+from shared.client import ControlClient, list_adapters, new_event_id
 from shared.config import (DEFAULT_CONTROL, DEFAULT_MAX_ADAPTERS, DEFAULT_PUBLISH, MAX_MAX_ADAPTERS,
                            POOL_DTYPES, STATE_ENV)
 from shared.endpoints import click_address, connect
@@ -77,7 +77,7 @@ def _parse_targets(value: str) -> str | list[str]:
                                                         path_type=Path),
               help="Hugging Face checkpoint directory of the base model.")
 @click.option("--max-loras", required=True, type=click.IntRange(1, 4096),
-              help="Slots: how many adapters the pool holds at once.")
+              help="Device slots per replica: the most distinct adapters one batch holds.")
 @click.option("--max-adapters", type=click.IntRange(1, MAX_MAX_ADAPTERS),
               default=DEFAULT_MAX_ADAPTERS, show_default=True,
               help="Most adapters the registry holds (resident in a slot or not).")
@@ -112,7 +112,8 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_adapters: int
 @main.command()
 @click.argument("name")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--pin", is_flag=True, help="Mark the adapter pinned: unload then needs --force.")
+@click.option("--pin", is_flag=True, help="Keep it resident on every replica, never evicted "
+              "(at most max_loras - 1 pinned); unload then needs --force.")
 @click.option("--replace", is_flag=True, help="Record a new version if NAME holds other content.")
 @EXPECT_HEAD
 @JSON_OPT
@@ -154,31 +155,38 @@ def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
 
 
 @main.command("list")
+@click.option("--limit", type=click.IntRange(1), default=None,
+              help="At most this many adapters (default: all, fetched page by page).")
+@click.option("--after", default=None, metavar="NAME",
+              help="Only adapters whose names sort after NAME: the next page.")
 @JSON_OPT
 @click.pass_context
 @handles_errors
-def list_(ctx: click.Context, as_json: bool) -> None:
-    """The loaded adapters."""
+def list_(ctx: click.Context, limit: int | None, after: str | None, as_json: bool) -> None:
+    """The registered adapters, by name."""
     with _client(ctx) as c:
-        res = c.call("list")
+        res, adapters = list_adapters(c, after=after, limit=limit)
     if as_json:
-        emit(res["adapters"])
+        emit(adapters)
         return
     pool_ = res["pool"]
     if pool_ is None:
         out.print("the pool is not configured yet (loractl pool init ...)")
         return
-    table = Table(title=shown(f"{len(res['adapters'])} of {pool_['max_adapters']} adapters "
+    shown_ = "" if len(adapters) == res["count"] else f"{len(adapters)} shown, "
+    table = Table(title=shown(f"{shown_}{res['count']} of {pool_['max_adapters']} adapters "
                               f"registered ({pool_['max_loras']} slots per replica), "
                               f"head seq {res['head_seq']}"))
     for col in ("name", "version", "rank", "alpha", "scaling", "targets", "sha256", "pinned"):
         table.add_column(col, justify="right" if col in ("version", "rank") else "left")
-    for a in res["adapters"]:
+    for a in adapters:
         table.add_row(*map(shown, (a["name"], a["version"], a["rank"],
                                    f"{a['alpha']:g}", f"{a['scaling']:.4g}")),
                       shown(_short(a["targets"])), shown(a["sha256"][:12]),
                       "yes" if a["pinned"] else "")
     out.print(table)
+    if limit is not None and adapters and len(adapters) == limit:
+        out.print(shown(f"next page: loractl list --limit {limit} --after {adapters[-1]['name']}"))
 
 
 EVENT_KEYS = ("seq", "event_id", "type", "payload", "recorded_at", "actor")

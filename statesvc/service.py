@@ -7,6 +7,7 @@ and answers each request. Reads that follow a write in the same batch see it.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import uuid
@@ -384,9 +385,7 @@ class StateService:
     def _read(self, req: Request, actor: str) -> Any:
         args, state = req.args, self.state
         if req.cmd == "list":
-            return {"head_seq": state.seq,
-                    "pool": None if state.pool is None else _pool_view(state.pool),
-                    "adapters": [adapter_view(state.adapters[n]) for n in sorted(state.adapters)]}
+            return self._list(args.get("after"), args["limit"])
         if req.cmd == "events":
             events = self.store.read(args["since"], args["limit"])
             return {"head_seq": state.seq, "events": [e.to_wire() for e in events]}
@@ -410,6 +409,19 @@ class StateService:
         if req.cmd == "status":
             return self.status()
         raise CommandError("unknown_command", f"unknown command {req.cmd!r}")
+
+    def _list(self, after: str | None, limit: int) -> dict[str, Any]:
+        """One page of the registry by name: the adapters after `after`, at most `limit`;
+        `next_after` is the last one's name while more follow (else null)."""
+        state = self.state
+        names = sorted(state.adapters)
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        page = names[start:start + limit]
+        more = start + limit < len(names)
+        return {"head_seq": state.seq,
+                "pool": None if state.pool is None else _pool_view(state.pool),
+                "count": len(names), "next_after": page[-1] if more and page else None,
+                "adapters": [adapter_view(state.adapters[n]) for n in page]}
 
     def _blob(self, args: dict[str, Any]) -> dict[str, Any]:
         sha = args["sha256"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shared import runfile
-from shared.client import ControlClient, RemoteError, Unavailable
+from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
 from shared.fleet import Computed, Endpoints, alive
 from shared.keys import ClientKeys, client_keys
 from shared.replica_protocol import GENERATE, STATUS, generate_args
@@ -228,7 +228,8 @@ class Drill:
         self.report.head_seq = seq
         expected = _call(self.state, "digest", {"seq": seq}, keys=self.keys)["digest"]
         ref = statuses[ZERO]
-        listed = _call(self.state, "list", keys=self.keys)["adapters"]
+        with ControlClient(self.state, retries=0, keys=self.keys) as c:
+            listed = list_adapters(c)[1]
         adapters = [None, *sorted(a["name"] for a in listed)]
         probes = {rid: self._probe(addr, adapters, seq) for rid, addr in addresses.items()}
         # after the probes, which filled slots: what each replica holds now

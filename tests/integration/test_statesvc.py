@@ -79,6 +79,11 @@ def test_lifecycle_through_loractl_and_restart(statesvc: StateSvc, example: Exam
     assert chat["sha256"] == hashlib.sha256(
         (ad["attn-all-r4"] / "adapter_model.safetensors").read_bytes()).hexdigest()
     assert listed[1]["pinned"] is True
+    # paging: --json stays a list
+    assert js(loractl(statesvc, "list", "--limit", "1", "--json")) == listed[:1]
+    assert js(loractl(statesvc, "list", "--after", "chat", "--json")) == listed[1:]
+    assert "next page: loractl list --limit 1 --after chat" in \
+        loractl(statesvc, "list", "--limit", "1").stdout
 
     events = js(loractl(statesvc, "events", "--json"))
     assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]

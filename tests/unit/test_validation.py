@@ -390,3 +390,37 @@ def test_an_adapter_rewritten_in_place_is_read_again(svc: StateService, example:
     a, b, c = (svc.state.adapters[n] for n in "abc")
     assert a.sha256 == b.sha256 != c.sha256 == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert svc.blobs.verify(c.sha256) and len(reads) == 2
+
+
+def test_list_pages_through_the_registry(tmp_path: Path, example: ExampleAssets) -> None:
+    from shared.client import list_adapters  # the loop loractl and the drill page with
+
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir, max_loras=2)
+    names = [f"n{i:02d}" for i in range(7)]
+    for name in reversed(names):
+        call(svc, "load", name=name, path=str(example.adapter_dirs[QV]))
+    first = call(svc, "list", limit=3)
+    assert [a["name"] for a in first["adapters"]] == names[:3]
+    assert (first["count"], first["next_after"]) == (7, "n02")
+    rest = call(svc, "list", after="n02", limit=10)
+    assert [a["name"] for a in rest["adapters"]] == names[3:] and rest["next_after"] is None
+    assert call(svc, "list", after="zzz")["adapters"] == []
+
+    class Paged:  # the service behind the client's call, three adapters a page
+        def call(self, cmd: str, args: dict[str, Any]) -> Any:
+            return call(svc, cmd, **{**args, "limit": min(args["limit"], 3)})
+
+    assert [a["name"] for a in list_adapters(Paged())[1]] == names  # type: ignore[arg-type]
+    assert [a["name"] for a in list_adapters(Paged(), after="n01", limit=4)[1]] == names[2:6]  # type: ignore[arg-type]
+    err = refused_read(svc, "list", limit=0)
+    assert err.code == "bad_request" and err.field == "args.limit"
+
+
+def refused_read(svc: StateService, cmd: str, **args: Any) -> CommandError:
+    from shared.protocol import ProtocolError
+    try:
+        call(svc, cmd, **args)
+    except (CommandError, ProtocolError) as exc:
+        return CommandError(exc.code, str(exc), exc.field)
+    raise AssertionError(f"{cmd} {args} was answered")
