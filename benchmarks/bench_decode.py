@@ -264,6 +264,9 @@ class Serving:
         slot = a.version - 2  # loaded_event: every adapter resident in its own slot
         return Grant(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
 
+    def withdraw(self, ticket: int) -> None:
+        pass
+
     def reading(self) -> AbstractContextManager[LoraPool]:
         return self.pool.reading()
 

@@ -63,6 +63,11 @@ class AdmissionPort(Protocol):
         GenerateError. `ticket` orders the requests that wait for a slot: older, smaller."""
         ...
 
+    def withdraw(self, ticket: int) -> None:
+        """Request `ticket` left the queue without being admitted (refused, timed out): it
+        no longer waits for a slot."""
+        ...
+
     def reading(self) -> AbstractContextManager[LoraPool]:
         """The pool's arrays, held unchanged while the block dispatches the forward pass."""
         ...

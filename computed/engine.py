@@ -215,6 +215,7 @@ class Engine:
                 if not self._try_admit(req, done):
                     kept.append(req)
             except GenerateError as exc:
+                self.replica.withdraw(req.ticket)  # e.g. a waiter's not_ready: its slot goes
                 done.append(Done(req.reply_to, req.req_id, error=exc))
         self.waiting = kept
 

@@ -175,12 +175,18 @@ class Replica:
         try:
             weights = slot_weights(self.blobs.get(adapter.sha256), adapter)
         except (BlobError, OSError, Unavailable, RemoteError) as exc:
+            res.forget(ticket)  # no slot stays reserved while the weights cannot be had
             self.last_error = f"filling {adapter.name} v{adapter.version}: {exc}"
             raise NotReady(f"the weights of adapter {adapter.name!r} could not be made "
                            f"resident ({exc})") from None
         pool.write_slot(slot, weights)
         res.fill(slot, _holder(adapter, pinned=False), ticket=ticket)
         return slot
+
+    def withdraw(self, ticket: int) -> None:
+        with self.lock:
+            if self.residency is not None:
+                self.residency.forget(ticket)
 
     def reading(self) -> AbstractContextManager[LoraPool]:
         assert self.pool is not None

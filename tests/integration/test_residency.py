@@ -158,3 +158,20 @@ def test_replace_keeps_running_requests_on_the_old_version(
         old.release()
         new.release()
         assert where(replica) == {"a": new.slot}
+
+
+def test_a_waiter_that_leaves_gives_up_its_reservation(tmp_path: Path,
+                                                       example: ExampleAssets) -> None:
+    with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
+        load(cmd, replica, example, "a", "b", "c")
+        ga, gb = replica.admit("a", 0, 1), replica.admit("b", 0, 2)
+        with pytest.raises(NoSlot):
+            replica.admit("c", 0, 3)
+        assert replica.residency is not None and replica.residency.reserved == (3, ga.slot)
+        replica.withdraw(3)  # e.g. it timed out in the queue: the engine withdraws it
+        assert replica.residency.reserved is None
+        ga.release()
+        again = replica.admit("a", 0, 4)  # a's slot takes new leases again
+        assert again.slot == ga.slot
+        again.release()
+        gb.release()
