@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import heapq
 import logging
 import os
 import threading
@@ -321,11 +322,14 @@ class Replica:
         keep = {(h.name, h.version) for h in res.holders.values()}
         out = [(a, True) for a in pinned if (a.name, a.version) not in keep]
         staying = sum(1 for h in res.holders.values()
-                      if (h.name, h.version) in {(a.name, a.version) for a in new.adapters.values()})
+                      if (cur := new.adapters.get(h.name)) is not None and cur.version == h.version)
         room = res.slots - staying - len(out)
+        if room <= 0:  # the usual case once the registry outgrows the slots: no scan
+            return out
         names = {a.name for a in pinned}
-        rest = sorted((a for a in new.adapters.values() if a.name not in names
-                       and (a.name, a.version) not in keep), key=lambda a: -a.version)[:max(room, 0)]
+        rest = heapq.nlargest(room, (a for a in new.adapters.values() if a.name not in names
+                                     and (a.name, a.version) not in keep),
+                              key=lambda a: a.version)
         return out + [(a, False) for a in reversed(rest)]
 
     def _check_model(self, pool: PoolConfigured) -> None:
