@@ -301,7 +301,8 @@ class Replica:
                 for adapter, pinned in fills:
                     if res.slot_of(adapter.name, adapter.version) is not None:
                         continue  # a request filled it meanwhile
-                    free = res.free_slots()
+                    # a free slot reserved for a waiting request stays for it
+                    free = [f for f in res.free_slots() if not res.blocked(f, -1)]
                     if not pinned and not free:
                         continue
                     slot = res.pinned_victim() if pinned else free[0]

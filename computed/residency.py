@@ -69,7 +69,7 @@ class Residency:
     def victim(self, ticket: int | None = None) -> int | None:
         """The slot a fill for request `ticket` may take now: the lowest free one, else the least
         recently used unpinned slot that is not busy and not reserved for another request."""
-        free = self.free_slots()
+        free = [s for s in self.free_slots() if ticket is None or not self.blocked(s, ticket)]
         if free:
             return free[0]
         return self._lru([s for s in self._unpinned() if not self.busy(s)

@@ -93,3 +93,14 @@ def test_drop_frees_the_slot_once_its_leases_end() -> None:
     assert t.res.free_slots() == []  # still leased
     t.leases[0] = 0
     assert t.res.free_slots() == [0]
+
+
+def test_a_reserved_slot_freed_by_an_unload_goes_to_its_waiter() -> None:
+    t = Slots(2)
+    t.fill("a"), t.fill("b")
+    t.leases = [1, 1]
+    assert t.res.wait(5) == 0
+    t.res.drop(0)  # a is unloaded while its request runs
+    t.leases[0] = 0  # ...and finishes: slot 0 is free, and still reserved
+    assert t.res.victim(9) is None  # not for a younger request
+    assert t.res.victim(5) == 0
