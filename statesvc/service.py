@@ -7,7 +7,6 @@ and answers each request. Reads that follow a write in the same batch see it.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 import uuid
@@ -31,6 +30,7 @@ from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
 from statesvc.registry import Registry
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
+from statesvc.views import describe_pool, list_page, pool_view, result_of
 
 log = logging.getLogger("statesvc")
 
@@ -67,28 +67,6 @@ class _Batch:
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     # every write answered in this batch: if the commit fails, none of them may claim success
     writers: list[int] = field(default_factory=list)
-
-
-def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
-    if isinstance(body, PoolConfigured):
-        return {"seq": seq, "created": True, **_pool_view(body)}
-    assert isinstance(body, (AdapterLoaded, AdapterUnloaded))
-    out: dict[str, Any] = {"seq": seq, "name": body.name, "version": body.version}
-    if isinstance(body, AdapterLoaded):
-        out["created"] = True
-    return out
-
-
-def _pool_view(pool: PoolConfigured) -> dict[str, Any]:
-    return {"fingerprint": pool.fingerprint, "max_loras": pool.max_loras,
-            "max_adapters": pool.max_adapters, "max_rank": pool.max_rank, "targets": list(pool.targets), "dtype": pool.dtype,
-            "num_layers": pool.num_layers}
-
-
-def adapter_view(a: AdapterLoaded) -> dict[str, Any]:
-    return {"name": a.name, "version": a.version, "rank": a.rank,
-            "alpha": a.alpha, "scaling": a.scaling, "targets": list(a.targets),
-            "sha256": a.sha256, "pinned": a.pinned}
 
 
 class StateService:
@@ -225,7 +203,7 @@ class StateService:
         """Add the recorded events of these requests' event_ids to `known`."""
         ids = [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
         for eid, ev in (self.store.by_event_ids(ids).items() if ids else ()):
-            known.setdefault(eid, (ev.type, _result_of(ev.type, ev.seq, ev.body)))
+            known.setdefault(eid, (ev.type, result_of(ev.type, ev.seq, ev.body)))
 
     def _extend(self, requests: list[tuple[Request, str]], answers: list[Answer],
                 known: dict[str, tuple[str, dict[str, Any]]],
@@ -297,7 +275,7 @@ class StateService:
             batch.blobs.append(NewBlob(body.sha256, body.size, seq))
         batch.state = new_state
         batch.events.append(NewEvent(seq, event_id, body.TYPE, encode_body(body), actor))
-        result = _result_of(body.TYPE, seq, body)
+        result = result_of(body.TYPE, seq, body)
         batch.by_event_id[event_id] = (body.TYPE, result)
         batch.decided_ids.append(event_id)
         batch.answers.append((i, result))
@@ -321,10 +299,10 @@ class StateService:
                               args["dtype"], log_id=str(uuid.uuid4()),
                               max_adapters=args["max_adapters"])
         if state.pool is not None:
-            if _pool_view(state.pool) == _pool_view(body):
-                return {"seq": 1, "created": False, **_pool_view(state.pool)}
+            if pool_view(state.pool) == pool_view(body):
+                return {"seq": 1, "created": False, **pool_view(state.pool)}
             raise CommandError("already_configured", "the pool is already configured "
-                               f"({_describe_pool(state.pool)}) and its settings are immutable; "
+                               f"({describe_pool(state.pool)}) and its settings are immutable; "
                                "to change them start a new state service with a new --data-dir")
         return body, None
 
@@ -385,7 +363,7 @@ class StateService:
     def _read(self, req: Request, actor: str) -> Any:
         args, state = req.args, self.state
         if req.cmd == "list":
-            return self._list(args.get("after"), args["limit"])
+            return list_page(self.state, args.get("after"), args["limit"])
         if req.cmd == "events":
             events = self.store.read(args["since"], args["limit"])
             return {"head_seq": state.seq, "events": [e.to_wire() for e in events]}
@@ -409,19 +387,6 @@ class StateService:
         if req.cmd == "status":
             return self.status()
         raise CommandError("unknown_command", f"unknown command {req.cmd!r}")
-
-    def _list(self, after: str | None, limit: int) -> dict[str, Any]:
-        """One page of the registry by name: the adapters after `after`, at most `limit`;
-        `next_after` is the last one's name while more follow (else null)."""
-        state = self.state
-        names = sorted(state.adapters)
-        start = 0 if after is None else bisect.bisect_right(names, after)
-        page = names[start:start + limit]
-        more = start + limit < len(names)
-        return {"head_seq": state.seq,
-                "pool": None if state.pool is None else _pool_view(state.pool),
-                "count": len(names), "next_after": page[-1] if more and page else None,
-                "adapters": [adapter_view(state.adapters[n]) for n in page]}
 
     def _blob(self, args: dict[str, Any]) -> dict[str, Any]:
         sha = args["sha256"]
@@ -456,9 +421,3 @@ def _absolute(path: str, field: str) -> Path:
         raise CommandError("bad_request", f"{field} must be an absolute path on the state "
                            f"service's host, got {path!r} (loractl sends absolute paths)", field)
     return p
-
-
-def _describe_pool(pool: PoolConfigured) -> str:
-    return (f"max_loras={pool.max_loras}, max_adapters={pool.max_adapters}, max_rank={pool.max_rank}, "
-            f"targets={','.join(pool.targets)}, dtype={pool.dtype}, "
-            f"model {pool.fingerprint[:12]}")
