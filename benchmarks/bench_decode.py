@@ -245,7 +245,7 @@ def write_assets(root: Path, shape: ModelShape, dtype: str = "float32") -> tuple
 
 
 def loaded_event(name: str, slot: int, data: bytes) -> AdapterLoaded:
-    return AdapterLoaded(name=name, version=slot + 2, slot=slot, sha256="", size=len(data), rank=RANK,
+    return AdapterLoaded(name=name, version=slot + 2, sha256="", size=len(data), rank=RANK,
                          alpha=float(ALPHA), scaling=lora_scaling(ALPHA, RANK, False), use_rslora=False,
                          targets=MODULES, pinned=False)
 
@@ -258,11 +258,15 @@ class Serving:
     pool: MemoryPool
     state: State
 
-    def admit(self, adapter: str | None, min_seq: int) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
         if adapter is None:
             return Grant(-1, None, 0, self.state.seq, None)
         a = self.state.adapters[adapter]
-        return Grant(a.slot, a.name, a.version, self.state.seq, self.pool.acquire(a.slot))
+        slot = a.version - 2  # loaded_event: every adapter resident in its own slot
+        return Grant(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
+
+    def withdraw(self, ticket: int) -> None:
+        pass
 
     def reading(self) -> AbstractContextManager[LoraPool]:
         return self.pool.reading()

@@ -68,7 +68,7 @@ class Settings:
 
 def sample_payload() -> str:
     """The JSON of a typical adapter.loaded event, as the service stores it."""
-    body = AdapterLoaded("b3-attn-all-r4", 123456, 17, "ab" * 32, 17_400, 4, 4.0, 1.0, False,
+    body = AdapterLoaded("b3-attn-all-r4", 123456, "ab" * 32, 17_400, 4, 4.0, 1.0, False,
                          ("q_proj", "k_proj", "v_proj", "o_proj"), False)
     return json.dumps(encode_body(body))
 

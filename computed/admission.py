@@ -1,7 +1,8 @@
 """The admission port: all that serving (computed/engine.py) asks of the replica.
 
-The engine admits a request by `admit(adapter, min_seq)`: the replica resolves
-the adapter to the slot and version it holds at that moment and leases the slot
+The engine admits a request by `admit(adapter, min_seq, ticket)`: the replica resolves
+the adapter to its registered version, makes it resident in a slot if it is not
+(computed/residency.py) and leases the slot
 (so it is not overwritten until the request finishes, see pool.py), or refuses
 with a coded error. The forward pass reads the pool's arrays through `reading`,
 and warm-up compiles from `pool_shapes`. The replica (computed/replica.py)
@@ -19,7 +20,8 @@ from shared.errors import CodedError
 
 # what the engine needs of the pool comes through here: its arrays' type (the forward pass's
 # input) and the refusal of a slot being rewritten
-__all__ = ["AdmissionPort", "GenerateError", "Grant", "LoraPool", "NotReady", "SlotDraining"]
+__all__ = ["AdmissionPort", "GenerateError", "Grant", "LoraPool", "NoSlot", "NotReady",
+           "SlotDraining"]
 
 
 class GenerateError(CodedError):
@@ -32,6 +34,11 @@ class NotReady(GenerateError):
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__("not_ready", message, field)
+
+
+class NoSlot(SlotDraining):
+    """No slot can hold the request's adapter now (all leased, pinned or reserved): it waits
+    in the queue and is admitted when a lease ends (docs/residency.md)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,15 @@ class Grant:
 
 
 class AdmissionPort(Protocol):
-    def admit(self, adapter: str | None, min_seq: int) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
         """Admit a request for `adapter` (None: the base model) once `min_seq` is applied;
-        raises NotReady or SlotDraining (both: try again later), or GenerateError."""
+        raises NotReady or SlotDraining (NoSlot among them; all: try again later), or
+        GenerateError. `ticket` orders the requests that wait for a slot: older, smaller."""
+        ...
+
+    def withdraw(self, ticket: int) -> None:
+        """Request `ticket` left the queue without being admitted (refused, timed out): it
+        no longer waits for a slot."""
         ...
 
     def reading(self) -> AbstractContextManager[LoraPool]:

@@ -206,6 +206,17 @@ def digests(r: Replica) -> dict[str, Any]:
             "logical_digest": r.logical_digest(), "pool_digest": r.pool_digest()}
 
 
+def residency_stats(r: Replica) -> dict[str, Any] | None:
+    """Hits, misses and evictions of the replica's slots (computed/residency.py)."""
+    res = r.residency
+    if res is None:
+        return None
+    return {"slots": res.slots, "resident": len(res.holders),
+            "pinned": sum(h.pinned for h in res.holders.values()), "hits": res.hits,
+            "misses": res.misses, "evictions": res.evictions,
+            "reserved": None if res.reserved is None else res.reserved[1]}
+
+
 class Daemon:
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
                  diffs: str, engine: Engine | None = None, warmup: bool = True,
@@ -277,8 +288,10 @@ class Daemon:
                 "log_id": r.log_id,
                 "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
                 "inference": None if self.engine is None else self.engine.stats(),
-                "slots": {str(s): {"name": h.name, "version": h.version}
-                          for s, h in sorted(r.holders.items())}}
+                "slots": {str(s): {"name": h.name, "version": h.version, "pinned": h.pinned,
+                                   "digest": None if pool is None or pool.pending else d}
+                          for s, (h, d) in r.resident().items()},
+                "residency": residency_stats(r)}
 
     def _send(self, done: list[Done]) -> None:
         for d in done:

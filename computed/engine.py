@@ -1,7 +1,9 @@
 """Continuous batching: requests for any mix of adapters share one decode step.
 
 A request is admitted when a batch row is free: the replica resolves its
-adapter to the (slot, version) it holds at that moment and leases the slot
+adapter to the version registered at that moment, makes it resident in a slot
+if it is not (a miss fills a slot; with none to be had the request waits in the
+queue, docs/residency.md) and leases the slot
 (so the slot is not overwritten until the request finishes; the admission
 port, computed/admission.py, is all the engine asks of the replica), it is
 prefilled into its own KV-cache row, and from the next step on decodes
@@ -51,6 +53,7 @@ class Request:
     args: dict[str, Any]
     reply_to: Any  # opaque to the engine: where the daemon sends the answer
     client: Hashable  # who sent it, for the per-client limit
+    ticket: int = 0  # arrival order: the oldest waiter reserves the next slot (residency.py)
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -102,6 +105,7 @@ class Engine:
         self.rows: list[Running | None] = [None] * model.max_batch
         self.cache = model.new_cache()
         self.warm = False
+        self.tickets = 0
 
     def warmup(self) -> None:
         """Compile every shape serving uses, once the pool exists (its shapes are inputs)."""
@@ -139,7 +143,8 @@ class Engine:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "
                 f"{self.queue_limit}); retry later or send to another replica"))
-        self.waiting.append(Request(req_id, args, reply_to, client))
+        self.tickets += 1
+        self.waiting.append(Request(req_id, args, reply_to, client, self.tickets))
         return None
 
     @property
@@ -217,6 +222,7 @@ class Engine:
                 admitted = self._try_admit(req, done)
             except GenerateError as exc:
                 del self.waiting[i]
+                self.replica.withdraw(req.ticket)  # e.g. a waiter's not_ready: its slot goes
                 done.append(Done(req.reply_to, req.req_id, error=exc))
                 continue
             if not admitted:
@@ -233,13 +239,16 @@ class Engine:
         try:
             # without a free row only the wait for min_seq can end now: ask as for the base
             # model, which holds nothing
-            grant = self.replica.admit(a["adapter"] if row is not None else None, a["min_seq"])
+            grant = self.replica.admit(a["adapter"] if row is not None else None, a["min_seq"],
+                                       req.ticket)
         except NotReady as exc:
             if time.perf_counter() - req.arrived < self.min_seq_wait_s:
                 return False
             raise GenerateError(exc.code, f"{exc} within {self.min_seq_wait_s:g} s", exc.field)
         except SlotDraining:
-            return False  # its slot is being rewritten: admit once that is done
+            # its slot is being rewritten, or no slot can hold its adapter now (NoSlot): admit
+            # once a lease ends; requests whose adapters are resident go ahead meanwhile
+            return False
         if row is None:
             return False
         run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)

@@ -284,11 +284,11 @@ def check_adapter(path: Path, pool: PoolConfigured) -> str:
 
 def diff_cases(pool: PoolConfigured) -> tuple[State, list[dict[str, Any]]]:
     """A state with a pool and one adapter, and real diffs of each kind to mutate."""
-    loaded = AdapterLoaded("a", 2, 0, "0" * 64, 10, 2, 8.0, 4.0, False, ("q_proj",), False)
+    loaded = AdapterLoaded("a", 2, "0" * 64, 10, 2, 8.0, 4.0, False, ("q_proj",), False)
     state = apply(apply(State(), 1, pool), 2, loaded)
-    other = AdapterLoaded("b", 3, 1, "1" * 64, 10, 2, 8.0, 4.0, False, ("q_proj",), True)
+    other = AdapterLoaded("b", 3, "1" * 64, 10, 2, 8.0, 4.0, False, ("q_proj",), True)
     return state, [diff_of(1, pool, log_id=LOG_ID), diff_of(3, other, log_id=LOG_ID),
-                   diff_of(3, AdapterUnloaded("a", 2, 0), log_id=LOG_ID)]
+                   diff_of(3, AdapterUnloaded("a", 2), log_id=LOG_ID)]
 
 
 def check_diff(diff: Any, state: State) -> str:

@@ -278,6 +278,11 @@ class MemoryPool:
         self._check_slot(slot)
         return self._submit(slot, (_clear, (np.int32(slot),)))
 
+    def busy(self, slot: int) -> bool:
+        """True while `slot` has readers or a write that waits for them."""
+        with self._lock:
+            return self._readers[slot] > 0 or slot in self._pending
+
     def acquire(self, slot: int) -> Lease:
         """Count a reader of `slot` until the lease is released; refused while a write is pending."""
         self._check_slot(slot)

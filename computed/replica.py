@@ -17,6 +17,8 @@ log's events, state and pool untouched, and stays REFUSED until its own log answ
 from __future__ import annotations
 
 import enum
+import hashlib
+import heapq
 import logging
 import os
 import threading
@@ -28,15 +30,17 @@ from typing import Any
 
 import msgpack
 
-from computed.admission import GenerateError, Grant, NotReady
+from computed.admission import GenerateError, Grant, NoSlot, NotReady
 from computed.pool import LoraPool, MemoryPool, PoolSpec, SlotWeights
+from computed.residency import Holder, Residency
 from computed.weights import BlobCache, BlobError, slot_weights
 from shared.canonical import canonical_bytes
-from shared.client import ControlClient
-from shared.events import AdapterLoaded, Body, PoolConfigured, decode_body
+from shared.client import ControlClient, RemoteError, Unavailable
+from shared.events import AdapterLoaded, Body, EventError, PoolConfigured, decode_body
 from shared.faults import NO_FAULTS, Faults
 from shared.fingerprint import ModelInfo
-from shared.reducer import State, apply, canonical, from_canonical, logical_digest
+from shared.reducer import (State, apply, canonical, from_canonical, logical_digest,
+                            verified_snapshot)
 
 log = logging.getLogger("computed")
 NO_POOL = "none"
@@ -56,13 +60,6 @@ class ModelMismatch(Exception):
 
 class ForeignLog(Exception):
     """statesvc answers for another log than the one this replica's state comes from."""
-
-
-@dataclass(frozen=True)
-class SlotHolder:
-    name: str
-    version: int
-    sha256: str
 
 
 def pool_spec(pool: PoolConfigured) -> PoolSpec:
@@ -86,13 +83,13 @@ class Replica:
         self.log_id: str | None = None  # the log the state comes from; None until one is held
         self.phase = Phase.INITIAL
         self.pool: MemoryPool | None = None
-        self.holders: dict[int, SlotHolder] = {}  # what each pool slot holds now
+        self.residency: Residency | None = None  # which slot holds which adapter version
         self.last_error: str | None = None
         self.applied_at = 0.0  # wall-clock time of the last advance
         # held while the state and the pool's slots change together, and by readers
         # that resolve an adapter to its slot and lease it
         self.lock = threading.Lock()
-        self._digests: dict[str, tuple[int, str]] = {}
+        self._digests: dict[str, tuple[tuple[int, int], str]] = {}
 
     # ---- status ----------------------------------------------------------------
 
@@ -103,39 +100,94 @@ class Replica:
     def logical_digest(self) -> str:
         return self._cached("logical", lambda: logical_digest(self.state))
 
-    def pool_digest(self) -> str:
-        """The pool's digest, or 'pending' while a write waits for a slot's readers."""
-        if self.pool is not None and self.pool.pending:
-            return PENDING
-        return self._cached("pool", lambda: self.pool.digest() if self.pool else NO_POOL)
+    @property
+    def holders(self) -> dict[int, Holder]:
+        """What each slot holds now."""
+        return {} if self.residency is None else dict(self.residency.holders)
 
-    def _cached(self, what: str, compute: Any) -> str:
+    def resident(self) -> dict[int, tuple[Holder, str]]:
+        """Each occupied slot's holder and content digest (pool.py's `slot_digest`). Without
+        the replica's lock: status answers while a slot write or a fill holds it."""
+        pool, holders = self.pool, self.holders
+        if pool is None:
+            return {}
+        return {s: (h, pool.slot_digest(s)) for s, h in sorted(holders.items())}
+
+    def pool_digest(self) -> str:
+        """The digest of the resident set: sha256 over its (name, version, content digest)
+        triples in name order, wherever the slots are; 'pending' while a write waits for a
+        slot's readers. Two replicas that hold the same versions have the same one."""
+        if self.pool is None:
+            return NO_POOL
+        if self.pool.pending:
+            return PENDING
+        assert self.residency is not None
+        return self._cached("pool", lambda: hashlib.sha256(canonical_bytes(sorted(
+            [h.name, h.version, d] for h, d in self.resident().values()))).hexdigest(),
+            key=self.residency.generation)
+
+    def _cached(self, what: str, compute: Any, *, key: int = 0) -> str:
         hit = self._digests.get(what)
-        if hit is None or hit[0] != self.state.seq:
-            hit = (self.state.seq, compute())
+        if hit is None or hit[0] != (self.state.seq, key):
+            hit = ((self.state.seq, key), compute())
             self._digests[what] = hit
         return hit[1]
 
     # ---- the admission port (computed/admission.py) ------------------------------
 
-    def admit(self, adapter: str | None, min_seq: int) -> Grant:
-        """Resolve `adapter` to the slot and version held now and lease the slot."""
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+        """Resolve `adapter` to its registered version, make it resident if it is not (a miss:
+        fetch, parse and write a slot, on the caller's thread) and lease its slot. Raises
+        NoSlot while no slot can be had (the request waits; `ticket`, smaller for older
+        requests, decides who reserves the next slot: computed/residency.py)."""
         ready = self.phase is Phase.ACTIVE and self.pool is not None
         if not ready or self.applied_seq < min_seq:
             raise NotReady(f"the replica is {self.phase.value} at seq {self.applied_seq} and "
                            f"did not reach min_seq {min_seq}", "args.min_seq" if ready else None)
         with self.lock:  # the state and the slots it names change together
-            state, pool = self.state, self.pool
-            assert pool is not None
+            state, pool, res = self.state, self.pool, self.residency
+            assert pool is not None and res is not None
             if adapter is None:
                 return Grant(-1, None, 0, state.seq, None)
             loaded = state.adapters.get(adapter)
             if loaded is None:
+                res.forget(ticket)
                 raise GenerateError("unknown_adapter", f"adapter {adapter!r} is not loaded on "
                                     f"this replica (at seq {state.seq}); `loractl list` shows "
                                     "what is", "args.adapter")
-            lease = pool.acquire(loaded.slot)  # SlotDraining: admit once it is rewritten
-            return Grant(loaded.slot, loaded.name, loaded.version, state.seq, lease)
+            slot = res.slot_of(loaded.name, loaded.version)
+            if slot is not None and res.blocked(slot, ticket):
+                raise NoSlot(f"slot {slot} is reserved for an older request")
+            if slot is None:
+                slot = self._fill(loaded, res, pool, ticket)
+                lease = pool.acquire(slot)  # SlotDraining: admit once it is rewritten
+            else:
+                lease = pool.acquire(slot)
+                res.lease(slot, ticket)
+            return Grant(slot, loaded.name, loaded.version, state.seq, lease)
+
+    def _fill(self, adapter: AdapterLoaded, res: Residency, pool: MemoryPool,
+              ticket: int) -> int:
+        """Make `adapter` resident for request `ticket` (lock held); returns its slot."""
+        slot = res.victim(ticket)
+        if slot is None:
+            res.wait(ticket)
+            raise NoSlot(f"all {res.slots} slots are leased, pinned or reserved")
+        try:
+            weights = slot_weights(self.blobs.get(adapter.sha256), adapter)
+        except (BlobError, OSError, Unavailable, RemoteError) as exc:
+            res.forget(ticket)  # no slot stays reserved while the weights cannot be had
+            self.last_error = f"filling {adapter.name} v{adapter.version}: {exc}"
+            raise NotReady(f"the weights of adapter {adapter.name!r} could not be made "
+                           f"resident ({exc})") from None
+        pool.write_slot(slot, weights)
+        res.fill(slot, _holder(adapter, pinned=False), ticket=ticket)
+        return slot
+
+    def withdraw(self, ticket: int) -> None:
+        with self.lock:
+            if self.residency is not None:
+                self.residency.forget(ticket)
 
     def reading(self) -> AbstractContextManager[LoraPool]:
         assert self.pool is not None
@@ -159,9 +211,10 @@ class Replica:
             snap = self.client.call("snapshot")
             self.check_log(snap.get("log_id"))
             log_id = snap.get("log_id")
-            base = from_canonical(snap["seq"], snap["state"])
-            if logical_digest(base) != snap["digest"]:
-                raise BlobError(f"snapshot at seq {snap['seq']} does not match its digest")
+            try:
+                base = verified_snapshot(snap["seq"], snap["state"], snap["digest"])
+            except EventError as exc:
+                raise BlobError(str(exc)) from None
         try:
             self.catch_up(base, log_id=log_id)
         except BlobError:
@@ -226,30 +279,59 @@ class Replica:
         self._advance_to(state, log_id)
 
     def _advance_to(self, new: State, log_id: str | None) -> None:
+        """Take the registry `new`: versions that left it stop routing at once and their slots
+        are cleared when their leases end; pinned adapters are made resident, and the newest
+        unpinned ones fill the slots left free (the rest wait for a request: a miss)."""
         if new.pool is not None:
             self._check_model(new.pool)
-        pool = self.pool
+        pool, res = self.pool, self.residency
         if pool is None and new.pool is not None:
             pool = MemoryPool(pool_spec(new.pool))
-        wanted = {a.slot: SlotHolder(a.name, a.version, a.sha256) for a in new.adapters.values()}
-        writes: dict[int, SlotWeights] = {}
-        for slot, holder in wanted.items():
-            if self.holders.get(slot) != holder:
-                adapter = new.adapters[holder.name]
-                writes[slot] = slot_weights(self.blobs.get(adapter.sha256), adapter)
-        clears = [s for s in self.holders if s not in wanted]
+            res = Residency(pool.spec.slots, busy=pool.busy)
+        fills = [] if res is None else self._wanted(new, res)
+        weights = {a.name: slot_weights(self.blobs.get(a.sha256), a) for a, _ in fills}
         # nothing has changed up to here; from here on nothing can fail
-        assert pool is not None or not (writes or clears)
         with self.lock:
-            for slot in clears:
-                pool.clear_slot(slot)  # type: ignore[union-attr]
-            for slot, weights in sorted(writes.items()):
-                self.faults.write_slot(pool.write_slot, slot, weights)  # type: ignore[union-attr]
-            self.pool, self.holders, self.state = pool, wanted, new
+            if pool is not None and res is not None:
+                for slot, h in list(res.holders.items()):
+                    cur = new.adapters.get(h.name)
+                    if cur is None or cur.version != h.version:
+                        res.drop(slot)
+                        pool.clear_slot(slot)  # now, or when its last lease ends
+                for adapter, pinned in fills:
+                    if res.slot_of(adapter.name, adapter.version) is not None:
+                        continue  # a request filled it meanwhile
+                    # a free slot reserved for a waiting request stays for it
+                    free = [f for f in res.free_slots() if not res.blocked(f, -1)]
+                    if not pinned and not free:
+                        continue
+                    slot = res.pinned_victim() if pinned else free[0]
+                    self.faults.write_slot(pool.write_slot, slot, weights[adapter.name])
+                    res.fill(slot, _holder(adapter, pinned=pinned), demand=False)
+            self.pool, self.residency, self.state = pool, res, new
             self.log_id = log_id
         self.applied_at = time.time()
         self.last_error = None
         self._save_local_state()
+
+    @staticmethod
+    def _wanted(new: State, res: Residency) -> list[tuple[AdapterLoaded, bool]]:
+        """The adapters to make resident now, each with whether it is pinned: the pinned ones
+        (the oldest max_loras - 1 of them: a log from before the limit may pin more), then as
+        many of the newest unpinned ones as there are slots left, oldest first."""
+        pinned = new.pinned()[:res.slots - 1]
+        keep = {(h.name, h.version) for h in res.holders.values()}
+        out = [(a, True) for a in pinned if (a.name, a.version) not in keep]
+        staying = sum(1 for h in res.holders.values()
+                      if (cur := new.adapters.get(h.name)) is not None and cur.version == h.version)
+        room = res.slots - staying - len(out)
+        if room <= 0:  # the usual case once the registry outgrows the slots: no scan
+            return out
+        names = {a.name for a in pinned}
+        rest = heapq.nlargest(room, (a for a in new.adapters.values() if a.name not in names
+                                     and (a.name, a.version) not in keep),
+                              key=lambda a: a.version)
+        return out + [(a, False) for a in reversed(rest)]
 
     def _check_model(self, pool: PoolConfigured) -> None:
         if pool.fingerprint == self.model.fingerprint:
@@ -300,6 +382,10 @@ class Replica:
         tmp.write_bytes(canonical_bytes({"seq": self.state.seq, "state": canonical(self.state),
                                          "log_id": self.log_id}))
         os.replace(tmp, path)
+
+
+def _holder(adapter: AdapterLoaded, *, pinned: bool) -> Holder:
+    return Holder(adapter.name, adapter.version, adapter.sha256, pinned)
 
 
 class GapError(Exception):

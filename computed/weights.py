@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +30,16 @@ class BlobCache:
             leftover.unlink(missing_ok=True)
         self.client = client
         self.fetches = 0  # blobs fetched from statesvc (not served from the cache)
+        self._lock = threading.Lock()  # the sync thread and the engine's fills both read blobs
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256
 
     def get(self, sha256: str) -> bytes:
+        with self._lock:
+            return self._get(sha256)
+
+    def _get(self, sha256: str) -> bytes:
         cached = self.path(sha256)
         if cached.is_file():
             data = cached.read_bytes()

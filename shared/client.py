@@ -6,12 +6,13 @@ original result (the ZeroMQ Guide's Lazy Pirate pattern).
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any, Mapping
 
 import zmq
 
-from shared.config import MAX_WIRE_BYTES
+from shared.config import MAX_LIST_PAGE, MAX_WIRE_BYTES
 from shared.endpoints import connect
 from shared.errors import CodedError
 from shared.keys import ClientKeys
@@ -35,6 +36,9 @@ class ControlClient:
         self.retries = retries
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket[Any] | None = None
+        # one request at a time: a replica's sync thread and its engine (filling a slot on a
+        # miss) share one client, and a ZeroMQ socket is not thread-safe
+        self._calling = threading.Lock()
 
     def _socket(self) -> zmq.Socket[Any]:
         if self.sock is None:
@@ -63,6 +67,10 @@ class ControlClient:
 
     def call(self, cmd: str, args: Mapping[str, Any] | None = None) -> Any:
         """Send one command and return its result; raises RemoteError or Unavailable."""
+        with self._calling:
+            return self._call(cmd, args)
+
+    def _call(self, cmd: str, args: Mapping[str, Any] | None) -> Any:
         req_id = uuid.uuid4().hex
         frame = encode_request(req_id, cmd, args or {})
         for _ in range(self.retries + 1):
@@ -93,6 +101,27 @@ class ControlClient:
                 "is it running? (a server started with --auth also needs --key and --server-key)")
         raise Unavailable(f"no answer from {self.address} within {self.timeout_ms / 1000:g} s "
                           f"({self.retries + 1} tries); {hint}")
+
+
+def list_adapters(client: ControlClient, *, after: str | None = None,
+                  limit: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The registry by name from after `after`, at most `limit` adapters (None: all), fetched
+    page by page; returns the first reply (head_seq, pool, count) and the adapters."""
+    first: dict[str, Any] | None = None
+    out: list[dict[str, Any]] = []
+    while limit is None or len(out) < limit:
+        args: dict[str, Any] = {"limit": MAX_LIST_PAGE if limit is None
+                                else min(MAX_LIST_PAGE, limit - len(out))}
+        if after is not None:
+            args["after"] = after
+        res = client.call("list", args)
+        first = first or res
+        out += res["adapters"]
+        after = res.get("next_after")
+        if after is None:
+            break
+    assert first is not None or limit == 0
+    return first or {}, out
 
 
 def new_event_id() -> str:

@@ -33,6 +33,10 @@ REPLICA_STALE_AFTER_S = 10.0        # status shows a replica STALE after this lo
 MAX_REPLICAS = 1024                 # replica ids statesvc keeps (`statesvc serve --max-replicas`)
 MAX_REPLICAS_CEILING = 16384        # largest --max-replicas: rows < 1 KiB, so `status` fits MAX_WIRE_BYTES
 DEFAULT_SNAPSHOT_EVERY = 100
+# The registry's cap (`pool init --max-adapters`): adapters the log holds, resident or not.
+DEFAULT_MAX_ADAPTERS = 100_000
+MAX_MAX_ADAPTERS = 10_000_000
+MAX_LIST_PAGE = 1000  # adapters per `list` reply: a page stays far under MAX_WIRE_BYTES
 # Largest adapter_model.safetensors accepted by `load` (bytes).
 MAX_ADAPTER_BYTES = 4 << 30
 MAX_CONFIG_BYTES = 1 << 20

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
-from shared.config import UUID_RE
+from shared.config import DEFAULT_MAX_ADAPTERS, UUID_RE
 from shared.llama import MODULES
 
 
@@ -32,19 +32,21 @@ class PoolConfigured:
     model_config: dict[str, Any]
     num_layers: int
     module_dims: dict[str, tuple[int, int]]  # every Llama module -> (in, out)
-    max_loras: int
+    max_loras: int  # device slots per replica: the most distinct adapters one batch holds
     max_rank: int
     targets: tuple[str, ...]
     dtype: str
     # the log's identity, a uuid4 chosen by statesvc at pool.init; None in a log written before
     # log ids existed (see `log_id_of`), and then left out of the payload, so its digests stay
     log_id: str | None = None
+    # the registry's cap (--max-adapters); a genesis recorded before it existed upcasts to the
+    # default when read (`decode_body`)
+    max_adapters: int = DEFAULT_MAX_ADAPTERS
 
 
 @dataclass(frozen=True)
 class Replaced:
     version: int
-    slot: int
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,6 @@ class AdapterLoaded:
     TYPE: ClassVar[str] = "adapter.loaded"
     name: str
     version: int  # the seq of this event
-    slot: int
     sha256: str
     size: int
     rank: int
@@ -69,7 +70,6 @@ class AdapterUnloaded:
     TYPE: ClassVar[str] = "adapter.unloaded"
     name: str
     version: int
-    slot: int
 
 
 Body = Union[PoolConfigured, AdapterLoaded, AdapterUnloaded]
@@ -103,7 +103,7 @@ def encode_body(body: Body) -> dict[str, Any]:
     if "targets" in out:
         out["targets"] = list(out["targets"])
     if isinstance(body, AdapterLoaded) and body.replaces is not None:
-        out["replaces"] = {"version": body.replaces.version, "slot": body.replaces.slot}
+        out["replaces"] = {"version": body.replaces.version}
     if isinstance(body, PoolConfigured):
         out["model_config"] = dict(body.model_config)
         out["module_dims"] = {m: list(d) for m, d in body.module_dims.items()}
@@ -137,7 +137,26 @@ _FIELD_TYPES: dict[str, type] = {
     "fingerprint": str, "model_config": dict, "num_layers": int, "max_loras": int,
     "max_rank": int, "dtype": str, "name": str, "version": int, "slot": int, "sha256": str,
     "size": int, "rank": int, "alpha": float, "scaling": float, "use_rslora": bool,
-    "pinned": bool, "log_id": str}
+    "pinned": bool, "log_id": str, "max_adapters": int}
+
+
+def upcast(type_: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """A payload as today's types read it. Events recorded before the registry and residency
+    split (docs/residency.md) carry the slot their adapter went to (`slot`, `replaces.slot`):
+    which slot holds an adapter is now each replica's own choice, so the slot is dropped.
+    Genesis events from before --max-adapters take the default. The stored row is unchanged."""
+    if type_ == PoolConfigured.TYPE:
+        return payload if "max_adapters" in payload else {**payload,
+                                                          "max_adapters": DEFAULT_MAX_ADAPTERS}
+    if "slot" not in payload and not isinstance(payload.get("replaces"), dict):
+        return payload
+    out = {k: v for k, v in payload.items() if k != "slot"}
+    if "slot" in payload and type(payload["slot"]) is not int:  # malformed: refused below
+        out["slot"] = payload["slot"]
+    replaces = out.get("replaces")
+    if isinstance(replaces, dict) and "slot" in replaces:
+        out["replaces"] = {k: v for k, v in replaces.items() if k != "slot"}
+    return out
 
 
 def _check_types(type_: str, payload: dict[str, Any]) -> None:
@@ -154,6 +173,8 @@ def decode_body(type_: str, payload: dict[str, Any]) -> Body:
     if cls is None:
         raise EventError(f"unknown event type {type_!r}")
     names = {f.name for f in fields(cls)}
+    if isinstance(payload, dict):
+        payload = upcast(type_, payload)
     if not isinstance(payload, dict) or not set(payload) <= names:
         raise EventError(f"{type_} payload has unexpected fields: {sorted(set(payload) - names)}")
     _check_types(type_, payload)

@@ -13,9 +13,9 @@ from typing import Any, Callable, Mapping
 
 import msgpack
 
-from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, MAX_BLOB_CHUNK,
-                           MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, POOL_DTYPES, PROTOCOL_VERSION,
-                           UUID_RE)
+from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_MAX_ADAPTERS,
+                           MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, MAX_LIST_PAGE,
+                           MAX_MAX_ADAPTERS, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
 from shared.errors import CodedError
 from shared.llama import MODULES
@@ -179,6 +179,8 @@ COMMANDS: dict[str, Schema] = {
     "pool.init": {
         "event_id": EVENT_ID, "expect_head": EXPECT_HEAD, "model": PATH,
         "max_loras": Field(int, check=int_range(1, 4096)),
+        "max_adapters": Field(int, required=False, default=DEFAULT_MAX_ADAPTERS,
+                              check=int_range(1, MAX_MAX_ADAPTERS)),
         "max_rank": Field(int, check=int_range(1, 1024)),
         "targets": Field((str, list), check=_targets),
         "dtype": Field(str, required=False, default="float32", check=one_of(*POOL_DTYPES)),
@@ -192,7 +194,11 @@ COMMANDS: dict[str, Schema] = {
         "event_id": EVENT_ID, "expect_head": EXPECT_HEAD, "name": NAME,
         "force": Field(bool, required=False, default=False),
     },
-    "list": {},
+    "list": {
+        "after": Field(str, required=False, check=str_len(64)),
+        "limit": Field(int, required=False, default=MAX_LIST_PAGE,
+                       check=int_range(1, MAX_LIST_PAGE)),
+    },
     "events": {
         "since": Field(int, required=False, default=0, check=int_range(0, 2**62)),
         "limit": Field(int, required=False, default=MAX_EVENTS_PER_PAGE,

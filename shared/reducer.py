@@ -3,8 +3,9 @@
 `apply(state, seq, body)` is the only way state changes. The state service runs
 it before appending (so a command that would break a rule is refused and
 nothing is stored), and every replica runs it on the same events, so all of
-them derive the same slots and the same logical digest. The rules of a `load`
-that need no file (the name, a free slot, an existing version) are here only:
+them derive the same registry and the same logical digest. The rules of a `load`
+that need no file (the name, the registry's cap, the pinned limit, an existing version)
+are here only:
 `admit_load` asks them before the service reads the adapter, `apply` again on
 the event.
 """
@@ -26,12 +27,16 @@ class ReducerError(CodedError, ValueError):
 
 @dataclass(frozen=True)
 class State:
+    """The registry: every adapter version the log holds live, by name. Which device slot
+    holds one is each replica's own choice (computed/residency.py), never part of the state."""
+
     seq: int = 0
     pool: PoolConfigured | None = None
     adapters: dict[str, AdapterLoaded] = field(default_factory=dict)
 
-    def by_slot(self) -> dict[int, AdapterLoaded]:
-        return {a.slot: a for a in self.adapters.values()}
+    def pinned(self) -> list[AdapterLoaded]:
+        """The pinned adapters, oldest version first."""
+        return sorted((a for a in self.adapters.values() if a.pinned), key=lambda a: a.version)
 
 
 def require_pool(state: State) -> PoolConfigured:
@@ -41,18 +46,9 @@ def require_pool(state: State) -> PoolConfigured:
     return state.pool
 
 
-def choose_slot(state: State, replacing: AdapterLoaded | None = None) -> int | None:
-    """The slot a new version goes to: the lowest free one.
-
-    A replacement prefers a free slot, so requests still running on the old
-    version keep theirs; with no free slot it reuses the old version's slot.
-    """
-    pool = require_pool(state)
-    used = {a.slot for a in state.adapters.values()}
-    free = next((s for s in range(pool.max_loras) if s not in used), None)
-    if free is not None:
-        return free
-    return replacing.slot if replacing is not None else None
+def max_pinned(pool: PoolConfigured) -> int:
+    """At most max_loras - 1 adapters are pinned, so one slot always cycles."""
+    return pool.max_loras - 1
 
 
 def _check_name(name: str, field: str | None = None) -> None:
@@ -62,10 +58,10 @@ def _check_name(name: str, field: str | None = None) -> None:
                            f"{ADAPTER_NAME_RE.pattern}: {ADAPTER_NAME_WORDS}", field)
 
 
-def _pool_full(pool: PoolConfigured) -> ReducerError:
-    return ReducerError("pool_full", f"all {pool.max_loras} slots are in use; unload an adapter "
-                        "first (loractl unload NAME), or configure a new pool with a larger "
-                        "--max-loras")
+def _registry_full(pool: PoolConfigured) -> ReducerError:
+    return ReducerError("registry_full", f"the registry holds {pool.max_adapters} adapters, its "
+                        "cap (--max-adapters); unload an adapter first (loractl unload NAME), or "
+                        "configure a new pool with a larger --max-adapters")
 
 
 def _exists(old: AdapterLoaded, new: AdapterLoaded) -> ReducerError:
@@ -79,17 +75,28 @@ def _exists(old: AdapterLoaded, new: AdapterLoaded) -> ReducerError:
                         "pass --replace to record a new version")
 
 
-def admit_load(state: State, name: str) -> tuple[AdapterLoaded | None, int]:
+def admit_load(state: State, name: str, *, pin: bool = False) -> AdapterLoaded | None:
     """What a `load` of `name` needs of the state before any file is read: the loaded version
-    it would replace (None: a new name) and the slot the new version goes to. Raises
-    ReducerError when the state admits no load of `name`: no pool, a bad name, no free slot."""
+    it would replace (None: a new name). Raises ReducerError when the state admits no load of
+    `name`: no pool, a bad name, a full registry, or one pinned adapter too many."""
     pool = require_pool(state)
     _check_name(name, "args.name")
     old = state.adapters.get(name)
-    slot = choose_slot(state, old)
-    if slot is None:
-        raise _pool_full(pool)
-    return old, slot
+    if old is None and len(state.adapters) >= pool.max_adapters:
+        raise _registry_full(pool)
+    if pin and not (old is not None and old.pinned):
+        # checked here, not in `apply`: a log from before this rule may pin every slot, and it
+        # must still replay (replicas then keep only the oldest max_loras - 1 pinned)
+        pinned = len(state.pinned())
+        if pinned >= max_pinned(pool):
+            raise ReducerError("too_many_pinned", f"{pinned} adapters are already pinned, the "
+                               f"most a pool of --max-loras {pool.max_loras} slots allows "
+                               f"(max_loras - 1: one slot must always cycle so that every "
+                               "other adapter can still be served); unpin one (loractl unload "
+                               "NAME --force, then load it without --pin), load this one "
+                               "without --pin, or configure a new pool with a larger "
+                               "--max-loras", "args.pin")
+    return old
 
 
 def _check_loaded(state: State, seq: int, ev: AdapterLoaded) -> None:
@@ -110,18 +117,15 @@ def _check_loaded(state: State, seq: int, ev: AdapterLoaded) -> None:
     old = state.adapters.get(ev.name)
     if old is None and ev.replaces is not None:
         raise ReducerError("not_found", f"{ev.name!r} replaces a version that is not loaded")
+    if old is None and len(state.adapters) >= pool.max_adapters:
+        raise _registry_full(pool)
     if old is not None:
         if ev.replaces is None:
             raise _exists(old, ev)
-        if (ev.replaces.version, ev.replaces.slot) != (old.version, old.slot):
+        if ev.replaces.version != old.version:
             raise ReducerError("exists", f"adapter {ev.name!r} is loaded as version "
                                f"{old.version}; a new version must replace it (loractl load "
                                "--replace)")
-    slot = choose_slot(state, old)
-    if slot is None:
-        raise _pool_full(pool)
-    if ev.slot != slot:
-        raise ReducerError("invalid", f"adapter {ev.name!r} goes to slot {slot}, not {ev.slot}")
 
 
 def apply(state: State, seq: int, body: Body) -> State:
@@ -143,9 +147,9 @@ def apply(state: State, seq: int, body: Body) -> State:
         cur = state.adapters.get(body.name)
         if cur is None:
             raise ReducerError("not_found", f"adapter {body.name!r} is not loaded")
-        if (cur.version, cur.slot) != (body.version, body.slot):
-            raise ReducerError("invalid", f"unload of {body.name!r} names version {body.version} "
-                               f"slot {body.slot}; loaded is version {cur.version} slot {cur.slot}")
+        if cur.version != body.version:
+            raise ReducerError("invalid", f"unload of {body.name!r} names version {body.version}; "
+                               f"loaded is version {cur.version}")
         adapters = dict(state.adapters)
         del adapters[body.name]
         return State(seq, state.pool, adapters)
@@ -167,6 +171,15 @@ def logical_digest(state: State) -> str:
 
 def snapshot_bytes(state: State) -> bytes:
     return canonical_bytes(canonical(state))
+
+
+def verified_snapshot(seq: int, data: dict[str, Any], expected: str) -> State:
+    """The state a snapshot holds, once its data hashes to the digest stored with it. The hash
+    is over the data as recorded: a snapshot written before the registry split holds slots and
+    a digest of them (digest version 1), and is upcast only after that check."""
+    if digest(data) != expected:
+        raise EventError(f"snapshot at seq {seq} does not match its digest")
+    return from_canonical(seq, data)
 
 
 def from_canonical(seq: int, data: dict[str, Any]) -> State:

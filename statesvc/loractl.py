@@ -16,8 +16,9 @@ import click
 import zmq
 from rich.table import Table
 
-from shared.client import ControlClient, new_event_id
-from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, POOL_DTYPES, STATE_ENV
+from shared.client import ControlClient, list_adapters, new_event_id
+from shared.config import (DEFAULT_CONTROL, DEFAULT_MAX_ADAPTERS, DEFAULT_PUBLISH, MAX_MAX_ADAPTERS,
+                           POOL_DTYPES, STATE_ENV)
 from shared.endpoints import click_address, connect
 from shared.llama import MODULES
 from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
@@ -76,7 +77,10 @@ def _parse_targets(value: str) -> str | list[str]:
                                                         path_type=Path),
               help="Hugging Face checkpoint directory of the base model.")
 @click.option("--max-loras", required=True, type=click.IntRange(1, 4096),
-              help="Slots: how many adapters the pool holds at once.")
+              help="Device slots per replica: the most distinct adapters one batch holds.")
+@click.option("--max-adapters", type=click.IntRange(1, MAX_MAX_ADAPTERS),
+              default=DEFAULT_MAX_ADAPTERS, show_default=True,
+              help="Most adapters the registry holds (resident in a slot or not).")
 @click.option("--max-rank", required=True, type=click.IntRange(1, 1024),
               help="Largest LoRA rank the pool takes.")
 @click.option("--targets", required=True, help="'all' or a comma list, e.g. q_proj,v_proj.")
@@ -85,19 +89,22 @@ def _parse_targets(value: str) -> str | list[str]:
 @JSON_OPT
 @click.pass_context
 @handles_errors
-def pool_init(ctx: click.Context, model: Path, max_loras: int, max_rank: int, targets: str,
-              dtype: str, expect_head: int | None, as_json: bool) -> None:
+def pool_init(ctx: click.Context, model: Path, max_loras: int, max_adapters: int,
+              max_rank: int, targets: str, dtype: str, expect_head: int | None,
+              as_json: bool) -> None:
     """Configure the pool (the log's genesis event). Its settings never change."""
     with _client(ctx) as c:
         res = c.call("pool.init", {"event_id": new_event_id(), "model": str(model.resolve()),
-                                   "max_loras": max_loras, "max_rank": max_rank,
+                                   "max_loras": max_loras, "max_adapters": max_adapters,
+                                   "max_rank": max_rank,
                                    "targets": _parse_targets(targets), "dtype": dtype,
                                    "expect_head": expect_head})
     if as_json:
         emit(res)
     else:
         verb = "configured" if res["created"] else "already configured with these settings"
-        out.print(shown(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots, max rank "
+        out.print(shown(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots per replica, "
+                        f"up to {res['max_adapters']} adapters, max rank "
                         f"{res['max_rank']}, targets {','.join(res['targets'])}, "
                         f"{res['dtype']}, model {res['fingerprint'][:12]}"))
 
@@ -105,7 +112,8 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_rank: int, ta
 @main.command()
 @click.argument("name")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--pin", is_flag=True, help="Mark the adapter pinned: unload then needs --force.")
+@click.option("--pin", is_flag=True, help="Keep it resident on every replica, never evicted "
+              "(at most max_loras - 1 pinned); unload then needs --force.")
 @click.option("--replace", is_flag=True, help="Record a new version if NAME holds other content.")
 @EXPECT_HEAD
 @JSON_OPT
@@ -119,13 +127,12 @@ def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
                               "path": str(path.resolve()), "pin": pin, "replace": replace,
                               "expect_head": expect_head})
     if as_json:
-        emit({k: res[k] for k in ("seq", "name", "version", "slot")})
+        emit({k: res[k] for k in ("seq", "name", "version")})
     elif res["created"]:
-        out.print(shown(f"loaded {res['name']} version {res['version']} into slot "
-                        f"{res['slot']} (seq {res['seq']})"))
+        out.print(shown(f"loaded {res['name']} version {res['version']} (seq {res['seq']})"))
     else:
         out.print(shown(f"{res['name']} is already loaded with this content: version "
-                        f"{res['version']} in slot {res['slot']}; nothing recorded"))
+                        f"{res['version']}; nothing recorded"))
 
 
 @main.command()
@@ -144,36 +151,42 @@ def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
     if as_json:
         emit(res)
     else:
-        out.print(shown(f"unloaded {res['name']} version {res['version']} from slot "
-                        f"{res['slot']} (seq {res['seq']})"))
+        out.print(shown(f"unloaded {res['name']} version {res['version']} (seq {res['seq']})"))
 
 
 @main.command("list")
+@click.option("--limit", type=click.IntRange(1), default=None,
+              help="At most this many adapters (default: all, fetched page by page).")
+@click.option("--after", default=None, metavar="NAME",
+              help="Only adapters whose names sort after NAME: the next page.")
 @JSON_OPT
 @click.pass_context
 @handles_errors
-def list_(ctx: click.Context, as_json: bool) -> None:
-    """The loaded adapters."""
+def list_(ctx: click.Context, limit: int | None, after: str | None, as_json: bool) -> None:
+    """The registered adapters, by name."""
     with _client(ctx) as c:
-        res = c.call("list")
+        res, adapters = list_adapters(c, after=after, limit=limit)
     if as_json:
-        emit(res["adapters"])
+        emit(adapters)
         return
     pool_ = res["pool"]
     if pool_ is None:
         out.print("the pool is not configured yet (loractl pool init ...)")
         return
-    table = Table(title=shown(f"{len(res['adapters'])} of {pool_['max_loras']} slots used, "
+    shown_ = "" if len(adapters) == res["count"] else f"{len(adapters)} shown, "
+    table = Table(title=shown(f"{shown_}{res['count']} of {pool_['max_adapters']} adapters "
+                              f"registered ({pool_['max_loras']} slots per replica), "
                               f"head seq {res['head_seq']}"))
-    for col in ("name", "version", "slot", "rank", "alpha", "scaling", "targets", "sha256",
-                "pinned"):
-        table.add_column(col, justify="right" if col in ("version", "slot", "rank") else "left")
-    for a in res["adapters"]:
-        table.add_row(*map(shown, (a["name"], a["version"], a["slot"], a["rank"],
+    for col in ("name", "version", "rank", "alpha", "scaling", "targets", "sha256", "pinned"):
+        table.add_column(col, justify="right" if col in ("version", "rank") else "left")
+    for a in adapters:
+        table.add_row(*map(shown, (a["name"], a["version"], a["rank"],
                                    f"{a['alpha']:g}", f"{a['scaling']:.4g}")),
                       shown(_short(a["targets"])), shown(a["sha256"][:12]),
                       "yes" if a["pinned"] else "")
     out.print(table)
+    if limit is not None and adapters and len(adapters) == limit:
+        out.print(shown(f"next page: loractl list --limit {limit} --after {adapters[-1]['name']}"))
 
 
 EVENT_KEYS = ("seq", "event_id", "type", "payload", "recorded_at", "actor")
@@ -186,8 +199,8 @@ def _event_summary(ev: dict[str, Any]) -> str:
                 f"{_short(p['targets'])}, {p['dtype']}")
     if ev["type"] == "adapter.loaded":
         rep = f", replaces v{p['replaces']['version']}" if p.get("replaces") else ""
-        return f"{p['name']} v{p['version']} -> slot {p['slot']} (r={p['rank']}{rep})"
-    return f"{p['name']} v{p['version']} from slot {p['slot']}"
+        return f"{p['name']} v{p['version']} (r={p['rank']}{rep})"
+    return f"{p['name']} v{p['version']}"
 
 
 def _fetch_events(c: ControlClient, since: int) -> list[dict[str, Any]]:

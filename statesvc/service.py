@@ -19,17 +19,18 @@ import msgpack
 
 from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS
 from shared.errors import CodedError
-from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, PoolConfigured,
-                           Replaced, encode_body, log_id_of)
+from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, EventError,
+                           PoolConfigured, Replaced, encode_body, log_id_of)
 from shared.fingerprint import ModelError, read_model
 from shared.llama import MODULES
 from shared.protocol import Request
-from shared.reducer import (State, admit_load, apply, canonical, from_canonical, logical_digest,
-                            require_pool, snapshot_bytes)
+from shared.reducer import (State, admit_load, apply, canonical, logical_digest, require_pool,
+                            snapshot_bytes, verified_snapshot)
 from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
 from statesvc.blobs import BlobStore
 from statesvc.registry import Registry
 from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
+from statesvc.views import describe_pool, list_page, pool_view, result_of
 
 log = logging.getLogger("statesvc")
 
@@ -66,29 +67,6 @@ class _Batch:
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     # every write answered in this batch: if the commit fails, none of them may claim success
     writers: list[int] = field(default_factory=list)
-
-
-def _result_of(event_type: str, seq: int, body: Body) -> dict[str, Any]:
-    if isinstance(body, PoolConfigured):
-        return {"seq": seq, "created": True, **_pool_view(body)}
-    assert isinstance(body, (AdapterLoaded, AdapterUnloaded))
-    out: dict[str, Any] = {"seq": seq, "name": body.name, "version": body.version,
-                           "slot": body.slot}
-    if isinstance(body, AdapterLoaded):
-        out["created"] = True
-    return out
-
-
-def _pool_view(pool: PoolConfigured) -> dict[str, Any]:
-    return {"fingerprint": pool.fingerprint, "max_loras": pool.max_loras,
-            "max_rank": pool.max_rank, "targets": list(pool.targets), "dtype": pool.dtype,
-            "num_layers": pool.num_layers}
-
-
-def adapter_view(a: AdapterLoaded) -> dict[str, Any]:
-    return {"name": a.name, "version": a.version, "slot": a.slot, "rank": a.rank,
-            "alpha": a.alpha, "scaling": a.scaling, "targets": list(a.targets),
-            "sha256": a.sha256, "pinned": a.pinned}
 
 
 class StateService:
@@ -144,9 +122,11 @@ class StateService:
     def rebuild(self, *, until: int | None = None, use_snapshot: bool = True) -> State:
         """The state at `until` (default: head) from the latest snapshot before it and the tail."""
         snap = self.store.latest_snapshot(until) if use_snapshot else None
-        state = State() if snap is None else from_canonical(snap.seq, msgpack.unpackb(snap.state))
-        if snap is not None and logical_digest(state) != snap.digest:
-            raise RuntimeError(f"snapshot at seq {snap.seq} does not match its digest")
+        try:
+            state = State() if snap is None else verified_snapshot(
+                snap.seq, msgpack.unpackb(snap.state), snap.digest)
+        except EventError as exc:
+            raise RuntimeError(str(exc)) from None
         while True:
             page = self.store.read(state.seq, 1000, until=until)
             if not page:
@@ -223,7 +203,7 @@ class StateService:
         """Add the recorded events of these requests' event_ids to `known`."""
         ids = [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
         for eid, ev in (self.store.by_event_ids(ids).items() if ids else ()):
-            known.setdefault(eid, (ev.type, _result_of(ev.type, ev.seq, ev.body)))
+            known.setdefault(eid, (ev.type, result_of(ev.type, ev.seq, ev.body)))
 
     def _extend(self, requests: list[tuple[Request, str]], answers: list[Answer],
                 known: dict[str, tuple[str, dict[str, Any]]],
@@ -295,7 +275,7 @@ class StateService:
             batch.blobs.append(NewBlob(body.sha256, body.size, seq))
         batch.state = new_state
         batch.events.append(NewEvent(seq, event_id, body.TYPE, encode_body(body), actor))
-        result = _result_of(body.TYPE, seq, body)
+        result = result_of(body.TYPE, seq, body)
         batch.by_event_id[event_id] = (body.TYPE, result)
         batch.decided_ids.append(event_id)
         batch.answers.append((i, result))
@@ -316,20 +296,22 @@ class StateService:
             m for m in MODULES if m in args["targets"])
         body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
                               model.module_dims, args["max_loras"], args["max_rank"], targets,
-                              args["dtype"], log_id=str(uuid.uuid4()))
+                              args["dtype"], log_id=str(uuid.uuid4()),
+                              max_adapters=args["max_adapters"])
         if state.pool is not None:
-            if _pool_view(state.pool) == _pool_view(body):
-                return {"seq": 1, "created": False, **_pool_view(state.pool)}
+            if pool_view(state.pool) == pool_view(body):
+                return {"seq": 1, "created": False, **pool_view(state.pool)}
             raise CommandError("already_configured", "the pool is already configured "
-                               f"({_describe_pool(state.pool)}) and its settings are immutable; "
+                               f"({describe_pool(state.pool)}) and its settings are immutable; "
                                "to change them start a new state service with a new --data-dir")
         return body, None
 
     def _load(self, state: State, seq: int,
               args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | bytearray | None]:
         pool, name = require_pool(state), args["name"]
-        # the reducer's rules first (no pool, a bad name, no free slot): a refusal reads no file
-        old, slot = admit_load(state, name)
+        # the reducer's rules first (no pool, a bad name, a full registry, too many pinned): a
+        # refusal reads no file
+        old = admit_load(state, name, pin=args["pin"])
         path = _absolute(args["path"], "args.path")
         roots = self.adapter_roots or ANYWHERE
         if self.adapter_roots and ".." in path.parts:
@@ -350,11 +332,10 @@ class StateService:
                             name, args["path"])
                 self.blobs.put(cand.weights, cand.sha256, overwrite=True)
         if old is not None and _same(old, cand, args["pin"]):
-            return {"seq": old.version, "name": name, "version": old.version, "slot": old.slot,
-                    "created": False}
+            return {"seq": old.version, "name": name, "version": old.version, "created": False}
         # other content under a loaded name without --replace: `apply` refuses it (`exists`)
-        replaces = Replaced(old.version, old.slot) if old is not None and args["replace"] else None
-        body = AdapterLoaded(name, seq, slot, cand.sha256, cand.size, cand.rank,
+        replaces = Replaced(old.version) if old is not None and args["replace"] else None
+        body = AdapterLoaded(name, seq, cand.sha256, cand.size, cand.rank,
                              cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
                              args["pin"], replaces)
         return body, cand.weights
@@ -369,7 +350,7 @@ class StateService:
         if cur.pinned and not args["force"]:
             raise CommandError("pinned", f"adapter {cur.name!r} is pinned; pass --force to "
                                "unload it anyway")
-        return AdapterUnloaded(cur.name, cur.version, cur.slot), None
+        return AdapterUnloaded(cur.name, cur.version), None
 
     # ---- reads ---------------------------------------------------------------
 
@@ -382,9 +363,7 @@ class StateService:
     def _read(self, req: Request, actor: str) -> Any:
         args, state = req.args, self.state
         if req.cmd == "list":
-            return {"head_seq": state.seq,
-                    "pool": None if state.pool is None else _pool_view(state.pool),
-                    "adapters": [adapter_view(state.adapters[n]) for n in sorted(state.adapters)]}
+            return list_page(self.state, args.get("after"), args["limit"])
         if req.cmd == "events":
             events = self.store.read(args["since"], args["limit"])
             return {"head_seq": state.seq, "events": [e.to_wire() for e in events]}
@@ -442,9 +421,3 @@ def _absolute(path: str, field: str) -> Path:
         raise CommandError("bad_request", f"{field} must be an absolute path on the state "
                            f"service's host, got {path!r} (loractl sends absolute paths)", field)
     return p
-
-
-def _describe_pool(pool: PoolConfigured) -> str:
-    return (f"max_loras={pool.max_loras}, max_rank={pool.max_rank}, "
-            f"targets={','.join(pool.targets)}, dtype={pool.dtype}, "
-            f"model {pool.fingerprint[:12]}")

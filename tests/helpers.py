@@ -145,3 +145,13 @@ class HFReference:
             out.append(token)
             ids.append(token)
         return out
+
+
+def held(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A replica status's slots as {slot: {name, version}} (without digests and pins)."""
+    return {s: {"name": h["name"], "version": h["version"]} for s, h in status["slots"].items()}
+
+
+def slot_holding(status: dict[str, Any], name: str) -> int:
+    """The slot a replica's status shows holding adapter `name`."""
+    return next(int(s) for s, h in status["slots"].items() if h["name"] == name)

@@ -4,8 +4,12 @@ A drill starts two fresh replicas beside the fleet, one replaying the whole
 log from seq 0 (no snapshot) and one from the latest snapshot and its tail,
 optionally SIGKILLs a live replica and restarts it, waits until every replica
 has applied the same seq, then compares each of them with statesvc's logical
-digest and with the from-zero replica's pool digest (slot by slot) and its
-greedy output for a fixed probe on the base model and on every live adapter.
+digest, runs a fixed greedy probe on the base model and on every live adapter
+(each probe of an adapter that a replica does not hold fills a slot there) and
+compares its output with the from-zero replica's, then compares the contents of
+every resident slot with the from-zero replica's for the same adapter version
+(which slot holds it is each replica's own choice) and checks that every
+pinned adapter is resident everywhere.
 
 What to kill and how to restart it comes only from the operator's side: the
 replica's run file (shared/runfile.py), checked before the kill. Nothing a
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shared import runfile
-from shared.client import ControlClient, RemoteError, Unavailable
+from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
 from shared.fleet import Computed, Endpoints, alive
 from shared.keys import ClientKeys, client_keys
 from shared.replica_protocol import GENERATE, STATUS, generate_args
@@ -224,24 +228,38 @@ class Drill:
         self.report.head_seq = seq
         expected = _call(self.state, "digest", {"seq": seq}, keys=self.keys)["digest"]
         ref = statuses[ZERO]
-        listed = _call(self.state, "list", keys=self.keys)["adapters"]
+        with ControlClient(self.state, retries=0, keys=self.keys) as c:
+            listed = list_adapters(c)[1]
         adapters = [None, *sorted(a["name"] for a in listed)]
         probes = {rid: self._probe(addr, adapters, seq) for rid, addr in addresses.items()}
+        # after the probes, which filled slots: what each replica holds now
+        resident = {rid: self._status(addr) or {} for rid, addr in addresses.items()}
+        pinned = sorted(a["name"] for a in listed if a["pinned"])
         for rid, s in statuses.items():
             self._check(rid, "logical_digest", expected, s["logical_digest"],
                         "differs from statesvc's at this seq")
-            if s["pool_digest"] != ref["pool_digest"]:
-                slots = [i for i, (a, b) in enumerate(zip(s["slot_digests"] or [],
-                                                          ref["slot_digests"] or [])) if a != b]
-                self._check(rid, "pool_digest", ref["pool_digest"], s["pool_digest"],
-                            f"slot(s) {', '.join(map(str, slots))} differ from the replay "
-                            "from seq 0")
-            else:
-                self._check(rid, "pool_digest", ref["pool_digest"], s["pool_digest"], "")
+            self._check_resident(rid, resident[rid], resident[ZERO], pinned)
             for adapter in adapters:
                 label = f"probe:{adapter or '(base)'}"
                 self._check(rid, label, probes[ZERO][adapter], probes[rid][adapter],
                             "greedy output differs from the replay from seq 0")
+
+    def _check_resident(self, rid: str, status: dict[str, Any], ref: dict[str, Any],
+                        pinned: list[str]) -> None:
+        """Each slot's contents equal the from-zero replica's for the same adapter version,
+        and every pinned adapter is resident."""
+        def by_version(st: dict[str, Any]) -> dict[tuple[str, int], tuple[str, Any]]:
+            return {(h["name"], h["version"]): (slot, h["digest"])
+                    for slot, h in (st.get("slots") or {}).items()}
+        mine, theirs = by_version(status), by_version(ref)
+        wrong = sorted(f"{slot} ({name} v{version})" for (name, version), (slot, d)
+                       in mine.items() if (name, version) in theirs
+                       and theirs[(name, version)][1] != d)
+        self._check(rid, "resident", [], wrong, f"slot(s) {', '.join(wrong)} differ from the "
+                    "replay from seq 0")
+        held = sorted({name for name, _ in mine})
+        self._check(rid, "pinned", pinned, [p for p in pinned if p in held],
+                    "pinned adapters are not resident")
 
     def _probe(self, address: str, adapters: list[str | None], seq: int) -> dict[str | None, Any]:
         out: dict[str | None, Any] = {}

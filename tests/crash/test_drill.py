@@ -104,7 +104,7 @@ def test_drill_rebuilds_a_killed_replica_from_its_run_file_not_a_heartbeat(
         replicas = {c["replica"] for c in report["checks"]}
         assert replicas == {"r1", "r2", "drill-from-zero", "drill-from-snapshot"}
         kinds = {c["check"] for c in report["checks"]}
-        assert {"logical_digest", "pool_digest", "probe:(base)", "probe:chat",
+        assert {"logical_digest", "resident", "pinned", "probe:(base)", "probe:chat",
                 "probe:code"} == kinds
         assert all(c["ok"] for c in report["checks"])
         assert set(report["timings"]) == {"rebuild_from-zero_s", "rebuild_from-snapshot_s",
@@ -151,7 +151,7 @@ def test_drill_names_a_wrong_replica_and_its_slot(fleet: Fleet) -> None:
     assert code == 1 and report["ok"] is False
     failed = [c for c in report["checks"] if not c["ok"]]
     assert {c["replica"] for c in failed} == {"bad"}
-    pool = next(c for c in failed if c["check"] == "pool_digest")
-    assert "slot(s) 1 differ" in pool["detail"]
-    assert "replica bad: pool_digest slot(s) 1" in stderr
+    pool = next(c for c in failed if c["check"] == "resident")
+    assert "slot(s) 1 (" in pool["detail"]
+    assert "replica bad: resident slot(s) 1 (" in stderr
     assert all(c["ok"] for c in report["checks"] if c["replica"] != "bad")

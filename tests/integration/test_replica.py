@@ -14,7 +14,7 @@ from shared.client import ControlClient, new_event_id
 from shared.fleet import Computed, StateSvc, loractl, wait_for
 from shared.peft import parse_lora_name
 from statesvc.tools.example import ExampleAssets, ModelShape, make_example
-from tests.helpers import Fleet
+from tests.helpers import Fleet, held, slot_holding
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,9 +73,9 @@ def test_two_replicas_agree_with_statesvc_and_the_files(fleet: Fleet) -> None:
     for name, adapter in dirs.items():
         a = listed[name]
         for r in (r1, r2):
-            assert_slot_matches_file(r, a["slot"], fleet.example.adapter_dirs[adapter],
-                                     a["scaling"], a["rank"])
-    freed = {0, 1, 2, 3, 4, 5} - {a["slot"] for a in listed.values()}
+            assert_slot_matches_file(r, slot_holding(r.status(), name),
+                                     fleet.example.adapter_dirs[adapter], a["scaling"], a["rank"])
+    freed = {0, 1, 2, 3, 4, 5} - {slot_holding(r1.status(), name) for name in listed}
     for slot in freed:  # unloaded and replaced slots are zero
         got = r1.call("slot", slot=slot)
         assert got["rank"] == 0 and got["scaling"] == 0
@@ -169,7 +169,7 @@ def test_bad_blob_bytes_leave_the_pool_unchanged_and_are_retried(fleet: Fleet) -
         wait_for(lambda: r1.status()["last_error"] is not None, what="the bad blob noticed")
         s = r1.status()
         assert s["applied_seq"] == 2 and "hashes to" in s["last_error"]
-        assert s["slots"] == {"0": {"name": "a", "version": 2}}
+        assert held(s) == {"0": {"name": "a", "version": 2}}
         r1.stop()
     blob.write_bytes(good)
     # and a damaged blob in the replica's own cache is fetched again

@@ -50,9 +50,9 @@ def test_lifecycle_through_loractl_and_restart(statesvc: StateSvc, example: Exam
     assert init["seq"] == 1 and init["max_loras"] == 4 and len(init["targets"]) == 7
 
     a = js(loractl(statesvc, "load", "chat", str(ad["attn-qv-r8"]), "--json"))
-    assert a == {"seq": 2, "name": "chat", "version": 2, "slot": 0}
+    assert a == {"seq": 2, "name": "chat", "version": 2}
     b = js(loractl(statesvc, "load", "sql", str(ad["mlp-only-r16"]), "--pin", "--json"))
-    assert b == {"seq": 3, "name": "sql", "version": 3, "slot": 1}
+    assert b == {"seq": 3, "name": "sql", "version": 3}
 
     # an idempotent retry over the raw socket: recorded once, answered with the original result
     event_id = new_event_id()
@@ -60,26 +60,30 @@ def test_lifecycle_through_loractl_and_restart(statesvc: StateSvc, example: Exam
     first = raw_call(raw, "load", args)
     again = raw_call(raw, "load", args)
     assert first["ok"] and again["ok"] and again["result"] == first["result"]
-    assert first["result"]["seq"] == 4 and first["result"]["slot"] == 2
+    assert first["result"]["seq"] == 4 and "slot" not in first["result"]
 
-    # replace: one event, a new slot, the old version recorded as replaced
+    # replace: one event, the old version recorded as replaced
     rep = js(loractl(statesvc, "load", "chat", str(ad["attn-all-r4"]), "--replace", "--json"))
-    assert rep == {"seq": 5, "name": "chat", "version": 5, "slot": 3}
+    assert rep == {"seq": 5, "name": "chat", "version": 5}
     refused = loractl(statesvc, "unload", "sql", check=False)
     assert refused.returncode == 1 and "pinned" in refused.stderr and refused.stdout == ""
     un = js(loractl(statesvc, "unload", "code", "--json"))
-    assert un == {"seq": 6, "name": "code", "version": 4, "slot": 2}
+    assert un == {"seq": 6, "name": "code", "version": 4}
 
     listed = js(loractl(statesvc, "list", "--json"))
     assert [x["name"] for x in listed] == ["chat", "sql"]
     chat = listed[0]
-    assert set(chat) == {"name", "version", "slot", "rank", "alpha", "scaling", "targets",
-                         "sha256", "pinned"}
-    assert (chat["version"], chat["slot"], chat["rank"], chat["alpha"], chat["scaling"]) == \
-        (5, 3, 4, 4.0, 1.0)
+    assert set(chat) == {"name", "version", "rank", "alpha", "scaling", "targets", "sha256",
+                         "pinned"}
+    assert (chat["version"], chat["rank"], chat["alpha"], chat["scaling"]) == (5, 4, 4.0, 1.0)
     assert chat["sha256"] == hashlib.sha256(
         (ad["attn-all-r4"] / "adapter_model.safetensors").read_bytes()).hexdigest()
     assert listed[1]["pinned"] is True
+    # paging: --json stays a list
+    assert js(loractl(statesvc, "list", "--limit", "1", "--json")) == listed[:1]
+    assert js(loractl(statesvc, "list", "--after", "chat", "--json")) == listed[1:]
+    assert "next page: loractl list --limit 1 --after chat" in \
+        loractl(statesvc, "list", "--limit", "1").stdout
 
     events = js(loractl(statesvc, "events", "--json"))
     assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
@@ -89,13 +93,13 @@ def test_lifecycle_through_loractl_and_restart(statesvc: StateSvc, example: Exam
     assert [e["type"] for e in events] == ["pool.configured"] + ["adapter.loaded"] * 4 + \
         ["adapter.unloaded"]
     assert events[3]["event_id"] == event_id
-    assert events[4]["payload"]["replaces"] == {"version": 2, "slot": 0}
+    assert events[4]["payload"]["replaces"] == {"version": 2}
     assert [e["seq"] for e in js(loractl(statesvc, "events", "--since", "4", "--json"))] == [5, 6]
 
     status = js(loractl(statesvc, "status", "--json"))
     assert status["head_seq"] == 6 and status["replicas"] == []
     human = loractl(statesvc, "list").stdout
-    assert "chat" in human and "2 of 4 slots used" in human
+    assert "chat" in human and "2 of 100000 adapters registered (4 slots per replica)" in human
 
     statesvc.stop()
     statesvc.start()
@@ -131,8 +135,9 @@ def test_diffs_and_heartbeats_are_published(statesvc: StateSvc, example: Example
         assert [(d["seq"], d["op"]) for d in diffs] == [(1, "configure"), (2, "load"),
                                                          (3, "unload")]
         load = diffs[1]
-        assert (load["name"], load["version"], load["slot"], load["rank"], load["alpha"],
-                load["targets"]) == ("x", 2, 0, 8, 16.0, ["q_proj", "v_proj"])
+        assert (load["name"], load["version"], load["rank"], load["alpha"],
+                load["targets"]) == ("x", 2, 8, 16.0, ["q_proj", "v_proj"])
+        assert "slot" not in load  # which slot holds it is each replica's choice
         assert load["sha256"] == hashlib.sha256((example.adapter_dirs["attn-qv-r8"] /
                                                  "adapter_model.safetensors").read_bytes()
                                                 ).hexdigest()

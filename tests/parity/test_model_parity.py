@@ -172,7 +172,7 @@ def fill_pool(assets: ExampleAssets, config: LlamaConfig, dtype: str = "float32"
         r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
         scaling = alpha / (r ** 0.5 if cfg["use_rslora"] else r)
         slot = i + 1  # leave slot 0 empty: a base row must not pick up slot 0's weights
-        event = AdapterLoaded(name=spec_.name, version=i + 1, slot=slot, sha256="0" * 64, size=0,
+        event = AdapterLoaded(name=spec_.name, version=i + 1, sha256="0" * 64, size=0,
                               rank=r, alpha=alpha, scaling=scaling, use_rslora=cfg["use_rslora"],
                               targets=tuple(cfg["target_modules"]), pinned=False)
         assert pool.write_slot(slot, slot_weights((d / "adapter_model.safetensors").read_bytes(), event))
@@ -395,7 +395,7 @@ def test_base_rows_ignore_an_adapter_in_slot_zero(example: ExampleAssets) -> Non
     empty_zero, _ = fill_pool(example, config)
     full_zero, _ = fill_pool(example, config)
     spec_ = example.adapters[0]
-    event = AdapterLoaded(name=spec_.name, version=1, slot=0, sha256="0" * 64, size=0, rank=spec_.r,
+    event = AdapterLoaded(name=spec_.name, version=1, sha256="0" * 64, size=0, rank=spec_.r,
                           alpha=spec_.lora_alpha, scaling=spec_.scaling, use_rslora=spec_.use_rslora,
                           targets=spec_.target_modules, pinned=False)
     data = (example.adapter_dirs[spec_.name] / "adapter_model.safetensors").read_bytes()

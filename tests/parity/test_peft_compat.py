@@ -184,7 +184,7 @@ def served(example: ExampleAssets, base: Any,
             assert replica.pool is not None
             served_logits = {
                 name: np.asarray(forward_full(params, replica.pool.arrays, tokens,
-                                              [replica.state.adapters[name].slot] * len(tokens)))
+                                              [_slot_of(replica, name)] * len(tokens)))
                 for name in built}
         yield Served(example, tokens, logits(base, tokens), built, served_logits)
     finally:
@@ -420,3 +420,8 @@ def test_targets_outside_the_pool_name_a_fix_that_works(served: Served, example:
     finally:
         narrow.store.close()
         wide.store.close()
+
+
+def _slot_of(replica: Replica, name: str) -> int:
+    """The slot the replica filled with `name` (replay fills free slots: computed/residency.py)."""
+    return next(s for s, h in replica.holders.items() if h.name == name)

@@ -836,7 +836,7 @@ def test_parse_header_allocates_for_the_input_not_for_the_claims(buf: bytes,
 
 
 def _adapter_loaded(rank: int = 2) -> AdapterLoaded:
-    return AdapterLoaded("a", 2, 0, "0" * 64, 0, rank, 8.0, 4.0, False, MODULES, False)
+    return AdapterLoaded("a", 2, "0" * 64, 0, rank, 8.0, 4.0, False, MODULES, False)
 
 
 @pytest.fixture(scope="module")

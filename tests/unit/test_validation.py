@@ -68,7 +68,7 @@ def set_key(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
 
 def test_valid_adapter_is_recorded_with_its_blob(svc: StateService, example: ExampleAssets) -> None:
     res = call(svc, "load", name="ok", path=str(example.adapter_dirs[QV]))
-    assert res == {"seq": 2, "name": "ok", "version": 2, "slot": 0, "created": True}
+    assert res == {"seq": 2, "name": "ok", "version": 2, "created": True}
     [sha] = svc.blobs.all()
     assert svc.blobs.verify(sha)
 
@@ -267,16 +267,40 @@ def test_rank_disagrees_with_weights(svc: StateService, example: ExampleAssets,
     assert "expected [4, 64]" in str(err)
 
 
-def test_pool_full(tmp_path: Path, example: ExampleAssets) -> None:
+def test_registry_full_names_max_adapters(tmp_path: Path, example: ExampleAssets) -> None:
     svc = open_service(tmp_path / "data")
-    init_pool(svc, example.model_dir, max_loras=2)
+    init_pool(svc, example.model_dir, max_loras=1, max_adapters=2)
+    assert call(svc, "list")["pool"]["max_adapters"] == 2
+    # more adapters than slots: --max-loras is slots per replica, not a registry cap
     call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
     call(svc, "load", name="b", path=str(example.adapter_dirs[ALL]))
     err = refused(svc, example.adapter_dirs["attn-all-r4"], name="c")
-    assert err.code == "pool_full"
-    assert "all 2 slots are in use" in str(err) and "--max-loras" in str(err)
+    assert err.code == "registry_full"
+    assert "holds 2 adapters" in str(err) and "--max-adapters" in str(err)
     # the reducer refuses before any file is read: a missing directory is not looked at
-    assert refused(svc, tmp_path / "missing", name="c").code == "pool_full"
+    assert refused(svc, tmp_path / "missing", name="c").code == "registry_full"
+    # a new version of a registered name is no new entry
+    call(svc, "load", name="a", path=str(example.adapter_dirs["attn-all-r4"]), replace=True)
+    call(svc, "unload", name="b")
+    call(svc, "load", name="c", path=str(example.adapter_dirs["attn-all-r4"]))
+
+
+def test_at_most_max_loras_minus_one_pinned(tmp_path: Path, example: ExampleAssets) -> None:
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir, max_loras=3)
+    call(svc, "load", name="a", path=str(example.adapter_dirs[QV]), pin=True)
+    call(svc, "load", name="b", path=str(example.adapter_dirs[ALL]), pin=True)
+    err = refused(svc, example.adapter_dirs["attn-all-r4"], name="c", pin=True)
+    assert err.code == "too_many_pinned" and err.field == "args.pin"
+    assert "2 adapters are already pinned" in str(err) and "one slot must always cycle" in str(err)
+    assert refused(svc, tmp_path / "missing", name="c", pin=True).code == "too_many_pinned"
+    call(svc, "load", name="c", path=str(example.adapter_dirs["attn-all-r4"]))  # unpinned: fine
+    # a pinned name's new version stays within the limit; unloading one makes room
+    call(svc, "load", name="a", path=str(example.adapter_dirs["mlp-only-r16"]), pin=True,
+         replace=True)
+    call(svc, "unload", name="b", force=True)
+    call(svc, "load", name="d", path=str(example.adapter_dirs[ALL]), pin=True)
+    assert sorted(a.name for a in svc.state.pinned()) == ["a", "d"]
 
 
 def test_same_name_other_content_needs_replace(svc: StateService,
@@ -291,20 +315,20 @@ def test_same_name_same_content_returns_existing(svc: StateService,
     first = call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
     head = svc.store.head()
     again = call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
-    assert (again["version"], again["slot"], again["created"]) == (first["version"], 0, False)
+    assert (again["version"], again["created"]) == (first["version"], False)
     assert svc.store.head() == head
 
 
-def test_replace_records_one_event_and_moves_slot(svc: StateService,
+def test_replace_records_one_event(svc: StateService,
                                                   example: ExampleAssets) -> None:
     call(svc, "load", name="a", path=str(example.adapter_dirs[QV]))
     head = svc.store.head()
     res = call(svc, "load", name="a", path=str(example.adapter_dirs[ALL]), replace=True)
     assert svc.store.head() == head + 1
-    assert res == {"seq": head + 1, "name": "a", "version": head + 1, "slot": 1, "created": True}
+    assert res == {"seq": head + 1, "name": "a", "version": head + 1, "created": True}
     [ev] = svc.store.read(head, 10)
-    assert ev.payload["replaces"] == {"version": 2, "slot": 0}
-    assert svc.state.adapters["a"].slot == 1 and len(svc.state.adapters) == 1
+    assert ev.payload["replaces"] == {"version": 2} and "slot" not in ev.payload
+    assert svc.state.adapters["a"].version == head + 1 and len(svc.state.adapters) == 1
 
 
 def test_load_before_pool_init(tmp_path: Path, example: ExampleAssets) -> None:
@@ -366,3 +390,37 @@ def test_an_adapter_rewritten_in_place_is_read_again(svc: StateService, example:
     a, b, c = (svc.state.adapters[n] for n in "abc")
     assert a.sha256 == b.sha256 != c.sha256 == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert svc.blobs.verify(c.sha256) and len(reads) == 2
+
+
+def test_list_pages_through_the_registry(tmp_path: Path, example: ExampleAssets) -> None:
+    from shared.client import list_adapters  # the loop loractl and the drill page with
+
+    svc = open_service(tmp_path / "data")
+    init_pool(svc, example.model_dir, max_loras=2)
+    names = [f"n{i:02d}" for i in range(7)]
+    for name in reversed(names):
+        call(svc, "load", name=name, path=str(example.adapter_dirs[QV]))
+    first = call(svc, "list", limit=3)
+    assert [a["name"] for a in first["adapters"]] == names[:3]
+    assert (first["count"], first["next_after"]) == (7, "n02")
+    rest = call(svc, "list", after="n02", limit=10)
+    assert [a["name"] for a in rest["adapters"]] == names[3:] and rest["next_after"] is None
+    assert call(svc, "list", after="zzz")["adapters"] == []
+
+    class Paged:  # the service behind the client's call, three adapters a page
+        def call(self, cmd: str, args: dict[str, Any]) -> Any:
+            return call(svc, cmd, **{**args, "limit": min(args["limit"], 3)})
+
+    assert [a["name"] for a in list_adapters(Paged())[1]] == names  # type: ignore[arg-type]
+    assert [a["name"] for a in list_adapters(Paged(), after="n01", limit=4)[1]] == names[2:6]  # type: ignore[arg-type]
+    err = refused_read(svc, "list", limit=0)
+    assert err.code == "bad_request" and err.field == "args.limit"
+
+
+def refused_read(svc: StateService, cmd: str, **args: Any) -> CommandError:
+    from shared.protocol import ProtocolError
+    try:
+        call(svc, cmd, **args)
+    except (CommandError, ProtocolError) as exc:
+        return CommandError(exc.code, str(exc), exc.field)
+    raise AssertionError(f"{cmd} {args} was answered")

@@ -1,0 +1,59 @@
+"""Issue 16's Done-when test: more distinct adapters requested at once than the replica has
+slots, through a real `computed serve`, every reply checked against transformers + PEFT."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.fleet import wait_for
+from statesvc.tools.example import EXAMPLE_ADAPTERS, EXAMPLE_BASE_MODEL_NAME, write_adapter
+from tests.helpers import Fleet
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+from tests.helpers import HFReference  # noqa: E402
+from tests.parity.test_serving import Client, generate  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+SLOTS, ADAPTERS = 4, 12
+PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 200, 12, 9, 81]]
+
+
+def test_twelve_adapters_on_four_slots_all_match_peft(fleet: Fleet, tmp_path: Path) -> None:
+    fleet.init(max_loras=SLOTS, max_rank=32)
+    # 12 adapters with weights of their own (seeds 1..12) over the example's shapes
+    dirs = {f"ad{i}": write_adapter(tmp_path / f"ad{i}", EXAMPLE_ADAPTERS[i % 5],
+                                    fleet.example.shape, seed=i + 1,
+                                    base_model_name_or_path=EXAMPLE_BASE_MODEL_NAME)
+            for i in range(ADAPTERS)}
+    replica = fleet.replica("r1", args=("--max-batch", "8", "--max-len", "64",
+                                        "--queue-limit", "128"))
+    for name, path in dirs.items():
+        fleet.cmd("load", name=name, path=str(path))
+    wait_for(lambda: fleet.converged(replica), what="the registry applied")
+    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
+    reference = HFReference(fleet.example.model_dir)
+    client = Client(replica.listen)
+    try:
+        asked = {}
+        for round_ in range(2):  # every adapter twice and the base model between, all at once
+            for i, name in enumerate([*dirs, None, None, None]):
+                prompt = PROMPTS[(i + round_) % 2]
+                n = 4 + (i + round_) % 5
+                asked[client.send("generate", generate(name, prompt, n=n))] = (name, prompt, n)
+        replies = client.gather(list(asked))
+    finally:
+        client.close()
+    for rid, (name, prompt, n) in asked.items():
+        r = replies[rid]
+        assert r["ok"], r  # waiting for a slot is not an error
+        assert (r["result"]["adapter"] or {}).get("name") == name
+        want = reference.greedy(None if name is None else dirs[name], prompt, n)
+        assert r["result"]["output_ids"] == want, (name, prompt)
+    status = replica.status()
+    res = status["residency"]
+    assert res["slots"] == SLOTS and len(status["slots"]) <= SLOTS
+    assert res["misses"] >= ADAPTERS - SLOTS and res["evictions"] >= ADAPTERS - SLOTS
+    assert res["hits"] + res["misses"] >= 2 * ADAPTERS
+    assert status["inference"]["running"] == status["inference"]["waiting"] == 0
