@@ -46,8 +46,8 @@ from benchmarks.bench_decode import (
     SERVED_TOKENS,
     SHAPE,
     RawDecode,
+    RequestTiming,
     ServedReplica,
-    ServedTiming,
     Timing,
     adapter_names,
     agreement,
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
                                                   name=f"served-{dtype}")
             timings = {key: Timing() for key in loops}
-            served_t = {(d, k): ServedTiming() for d in served for k in MIXES}
+            served_t = {(d, k): RequestTiming() for d in served for k in MIXES}
             with counting_compiles() as compiles:
                 for r in range(args.repeats + 1):
                     count = r > 0  # round 0 warms up

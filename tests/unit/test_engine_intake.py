@@ -44,8 +44,11 @@ class CountingModel:
 class BaseOnly:
     """An admission port that serves the base model only."""
 
-    def admit(self, adapter: str | None, min_seq: int) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
         return Grant(-1, None, 0, 0, None)
+
+    def withdraw(self, ticket: int) -> None:
+        pass
 
     def reading(self) -> Any:
         return nullcontext(None)
