@@ -44,15 +44,30 @@ class Bench:
     name: str
     module: str
     quick: tuple[str, ...]  # arguments for a smoke run
+    isa_bound: bool = False  # its figures depend on the ISA the kernels are built for
 
 
 BENCHES = (
     Bench("events", "benchmarks.bench_events", ("--quick",)),
     Bench("replica", "benchmarks.bench_replica", ("--quick",)),
     Bench("replay", "benchmarks.bench_replay", ("--quick",)),
-    Bench("decode", "benchmarks.bench_decode", ("--quick",)),
-    Bench("dtype", "benchmarks.bench_dtype", ("--quick",)),
+    Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
+    Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
 )
+
+# `--isa avx2` (a forced AVX2+FMA build on any x86 CPU) keeps its results here, beside the
+# native run's, and latest.json carries the figures of both, each with its CPU and ISA
+FORCED = "avx2"
+
+
+def isa_label(isas: list[str] | None) -> str:
+    """The widest vector ISA the kernels were built for, as a reader names it."""
+    have = set(isas or [])
+    if "avx512f" in have:
+        return "AVX-512" + (" (BF16)" if "avx512bf16" in have else "")
+    if "avx2" in have:
+        return "AVX2+FMA" if "fma" in have else "AVX2"
+    return next(iter(sorted(have)), "no vector ISA").upper()
 
 
 # ---- figures from each benchmark's results --------------------------------------------
@@ -238,14 +253,15 @@ def shortfall(f: Figure) -> str:
 
 
 def summary_table(latest: dict[str, Any]) -> str:
-    lines = ["| figure | value | spread (min-max) | runs | target | verdict |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = ["| figure | value | spread (min-max) | runs | target | verdict | CPU, kernels |",
+             "|---|---:|---:|---:|---|---|---|"]
     for f in latest["figures"]:
         unit = "" if f["unit"] == "x" else f" {f['unit']}"
         value = f"{_num(f['value'])}{'x' if f['unit'] == 'x' else unit}"
         span = "" if not f["spread"] else f"{_num(f['spread'][0])}-{_num(f['spread'][1])}"
+        where = f"{f.get('cpu') or 'CPU not recorded'}, {f.get('isa') or '?'}"
         lines.append(f"| {f['name']} | {value} | {span} | {f['runs']} | {f['target'] or ''} "
-                     f"| {verdict(f)} |")
+                     f"| {verdict(f)} | {where} |")
     m = latest["machine"]
     missed = [f for f in latest["figures"] if f["meets"] is False]
     lines += ["", f"{len(latest['figures'])} figures, {len(missed)} targets missed. "
@@ -253,6 +269,8 @@ def summary_table(latest: dict[str, Any]) -> str:
               f"for {', '.join(m.get('kernel_isas') or ['no vector ISA recorded'])}), "
               f"{m.get('platform')}, Python {m.get('python')}, "
               f"{latest['date']}. Written by `make bench` from `benchmarks/results/latest.json`; "
+              f"figures marked [{FORCED.upper()} build] come from `make bench ISA={FORCED}` on the "
+              f"same machine (kernels forced to AVX2+FMA; detail in `benchmarks/results/{FORCED}/`); "
               "the sections below give each benchmark's detail."]
     if latest["plots"]:
         lines += ["", " ".join(f"![{Path(p).stem}](benchmarks/results/plots/{Path(p).name})"
@@ -273,16 +291,35 @@ def run_bench(bench: Bench, quick: bool, env: dict[str, str]) -> dict[str, Any]:
     return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "args": cmd[3:]}
 
 
-def collect(out: Path, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def figures_of(out: Path, runs: dict[str, dict[str, Any]]) -> list[Figure]:
+    """Every figure of the benchmarks that ran well into `out`, each with the CPU it was taken
+    on and the ISA its kernels were built for (from the benchmark's own `machine` record)."""
     figures: list[Figure] = []
     for name, extract in FIGURES.items():
         path = out / f"{name}.json"
         if name not in runs or runs[name]["rc"] != 0 or not path.is_file():
             continue
-        figures += extract(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        machine = data.get("machine") or {}
+        tags = {"cpu": machine.get("cpu"), "kernel_isas": machine.get("kernel_isas"),
+                "isa": isa_label(machine.get("kernel_isas"))}
+        figures += [{**f, **tags} for f in extract(data)]
+    return figures
+
+
+def collect(out: Path, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """latest.json's content for `out`; for the repository's results, the forced-AVX2 run's
+    figures (`--isa avx2`, kept in RESULTS/avx2/) follow the native run's."""
+    figures = figures_of(out, runs)
+    forced: dict[str, Any] = {}
+    forced_dir = out / FORCED
+    if out.resolve() == RESULTS_DIR.resolve() and (forced_dir / "latest.json").is_file():
+        forced_runs = json.loads((forced_dir / "latest.json").read_text()).get("runs", {})
+        forced = {"runs": forced_runs, "figures": figures_of(forced_dir, forced_runs)}
+        figures += [{**f, "name": f"{f['name']} [{FORCED.upper()} build]"} for f in forced["figures"]]
     machine = machine_info()
     return {"machine": machine, "date": machine["date"], "figures": figures, "runs": runs,
-            "plots": []}
+            **({"forced_isa_runs": forced["runs"]} if forced else {}), "plots": []}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,8 +335,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the native kernels for this ISA in every bench process "
                          "(sets LORAPLANE_KERNEL_ISA; avx2 measures an AVX2+FMA CPU on an AVX-512 one)")
     a = ap.parse_args(argv)
-    chosen = [b for b in BENCHES if not a.only or b.name in a.only.split(",")]
-    out = a.out or (Path(tempfile.mkdtemp(prefix="loraplane-bench-")) if a.quick else RESULTS_DIR)
+    forced = a.isa == FORCED
+    # a forced-ISA run redoes only what the ISA changes, unless --only says otherwise
+    chosen = [b for b in BENCHES if (b.name in a.only.split(",") if a.only else b.isa_bound or not forced)]
+    out = a.out or (Path(tempfile.mkdtemp(prefix="loraplane-bench-")) if a.quick
+                    else RESULTS_DIR / FORCED if forced else RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if a.isa:
@@ -316,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         if previous.is_file():
             runs = json.loads(previous.read_text()).get("runs", {})
         for b in BENCHES:
-            runs.setdefault(b.name, {"rc": 0, "seconds": None, "args": []})
+            if b.isa_bound or not forced:
+                runs.setdefault(b.name, {"rc": 0, "seconds": None, "args": []})
     if not a.collect_only:
         for bench in chosen:
             runs[bench.name] = run_bench(bench, a.quick, env)
@@ -325,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     latest["plots"] = [str(p.relative_to(out)) for p in plots.draw(out, out / "plots")]
     previous.write_text(json.dumps(latest, indent=2) + "\n")
     update_readme("summary", summary_table(latest), readme=readme)
+    if out.resolve() == (RESULTS_DIR / FORCED).resolve():  # the repository's table shows both runs
+        main_runs = json.loads((RESULTS_DIR / "latest.json").read_text()).get("runs", {}) \
+            if (RESULTS_DIR / "latest.json").is_file() else {}
+        both = collect(RESULTS_DIR, main_runs)
+        both["quick"], both["plots"] = False, [str(p.relative_to(RESULTS_DIR)) for p in
+                                               sorted((RESULTS_DIR / "plots").glob("*.png"))]
+        (RESULTS_DIR / "latest.json").write_text(json.dumps(both, indent=2) + "\n")
+        update_readme("summary", summary_table(both), readme=README)
     for f in latest["figures"]:
         mark = verdict(f) or "-"
         print(f"{mark:>5.4}  {f['name']}: {_num(f['value'])} {f['unit']}"

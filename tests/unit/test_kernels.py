@@ -162,3 +162,16 @@ def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(exampl
     assert out["backend"] == "XlaBackend" and not out["blocked"] and out["packed"] is False  # XLA's attention
     assert out["compiles"] == 0
     assert out["finite"]
+
+
+def test_each_figure_names_the_isa_its_kernels_were_built_for() -> None:
+    from benchmarks.suite import isa_label, summary_table
+
+    assert isa_label(["avx2", "fma"]) == "AVX2+FMA"
+    assert isa_label(["avx2", "fma", "avx512f", "avx512bw"]) == "AVX-512"
+    assert isa_label(["avx2", "fma", "avx512f", "avx512bf16"]) == "AVX-512 (BF16)"
+    fig = {"name": "decode, base model, batch 32", "value": 700.0, "unit": "tokens/s",
+           "target": None, "meets": None, "spread": None, "runs": 1, "bench": "decode",
+           "cpu": "AMD EPYC", "isa": "AVX2+FMA"}
+    table = summary_table({"machine": {}, "date": "now", "figures": [fig], "runs": {}, "plots": []})
+    assert "| AMD EPYC, AVX2+FMA |" in table
