@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv kernels test test-fast demo bench up clean
+.PHONY: venv kernels postgres test test-fast demo bench up clean
 
 venv: $(STAMP)
 
@@ -20,11 +20,15 @@ $(STAMP): pyproject.toml
 kernels: $(STAMP)
 	-$(BIN)/python -m computed.backend.kernels
 
-test: kernels
+# the PostgreSQL server the tests start themselves: installed only when missing (.ci/postgres)
+postgres:
+	@.ci/postgres
+
+test: kernels postgres
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-test-fast: kernels
+test-fast: kernels postgres
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 demo: kernels

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, Callable
 
 from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, POOL_DTYPE_MAX
 from shared.errors import CodedError
-from shared.events import PoolConfigured, lora_scaling
+from shared.events import AdapterLoaded, PoolConfigured, lora_scaling
 from shared.files import Beneath, FileError, OutsideRoots, read_limited
 from shared.llama import MODULES
 from shared.peft import LoraKey, parse_lora_name
@@ -407,3 +407,21 @@ def _settled(stats: _Stats, started_ns: int) -> bool:
 # one read and one hash, not a scan of every tensor.
 _FINITE: OrderedDict[str, None] = OrderedDict()
 _FINITE_MAX = 4096
+
+
+def same_adapter(old: AdapterLoaded, cand: Candidate, pin: bool) -> bool:
+    """Loading `cand` (pinned or not) would record nothing new over `old`."""
+    return ((old.sha256, old.rank, old.alpha, old.use_rslora, old.targets, old.pinned)
+            == (cand.sha256, cand.rank, cand.alpha, cand.use_rslora, cand.targets, pin))
+
+
+def absolute_path(path: str, field: str) -> Path:
+    """`path` as given by a client, which must be absolute (bad_request otherwise)."""
+    if "\0" in path:  # no file name holds one: the OS refuses it
+        raise AdapterError("bad_request", f"{field} contains a NUL byte, which no path on the "
+                           f"state service's host can hold: {path!r}", field)
+    p = Path(path)
+    if not p.is_absolute():
+        raise AdapterError("bad_request", f"{field} must be an absolute path on the state "
+                           f"service's host, got {path!r} (loractl sends absolute paths)", field)
+    return p

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO
 
 import click
+from sqlalchemy import make_url
 from sqlalchemy.exc import DatabaseError
 
 from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
@@ -16,13 +17,16 @@ from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
                            MAX_REPLICAS, MAX_REPLICAS_CEILING)
 from shared.endpoints import EndpointError, check_bind
 from statesvc.blobs import BlobStore
-from statesvc.store import SqliteEventStore, StoreError, recovery_steps, sqlite_url
+from statesvc.store import StoreError, open_store, recovery_steps, sqlite_url
 
 DATA_DIR = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
                         default=DEFAULT_DATA_DIR, show_default=True,
-                        help="Where the SQLite file and the blob store live.")
+                        help="Where the SQLite file and the blob store live (unused with "
+                        "a PostgreSQL --db).")
 DB_URL = click.option("--db", "db_url", default=None,
-                      help="SQLAlchemy URL of the event store [default: sqlite:///DATA_DIR/state.db].")
+                      help="SQLAlchemy URL of the event store [default: sqlite:///DATA_DIR/state.db]; "
+                      "postgresql+psycopg://USER@HOST/DB for a log several instances share "
+                      "(docs/postgres.md).")
 
 
 def _lock_data_dir(data_dir: Path) -> IO[str]:
@@ -78,7 +82,7 @@ def migrate(data_dir: Path, db_url: str | None) -> None:
     """Upgrade the event store's schema to head, then exit."""
     data_dir.mkdir(parents=True, exist_ok=True)
     try:  # the store's own checks first: a damaged log, or one that lost events, stays as it is
-        SqliteEventStore(db_url or sqlite_url(data_dir)).close()
+        open_store(db_url or sqlite_url(data_dir)).close()
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo("schema is at head")
@@ -111,6 +115,8 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
           heartbeat_interval: float, max_adapter_bytes: int, auth_dir: Path | None,
           adapter_roots: tuple[Path, ...], max_replicas: int) -> None:
     """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
+    from statesvc.pgblobs import LogBlobStore
+    from statesvc.pgstore import PostgresEventStore
     from statesvc.server import Server
     from statesvc.service import StateService
 
@@ -119,13 +125,17 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
             check_bind(address, authenticated=auth_dir is not None)
         except EndpointError as exc:
             raise click.UsageError(f"{flag}: {exc}") from None
-    lock = _lock_data_dir(data_dir)
+    url = db_url or sqlite_url(data_dir)
+    # SQLite: one writer per data dir; PostgreSQL: any number, serialised by the database
+    lock = None if make_url(url).get_backend_name() == "postgresql" else _lock_data_dir(data_dir)
     try:
-        store = SqliteEventStore(db_url or sqlite_url(data_dir))
+        store = open_store(url)
     except StoreError as exc:  # damaged, or behind its high-water mark: nothing was changed
         raise click.ClickException(str(exc)) from None
+    blobs = LogBlobStore(store.engine) if isinstance(store, PostgresEventStore) \
+        else BlobStore(data_dir / "blobs")
     try:
-        service = StateService(store, BlobStore(data_dir / "blobs"),
+        service = StateService(store, blobs,
                                snapshot_every=snapshot_every, max_adapter_bytes=max_adapter_bytes,
                                adapter_roots=tuple(r.resolve() for r in adapter_roots),
                                max_replicas=max_replicas)
@@ -137,7 +147,7 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
     server = Server(service, control=control, publish=publish,
                     heartbeat_interval=heartbeat_interval, auth_dir=auth_dir)
     log = logging.getLogger("statesvc")
-    log.info("data dir %s, head seq %d, log %s", data_dir.resolve(), service.state.seq,
+    log.info("store %s, head seq %d, log %s", _shown(url), service.state.seq,
              service.log_id or "(none until pool init)")
     if auth_dir is None:
         log.warning("control %s, diffs %s: NO AUTHENTICATION, loopback only; anyone on this "
@@ -153,5 +163,10 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
         server.serve_forever()
     finally:
         store.close()
-        lock.close()
+        if lock is not None:
+            lock.close()
     log.info("stopped")
+
+
+def _shown(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)

@@ -47,3 +47,12 @@ class BlobRow(Base):
     size: Mapped[int] = mapped_column(Integer)
     first_seq: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[str] = mapped_column(String(32))
+
+
+class BlobChunkRow(Base):
+    """PostgreSQL only: a blob's bytes, chunk `idx` of CHUNK_BYTES (statesvc/pgblobs.py)."""
+
+    __tablename__ = "blob_chunks"
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary)

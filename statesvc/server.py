@@ -7,6 +7,10 @@ writes are being validated join it before that commit. Diffs are published
 after the commit and before the replies; a heartbeat with the head seq goes
 out every second, also while a load reads and checks large weights (the
 service calls back into the loop for it).
+
+On a shared log (PostgreSQL, several instances) the loop also polls the store's doorbell
+(LISTEN/NOTIFY) and, when it rings and once every CATCH_UP_S anyway, reads the events other
+instances appended and publishes them: every instance publishes every event, in seq order.
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ import zmq
 
 from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_BLOB_CHUNK
 from shared.endpoints import bind, check_bind
+from shared.events import Event
 from shared.faults import Faults
 from shared.keys import ServerAuth
 from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
                              error_reply_of, ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
 from shared.router import Replies, serving_router, split_request
+from statesvc.pgstore import PostgresEventStore
 from statesvc.service import StateService
 
 log = logging.getLogger("statesvc")
@@ -38,6 +44,7 @@ MAX_BATCH_BLOB_BYTES = MAX_BLOB_CHUNK
 # CURVE, its handshake.
 MAX_SUBSCRIBER_FRAME_BYTES = 4096
 LOCAL_ACTOR = "local"
+CATCH_UP_S = 1.0  # a shared log is read this often even when no NOTIFY came (not durable)
 class Server:
     def __init__(self, service: StateService, *, control: str, publish: str,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
@@ -64,6 +71,9 @@ class Server:
         # the middle of a batch is announced with the batch's diffs, not before them)
         self._announced = service.state.seq
         service.progress = self._beat_if_due
+        store = service.store
+        self.doorbell = store.doorbell() if isinstance(store, PostgresEventStore) else None
+        self._next_catch_up = time.monotonic()
 
     def stop(self, *_: Any) -> None:
         self._stop = True
@@ -73,16 +83,31 @@ class Server:
         signal.signal(signal.SIGINT, self.stop)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        bell: int | None = None
         try:
             while not self._stop:
                 self._beat_if_due()
                 timeout_ms = max(0, int((self._next_beat - time.monotonic()) * 1000)) + 1
                 if self.replies.held:
                     timeout_ms = min(timeout_ms, HELD_REPLY_RETRY_MS)
-                if poller.poll(min(timeout_ms, 250)):
+                if self.doorbell is not None and self.doorbell.fileno() != bell:
+                    if bell is not None:  # a new connection: poll it instead
+                        poller.unregister(bell)
+                    bell = self.doorbell.fileno()
+                    if bell is not None:
+                        poller.register(bell, zmq.POLLIN)
+                    self._next_catch_up = 0.0  # notices may have been missed meanwhile
+                ready = dict(poller.poll(min(timeout_ms, 250)))
+                if self.router in ready:
                     self._serve_batch()
+                if self.doorbell is not None and (
+                        (bell in ready and self.doorbell.rang())
+                        or time.monotonic() >= self._next_catch_up):
+                    self._catch_up()
                 self.replies.flush()
         finally:
+            if self.doorbell is not None:
+                self.doorbell.close()
             self.router.close(0)
             self.pub.close(0)
             if self.auth is not None:
@@ -116,18 +141,29 @@ class Server:
             return
         answers, committed = self.service.handle([(req, actor) for _, req, actor in batch],
                                                  more=more)
-        for ev in committed:
-            if not self.faults.publishes(ev.seq):
-                continue
-            self.pub.send_multipart([b"diff", pack(diff_of_payload(
-                ev.seq, ev.type, ev.payload, log_id=self.service.log_id))])
-        self._announced = self.service.state.seq
+        self._publish(committed)
         for (envelope, req, _), ans in zip(batch, answers):
             if ans.error is not None:
                 frame = error_reply_of(req.id, ans.error)
             else:
                 frame = ok_reply(req.id, ans.result)
             self.replies.send(envelope + [frame])
+
+    def _publish(self, events: list[Event]) -> None:
+        for ev in events:
+            if not self.faults.publishes(ev.seq):
+                continue
+            self.pub.send_multipart([b"diff", pack(diff_of_payload(
+                ev.seq, ev.type, ev.payload, log_id=self.service.log_id))])
+        self._announced = self.service.state.seq
+
+    def _catch_up(self) -> None:
+        """Publish the events other instances appended to the shared log."""
+        self._next_catch_up = time.monotonic() + CATCH_UP_S
+        try:
+            self._publish(self.service.catch_up())
+        except Exception:  # PostgreSQL unreachable: commands answer storage_error meanwhile
+            log.exception("reading the shared log failed; retrying in %.0f s", CATCH_UP_S)
 
     def _receive(self, batch: list[tuple[list[bytes], Request, str]]) -> None:
         """Append the requests already queued to `batch`, up to MAX_BATCH requests and

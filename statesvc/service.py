@@ -26,10 +26,11 @@ from shared.llama import MODULES
 from shared.protocol import Request
 from shared.reducer import (State, admit_load, apply, canonical, logical_digest, require_pool,
                             snapshot_bytes, verified_snapshot)
-from statesvc.adapters import ANYWHERE, Candidate, inspect_adapter
+from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
 from statesvc.blobs import BlobStore
+from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry
-from statesvc.store import EventStore, NewBlob, NewEvent, Snapshot, recovery_steps
+from statesvc.store import EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, recovery_steps
 from statesvc.views import describe_pool, list_page, pool_view, result_of
 
 log = logging.getLogger("statesvc")
@@ -38,6 +39,7 @@ log = logging.getLogger("statesvc")
 # every log) and `heartbeat` (the replica learns the log from the diff stream and catch-up)
 LOG_READS = frozenset({"list", "events", "snapshot", "digest", "status"})
 RECENT_HEADS = 256  # heads whose digests `status` compares replicas with
+HEAD_MOVED_RETRIES = 16  # a shared log: times a batch is decided again before it gives up
 _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
@@ -70,7 +72,7 @@ class _Batch:
 
 
 class StateService:
-    def __init__(self, store: EventStore, blobs: BlobStore, *,
+    def __init__(self, store: EventStore, blobs: BlobStore | LogBlobStore, *,
                  snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
                  max_adapter_bytes: int = MAX_ADAPTER_BYTES,
                  adapter_roots: tuple[Path, ...] = (),
@@ -102,7 +104,9 @@ class StateService:
         """Delete the blobs no event refers to (left by a crash between blob and event) and
         temp files, but only where the store's high-water mark shows that the log holds every
         event it held before (the store refuses to open one behind it): a log that lost events
-        would take every blob of theirs for an orphan."""
+        would take every blob of theirs for an orphan. Blobs in a log are never orphans."""
+        if isinstance(self.blobs, LogBlobStore):
+            return
         keep = self.store.blob_hashes()
         if self.store.recorded_head is None:  # a data dir from before high-water marks
             unreferenced = self.blobs.all() - keep
@@ -133,6 +137,21 @@ class StateService:
                 return state
             for ev in page:
                 state = apply(state, ev.seq, ev.body)
+
+    def catch_up(self) -> list[Event]:
+        """Apply (and return) the events other instances appended to a shared log since."""
+        new: list[Event] = []
+        while page := self.store.read(self.state.seq, 1000):
+            state = self.state
+            for ev in page:
+                state = apply(state, ev.seq, ev.body)
+            self.state = state
+            new += page
+        if new:
+            if self.log_id is None:
+                self.log_id = log_id_of(self.store.read(0, 1)[0])
+            self._remember_head()
+        return new
 
     def _remember_head(self) -> None:
         self._heads[self.state.seq] = self.state
@@ -165,10 +184,30 @@ class StateService:
         """Answer a batch of (request, actor); returns the answers and the committed events.
 
         `more`, when given, is asked for requests that arrived meanwhile before writes are
-        committed; they join the batch (and its commit) and are answered after the others."""
+        committed; they join the batch (and its commit) and are answered after the others.
+
+        On a shared log (PostgreSQL) the batch is decided on the caught-up head, again if
+        another instance appended first; the others' events are returned too, in seq order."""
         requests = list(requests)
-        answers = [Answer() for _ in requests]
         committed: list[Event] = []
+        why = "other statesvc instances kept appending"
+        for _ in range(HEAD_MOVED_RETRIES):
+            try:
+                committed += self.catch_up() if self.store.shared else []
+            except Exception as exc:  # the shared log could not be read: nothing was decided
+                log.exception("catching up with the log failed")
+                why = f"the log could not be read ({exc})"
+                break
+            try:
+                return self._handle(requests, committed, more), committed
+            except HeadMoved as moved:
+                log.info("another statesvc appended up to seq %d: deciding again", moved.head)
+        return [Answer(error=CommandError("storage_error", f"{why}; nothing was recorded, "
+                                          "retry")) for _ in requests], committed
+
+    def _handle(self, requests: list[tuple[Request, str]], committed: list[Event],
+                more: Callable[[], list[tuple[Request, str]]] | None) -> list[Answer]:
+        answers = [Answer() for _ in requests]
         known: dict[str, tuple[str, dict[str, Any]]] = {}
         self._recorded(requests, known)  # event_ids already recorded: one lookup per arrival
         batch = _Batch(self.state, by_event_id=known)
@@ -184,6 +223,8 @@ class StateService:
                         committed += self._commit(batch, answers)
                         batch = _Batch(self.state, by_event_id=known)
                     answers[i].result = self._with_log_id(req.cmd, self._read(req, actor))
+            except HeadMoved:  # nothing written: `handle` catches up and decides again
+                raise
             except CommandError as exc:
                 answers[i].error = exc
             except CodedError as exc:  # the reducer's, the adapter checks', the blob store's
@@ -196,7 +237,7 @@ class StateService:
             i += 1
         if batch.events:
             committed += self._commit(batch, answers)
-        return answers, committed
+        return answers
 
     def _recorded(self, requests: list[tuple[Request, str]],
                   known: dict[str, tuple[str, dict[str, Any]]]) -> None:
@@ -221,6 +262,8 @@ class StateService:
         try:
             events = self.store.append(batch.events, blobs=batch.blobs,
                                        snapshots=batch.snapshots)
+        except HeadMoved:
+            raise
         except Exception as exc:  # the disk or the database failed: nothing was recorded
             log.exception("append failed")
             for sha in batch.new_blob_files:
@@ -268,11 +311,12 @@ class StateService:
         body, blob = decided
         new_state = apply(state, seq, body)
         if isinstance(body, AdapterLoaded):
-            if blob is not None:  # None: the blob store already holds these bytes
+            in_log = isinstance(self.blobs, LogBlobStore)  # written in the event's transaction
+            if blob is not None and not in_log:  # None: the blob store already holds these bytes
                 sha, created = self.blobs.put(blob, body.sha256, progress=self.progress)
                 if created:
                     batch.new_blob_files.append(sha)
-            batch.blobs.append(NewBlob(body.sha256, body.size, seq))
+            batch.blobs.append(NewBlob(body.sha256, body.size, seq, blob if in_log else None))
         batch.state = new_state
         batch.events.append(NewEvent(seq, event_id, body.TYPE, encode_body(body), actor))
         result = result_of(body.TYPE, seq, body)
@@ -287,7 +331,7 @@ class StateService:
 
     def _pool_init(self, state: State, seq: int,
                    args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
-        path = _absolute(args["model"], "args.model")
+        path = absolute_path(args["model"], "args.model")
         try:
             model = read_model(path)
         except ModelError as exc:
@@ -312,7 +356,7 @@ class StateService:
         # the reducer's rules first (no pool, a bad name, a full registry, too many pinned): a
         # refusal reads no file
         old = admit_load(state, name, pin=args["pin"])
-        path = _absolute(args["path"], "args.path")
+        path = absolute_path(args["path"], "args.path")
         roots = self.adapter_roots or ANYWHERE
         if self.adapter_roots and ".." in path.parts:
             raise CommandError("forbidden", f"{path}: '..' is not allowed in adapter paths; give "
@@ -322,16 +366,16 @@ class StateService:
         # symlinks that lead out of the roots are refused as `forbidden` there
         cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
                                stored=self.blobs.has, progress=self.progress)
-        if old is not None and _same(old, cand, args["pin"]) and not self.blobs.verify(old.sha256):
+        if old is not None and same_adapter(old, cand, args["pin"]) and not self.blobs.verify(old.sha256):
             # a damaged stored copy: this load repairs it, with the bytes read now
             if cand.weights is None:
                 cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
                                        progress=self.progress)
-            if cand.weights is not None and _same(old, cand, args["pin"]):
+            if cand.weights is not None and same_adapter(old, cand, args["pin"]):
                 log.warning("blob %s of %s was damaged; rewritten from %s", old.sha256[:12],
                             name, args["path"])
                 self.blobs.put(cand.weights, cand.sha256, overwrite=True)
-        if old is not None and _same(old, cand, args["pin"]):
+        if old is not None and same_adapter(old, cand, args["pin"]):
             return {"seq": old.version, "name": name, "version": old.version, "created": False}
         # other content under a loaded name without --replace: `apply` refuses it (`exists`)
         replaces = Replaced(old.version) if old is not None and args["replace"] else None
@@ -404,20 +448,3 @@ class StateService:
         head = self.state.seq
         return {"head_seq": head, "digest": self.digest_at(head),
                 "replicas": self.registry.rows(head, self.head_digest)}
-
-
-def _same(old: AdapterLoaded, cand: Candidate, pin: bool) -> bool:
-    """Loading `cand` (pinned or not) would record nothing new over `old`."""
-    return ((old.sha256, old.rank, old.alpha, old.use_rslora, old.targets, old.pinned)
-            == (cand.sha256, cand.rank, cand.alpha, cand.use_rslora, cand.targets, pin))
-
-
-def _absolute(path: str, field: str) -> Path:
-    if "\0" in path:  # no file name holds one: the OS refuses it
-        raise CommandError("bad_request", f"{field} contains a NUL byte, which no path on the "
-                           f"state service's host can hold: {path!r}", field)
-    p = Path(path)
-    if not p.is_absolute():
-        raise CommandError("bad_request", f"{field} must be an absolute path on the state "
-                           f"service's host, got {path!r} (loractl sends absolute paths)", field)
-    return p

@@ -1,7 +1,9 @@
 """The event store: the log, snapshots and blob rows behind a small interface.
 
-`EventStore` is the interface; `SqliteEventStore` the one backend (SQLAlchemy 2
-over SQLite in WAL mode with synchronous=FULL). `append` writes a whole batch of
+`EventStore` is the interface, with two backends: `SqliteEventStore` (SQLAlchemy 2
+over SQLite in WAL mode with synchronous=FULL, one writer, the default) and
+`PostgresEventStore` (statesvc/pgstore.py: several statesvc instances on one database;
+`open_store` picks by URL). `append` writes a whole batch of
 events in one `BEGIN IMMEDIATE` transaction and returns only once it is durable,
 so concurrent commands are committed together (group commit).
 
@@ -20,7 +22,7 @@ import json
 import os
 import re
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Collection, Protocol, Sequence
@@ -65,9 +67,24 @@ class NewBlob:
     sha256: str
     size: int
     first_seq: int
+    # the bytes, where blobs live in the log (PostgreSQL): written in the events' transaction
+    data: bytes | bytearray | None = field(default=None, compare=False, repr=False)
+
+
+class HeadMoved(RuntimeError):
+    """A shared log's head is no longer where the batch was decided (another statesvc
+    appended meanwhile): nothing was written; catch up and decide the batch again."""
+
+    def __init__(self, head: int, expected: int) -> None:
+        super().__init__(f"the log's head is at seq {head}, not {expected}")
+        self.head = head
 
 
 class EventStore(Protocol):
+    # True where other statesvc instances may append to the same log (PostgreSQL): `append`
+    # then raises HeadMoved when the first event's seq is not the head's next
+    shared: bool
+
     def head(self) -> int: ...
 
     def append(self, events: Sequence[NewEvent], *, blobs: Sequence[NewBlob] = (),
@@ -168,13 +185,29 @@ def write_tx(engine: Engine) -> Any:
     return engine.execution_options(immediate=True).begin()
 
 
+# the PostgreSQL advisory lock keys: around every append and around migrations
+APPEND_LOCK, MIGRATE_LOCK = 0x6C6F7261, 0x6C6F7262
+
+
 def upgrade_to_head(engine: Engine) -> None:
-    """Run the Alembic migrations up to head on this engine's database."""
+    """Run the Alembic migrations up to head on this engine's database, in one transaction
+    that holds the write lock (SQLite) or the migration lock (PostgreSQL, several instances)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with write_tx(engine) as conn:
+    postgres = engine.dialect.name == "postgresql"
+    with (engine.begin() if postgres else write_tx(engine)) as conn:
+        if postgres:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATE_LOCK})
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+def open_store(url: str) -> EventStore:
+    """The backend for this SQLAlchemy URL: PostgreSQL for postgresql+psycopg://, else SQLite."""
+    if make_url(url).get_backend_name() == "postgresql":
+        from statesvc.pgstore import PostgresEventStore
+        return PostgresEventStore(url)
+    return SqliteEventStore(url)
 
 
 def _event(row: Any) -> Event:
@@ -189,7 +222,39 @@ _INSERT_BLOB = ("INSERT INTO blobs (sha256, size, first_seq, created_at) VALUES 
 _INSERT_SNAPSHOT = "INSERT INTO snapshots (seq, state, digest, created_at) VALUES (?, ?, ?, ?)"
 
 
-class SqliteEventStore:
+class SqlReads:
+    """The reads both backends run through SQLAlchemy Core."""
+
+    engine: Engine
+
+    def head(self) -> int:
+        with self.engine.begin() as conn:
+            return int(conn.execute(select(func.coalesce(func.max(EventRow.seq), 0))).scalar_one())
+
+    def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]:
+        """Events with since < seq (<= until), oldest first, at most `limit`."""
+        q = select(EventRow).where(EventRow.seq > since)
+        if until is not None:
+            q = q.where(EventRow.seq <= until)
+        with self.engine.begin() as conn:
+            return [_event(r) for r in conn.execute(q.order_by(EventRow.seq).limit(limit))]
+
+    def latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None:
+        q = select(SnapshotRow)
+        if at_or_before is not None:
+            q = q.where(SnapshotRow.seq <= at_or_before)
+        with self.engine.begin() as conn:
+            row = conn.execute(q.order_by(SnapshotRow.seq.desc()).limit(1)).first()
+        return None if row is None else Snapshot(row.seq, bytes(row.state), row.digest)
+
+    def blob_hashes(self) -> set[str]:
+        with self.engine.begin() as conn:
+            return set(conn.execute(select(BlobRow.sha256)).scalars())
+
+
+class SqliteEventStore(SqlReads):
+    shared = False
+
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         database = make_url(url).database
         path = Path(database).resolve() if database and database != ":memory:" else None
@@ -238,10 +303,6 @@ class SqliteEventStore:
                 return 0
             return int(conn.execute(text("SELECT coalesce(max(seq), 0) FROM events")).scalar_one())
 
-    def head(self) -> int:
-        with self.engine.begin() as conn:
-            return int(conn.execute(select(func.coalesce(func.max(EventRow.seq), 0))).scalar_one())
-
     def append(self, events: Sequence[NewEvent], *, blobs: Sequence[NewBlob] = (),
                snapshots: Sequence[Snapshot] = ()) -> list[Event]:
         now = utc_now()
@@ -284,26 +345,6 @@ class SqliteEventStore:
             raise exc.DBAPIError.instance(sql, None, err, sqlite3.Error) from err
         return {str(r[1]): Event(int(r[0]), str(r[1]), str(r[2]), json.loads(r[3]), str(r[4]),
                                  str(r[5])) for r in rows}
-
-    def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]:
-        """Events with since < seq (<= until), oldest first, at most `limit`."""
-        q = select(EventRow).where(EventRow.seq > since)
-        if until is not None:
-            q = q.where(EventRow.seq <= until)
-        with self.engine.begin() as conn:
-            return [_event(r) for r in conn.execute(q.order_by(EventRow.seq).limit(limit))]
-
-    def latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None:
-        q = select(SnapshotRow)
-        if at_or_before is not None:
-            q = q.where(SnapshotRow.seq <= at_or_before)
-        with self.engine.begin() as conn:
-            row = conn.execute(q.order_by(SnapshotRow.seq.desc()).limit(1)).first()
-        return None if row is None else Snapshot(row.seq, row.state, row.digest)
-
-    def blob_hashes(self) -> set[str]:
-        with self.engine.begin() as conn:
-            return set(conn.execute(select(BlobRow.sha256)).scalars())
 
     def close(self) -> None:
         self._writer.close()

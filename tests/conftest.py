@@ -8,6 +8,7 @@ import pytest
 from shared.fleet import StateSvc
 from statesvc.tools.example import ExampleAssets, make_example
 from tests.helpers import Fleet
+from tests.pg import PgServer
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +34,23 @@ def fleet(tmp_path: Path, example: ExampleAssets) -> Iterator[Fleet]:
         yield f
     finally:
         f.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """One real PostgreSQL server for the session (tests/pg.py), stopped by pid at the end;
+    tests are skipped, saying why, only where the server binaries are missing."""
+    why = PgServer.missing()
+    if why is not None:
+        pytest.skip(why)
+    server = PgServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server: PgServer) -> str:
+    """The URL of a new, empty database on the session's PostgreSQL server."""
+    return pg_server.database()

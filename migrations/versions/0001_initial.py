@@ -43,15 +43,28 @@ def upgrade() -> None:
         sa.Column("created_at", sa.String(32), nullable=False),
         sa.PrimaryKeyConstraint("sha256", name=op.f("pk_blobs")),
     )
-    for action in ("UPDATE", "DELETE"):
+    postgres = op.get_bind().dialect.name == "postgresql"
+    if postgres:  # one function raising integrity_constraint_violation (IntegrityError)
         op.execute(
-            f"CREATE TRIGGER events_no_{action.lower()} BEFORE {action} ON events "
-            f"BEGIN SELECT RAISE(ABORT, 'events are append-only: {action} is not allowed'); END")
+            "CREATE FUNCTION events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'events are append-only: % is not allowed', TG_OP "
+            "USING ERRCODE = 'integrity_constraint_violation'; END $$")
+    for action in ("UPDATE", "DELETE"):
+        if postgres:
+            op.execute(f"CREATE TRIGGER events_no_{action.lower()} BEFORE {action} ON events "
+                       "FOR EACH ROW EXECUTE FUNCTION events_append_only()")
+        else:
+            op.execute(
+                f"CREATE TRIGGER events_no_{action.lower()} BEFORE {action} ON events BEGIN "
+                f"SELECT RAISE(ABORT, 'events are append-only: {action} is not allowed'); END")
 
 
 def downgrade() -> None:
-    op.execute("DROP TRIGGER IF EXISTS events_no_update")
-    op.execute("DROP TRIGGER IF EXISTS events_no_delete")
+    on = " ON events" if op.get_bind().dialect.name == "postgresql" else ""
+    op.execute(f"DROP TRIGGER IF EXISTS events_no_update{on}")
+    op.execute(f"DROP TRIGGER IF EXISTS events_no_delete{on}")
+    if on:
+        op.execute("DROP FUNCTION IF EXISTS events_append_only()")
     op.drop_table("blobs")
     op.drop_table("snapshots")
     op.drop_table("events")

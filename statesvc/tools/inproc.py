@@ -1,4 +1,5 @@
-"""The state service's core in-process, over a real SQLite file and blob store (no sockets)."""
+"""The state service's core in-process, over a real SQLite file and blob store, or a real
+PostgreSQL database (no sockets)."""
 from __future__ import annotations
 
 import uuid
@@ -9,13 +10,19 @@ from shared.client import new_event_id
 from shared.protocol import COMMANDS, WRITE_COMMANDS, Request, validate
 from statesvc.blobs import BlobStore
 from statesvc.service import CommandError, StateService
-from statesvc.store import SqliteEventStore, sqlite_url
+from statesvc.pgblobs import LogBlobStore
+from statesvc.pgstore import PostgresEventStore
+from statesvc.store import open_store, sqlite_url
 
 
-def open_service(data_dir: Path, *, snapshot_every: int = 100) -> StateService:
+def open_service(data_dir: Path, *, snapshot_every: int = 100,
+                 db_url: str | None = None) -> StateService:
+    """Over SQLite in `data_dir`, or over the PostgreSQL database at `db_url` (blobs in it)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return StateService(SqliteEventStore(sqlite_url(data_dir)), BlobStore(data_dir / "blobs"),
-                        snapshot_every=snapshot_every)
+    store = open_store(db_url or sqlite_url(data_dir))
+    blobs = LogBlobStore(store.engine) if isinstance(store, PostgresEventStore) \
+        else BlobStore(data_dir / "blobs")
+    return StateService(store, blobs, snapshot_every=snapshot_every)
 
 
 def request(cmd: str, **args: Any) -> Request:

@@ -1,8 +1,12 @@
-"""Property: incremental state == replay from seq 0 == latest snapshot + tail == after restart."""
+"""Property: incremental state == replay from seq 0 == latest snapshot + tail == after restart,
+on SQLite and on PostgreSQL (a new database per example, blobs in it)."""
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+import pytest
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -10,8 +14,20 @@ from hypothesis import strategies as st
 from shared.reducer import logical_digest
 from statesvc.tools.example import ExampleAssets
 from statesvc.tools.inproc import CommandError, call, init_pool, open_service, request
+from tests.pg import PgServer
 
 NAMES = ("a", "b", "c", "d")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_db(request: pytest.FixtureRequest) -> Callable[[], str | None]:
+    """Makes the database of one example: None (SQLite in the example's data dir), or an
+    empty PostgreSQL database on the session's server (one, emptied for each example)."""
+    if request.param == "sqlite":
+        return lambda: None
+    server: PgServer = request.getfixturevalue("pg_server")
+    url = server.database()
+    return lambda: server.reset(url)
 ADAPTERS = ("attn-qv-r8", "attn-all-r4", "mlp-only-r16", "all-r2")
 
 command = st.one_of(
@@ -25,11 +41,12 @@ command = st.one_of(
                                                                   HealthCheck.function_scoped_fixture])
 @given(commands=st.lists(command, min_size=1, max_size=25),
        snapshot_every=st.integers(min_value=1, max_value=7))
-def test_replay_equals_incremental(example: ExampleAssets, commands: list[tuple[object, ...]],
+def test_replay_equals_incremental(example: ExampleAssets, new_db: Callable[[], str | None],
+                                   commands: list[tuple[object, ...]],
                                    snapshot_every: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp)
-        svc = open_service(data, snapshot_every=snapshot_every)
+        data, db_url = Path(tmp), new_db()
+        svc = open_service(data, snapshot_every=snapshot_every, db_url=db_url)
         init_pool(svc, example.model_dir, max_loras=3, max_rank=16)
         for cmd in commands:
             try:
@@ -47,7 +64,7 @@ def test_replay_equals_incremental(example: ExampleAssets, commands: list[tuple[
         from_zero = svc.rebuild(use_snapshot=False)
         from_snapshot = svc.rebuild(use_snapshot=True)
         svc.store.close()
-        restarted = open_service(data, snapshot_every=snapshot_every)
+        restarted = open_service(data, snapshot_every=snapshot_every, db_url=db_url)
         try:
             states = [incremental, from_zero, from_snapshot, restarted.state]
             assert all(s == incremental for s in states)

@@ -1,13 +1,17 @@
-"""The event store contract, one subclass per backend (SQLite today)."""
+"""The event store contract, one subclass per backend (SQLite, PostgreSQL)."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
-from statesvc.store import (EventStore, NewBlob, NewEvent, Snapshot, SqliteEventStore,
+from statesvc.pgblobs import LogBlobStore
+from statesvc.pgstore import CHUNK_BYTES, PostgresEventStore
+from statesvc.store import (EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, SqliteEventStore,
                             sqlite_url)
 
 
@@ -21,10 +25,28 @@ class EventStoreContract:
         raise NotImplementedError
 
     @pytest.fixture
-    def store(self, tmp_path: Path) -> EventStore:
+    def store(self, tmp_path: Path) -> Iterator[EventStore]:
         s = self.make_store(tmp_path)
         yield s
         s.close()
+
+    def test_log_is_append_only(self, tmp_path: Path) -> None:
+        store = self.make_store(tmp_path)
+        store.append([ev(1)])
+        for sql in ("UPDATE events SET type = 'x'", "DELETE FROM events"):
+            with pytest.raises(IntegrityError, match="append-only"):
+                with store.engine.begin() as conn:  # type: ignore[attr-defined]
+                    conn.execute(text(sql))
+        assert [e.type for e in store.read(0, 10)] == ["adapter.loaded"]
+        store.close()
+
+    def test_reopen_keeps_everything(self, tmp_path: Path) -> None:
+        store = self.make_store(tmp_path)
+        store.append([ev(1), ev(2)], snapshots=[Snapshot(2, b"s", "d")])
+        store.close()
+        again = self.make_store(tmp_path)  # migrations run again: a no-op at head
+        assert again.head() == 2 and again.latest_snapshot() == Snapshot(2, b"s", "d")
+        again.close()
 
     def test_empty(self, store: EventStore) -> None:
         assert store.head() == 0
@@ -51,8 +73,10 @@ class EventStoreContract:
 
     def test_seqs_are_unique(self, store: EventStore) -> None:
         store.append([ev(1)])
-        with pytest.raises(IntegrityError):
+        # a shared log (PostgreSQL) refuses it before the insert: its head is not at seq 0
+        with pytest.raises((IntegrityError, HeadMoved)):
             store.append([ev(1, "00000000-0000-4000-8000-0000000000ff")])
+        assert store.head() == 1
 
     def test_a_batch_is_all_or_nothing(self, store: EventStore) -> None:
         store.append([ev(1)])
@@ -81,16 +105,6 @@ class TestSqliteEventStore(EventStoreContract):
     def make_store(self, tmp_path: Path) -> SqliteEventStore:
         return SqliteEventStore(sqlite_url(tmp_path))
 
-    def test_log_is_append_only(self, tmp_path: Path) -> None:
-        store = self.make_store(tmp_path)
-        store.append([ev(1)])
-        for sql in ("UPDATE events SET type = 'x'", "DELETE FROM events"):
-            with pytest.raises(IntegrityError, match="append-only"):
-                with store.engine.begin() as conn:
-                    conn.execute(text(sql))
-        assert [e.type for e in store.read(0, 10)] == ["adapter.loaded"]
-        store.close()
-
     def test_durability_pragmas(self, tmp_path: Path) -> None:
         store = self.make_store(tmp_path)
         with store.engine.begin() as conn:
@@ -98,10 +112,47 @@ class TestSqliteEventStore(EventStoreContract):
             assert conn.execute(text("PRAGMA synchronous")).scalar() == 2  # FULL
         store.close()
 
-    def test_reopen_keeps_everything(self, tmp_path: Path) -> None:
+
+class TestPostgresEventStore(EventStoreContract):
+    """The same contract on a real PostgreSQL server (tests/pg.py), one database per test."""
+
+    @pytest.fixture(autouse=True)
+    def _database(self, pg_url: str) -> None:
+        self.url = pg_url
+
+    def make_store(self, tmp_path: Path) -> PostgresEventStore:
+        return PostgresEventStore(self.url)
+
+    def test_durability_settings(self, tmp_path: Path) -> None:
+        store = self.make_store(tmp_path)
+        with store.engine.begin() as conn:
+            for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+                assert conn.execute(text(f"SHOW {setting}")).scalar() == "on"
+        store.close()
+
+    def test_an_append_behind_the_head_writes_nothing(self, tmp_path: Path) -> None:
+        """Another instance appended meanwhile: HeadMoved, and neither events nor blobs."""
         store = self.make_store(tmp_path)
         store.append([ev(1), ev(2)])
+        with pytest.raises(HeadMoved) as moved:
+            store.append([ev(2, "00000000-0000-4000-8000-0000000000ff")],
+                         blobs=[NewBlob("ab" * 32, 3, 2, b"abc")])
+        assert moved.value.head == 2
+        with pytest.raises(HeadMoved):  # a gap is refused the same way
+            store.append([ev(4)])
+        assert store.head() == 2 and store.blob_hashes() == set()
         store.close()
-        again = self.make_store(tmp_path)  # migrations run again: a no-op at head
-        assert again.head() == 2
-        again.close()
+
+    def test_blobs_live_in_the_database(self, tmp_path: Path) -> None:
+        store = self.make_store(tmp_path)
+        data = bytes(range(256)) * (CHUNK_BYTES // 256 * 2 + 3)  # two chunks and a bit
+        sha = hashlib.sha256(data).hexdigest()
+        store.append([ev(1)], blobs=[NewBlob(sha, len(data), 1, data)])
+        other = LogBlobStore(PostgresEventStore(self.url).engine)  # another instance
+        assert other.has(sha) and other.size(sha) == len(data) and other.verify(sha)
+        got = b"".join(other.read_chunk(sha, off, 700_001)
+                       for off in range(0, len(data), 700_001))
+        assert got == data and other.read_chunk(sha, len(data)) == b""
+        assert other.all() == {sha} and not other.has("cd" * 32)
+        other.engine.dispose()
+        store.close()
