@@ -21,6 +21,7 @@ Blobs live in the database (statesvc/pgblobs.py), written in the events' transac
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Collection, Sequence
 
 import psycopg
@@ -34,6 +35,8 @@ from statesvc.store import (APPEND_LOCK, HeadMoved, NewBlob, NewEvent, Snapshot,
 
 CHUNK_BYTES = 1 << 20  # a blob's bytes, one row per MiB
 CHANNEL = "loraplane_events"  # NOTIFY'd by every append, with its last seq
+CONNECT_TIMEOUT_S = 5
+RECONNECT_S = 5.0  # the doorbell tries to reconnect this often while PostgreSQL is away
 
 
 def chunk_rows(sha256: str, data: bytes | bytearray) -> list[dict[str, Any]]:
@@ -43,7 +46,9 @@ def chunk_rows(sha256: str, data: bytes | bytearray) -> list[dict[str, Any]]:
 
 
 def pg_engine(url: str) -> Engine:
-    return create_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True)
+    # a database that stops answering costs a command seconds, never the service's loop forever
+    return create_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
+                         connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
 
 
 class PostgresEventStore(SqlReads):
@@ -121,17 +126,19 @@ class Doorbell:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
         self.conn: psycopg.Connection[Any] | None = None
+        self._retry_at = 0.0
 
     def fileno(self) -> int | None:
-        """The socket to poll for notices; None while PostgreSQL cannot be reached."""
-        if self.conn is None or self.conn.closed:
+        """The socket to poll for notices; None while PostgreSQL cannot be reached (tried
+        again every RECONNECT_S)."""
+        if (self.conn is None or self.conn.closed) and time.monotonic() >= self._retry_at:
+            self._retry_at = time.monotonic() + RECONNECT_S
             try:
                 self.conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=2)
                 self.conn.execute(f"LISTEN {CHANNEL}")
             except psycopg.Error:
                 self.conn = None
-                return None
-        return self.conn.fileno()
+        return None if self.conn is None or self.conn.closed else self.conn.fileno()
 
     def rang(self) -> bool:
         """True when a notice came, or the connection was lost (notices may have been missed:

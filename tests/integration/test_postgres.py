@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
-from shared.fleet import BIN, StateSvc, wait_for
+from shared.fleet import BIN, Computed, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
 
 WRITERS, PAIRS = 4, 12  # clients, and load+unload pairs each: 1 + 4 * 24 events
@@ -201,3 +201,44 @@ def test_an_idle_instance_publishes_the_others_events_also_after_losing_its_list
         wait_for(lambda: call(b, "status")["head_seq"] == 4, what="b at the head")
     finally:
         sub.close(0)
+
+
+def test_replicas_on_either_instance_converge(two: tuple[StateSvc, StateSvc],
+                                              example: ExampleAssets, tmp_path: Path) -> None:
+    """A replica following b applies what was written through a, fetching the weights from
+    b (out of the database), and both replicas end at one digest, statesvc's."""
+    a, b = two
+    replicas = [Computed(example.model_dir, svc, tmp_path / "replicas" / name, replica_id=name,
+                         extra_args=("--no-warmup", "--no-inference"))
+                for name, svc in (("ra", a), ("rb", b))]
+    try:
+        for r in replicas:
+            r.start()
+        init(a, example)
+        write(a, "load", name="x", path=str(example.adapter_dirs["attn-qv-r8"]))
+        write(b, "load", name="y", path=str(example.adapter_dirs["mlp-only-r16"]))
+        write(a, "unload", name="x")
+        digest = call(a, "status")["digest"]
+        assert call(b, "status")["digest"] == digest
+
+        def converged() -> bool:
+            return all(r.status()["applied_seq"] == 4 and r.status()["state"] == "ACTIVE"
+                       for r in replicas)
+
+        wait_for(converged, what="both replicas at seq 4")
+        assert {r.status()["logical_digest"] for r in replicas} == {digest}
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+def test_migrate_upgrades_a_postgresql_database_to_head(tmp_path: Path, pg_url: str) -> None:
+    for _ in range(2):  # the second run finds it at head
+        res = subprocess.run([str(BIN / "statesvc"), "migrate", "--data-dir", str(tmp_path),
+                              "--db", pg_url], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and "schema is at head" in res.stdout, res.stderr
+    with psycopg.connect(pg_url.replace("+psycopg", "")) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0002",)]
+        tables = {r[0] for r in conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert {"events", "snapshots", "blobs", "blob_chunks"} <= tables
