@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from sqlalchemy.exc import OperationalError
 
 from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_BLOB_CHUNK
 from shared.endpoints import bind, check_bind
@@ -162,7 +163,10 @@ class Server:
         self._next_catch_up = time.monotonic() + CATCH_UP_S
         try:
             self._publish(self.service.catch_up())
-        except Exception:  # PostgreSQL unreachable: commands answer storage_error meanwhile
+        except OperationalError as exc:  # unreachable: commands answer storage_error meanwhile
+            log.warning("reading the shared log failed (%s); retrying in %.0f s",
+                        str(exc.orig).splitlines()[0], CATCH_UP_S)
+        except Exception:
             log.exception("reading the shared log failed; retrying in %.0f s", CATCH_UP_S)
 
     def _receive(self, batch: list[tuple[list[bytes], Request, str]]) -> None:

@@ -195,15 +195,15 @@ class StateService:
             try:
                 committed += self.catch_up() if self.store.shared else []
             except Exception as exc:  # the shared log could not be read: nothing was decided
-                log.exception("catching up with the log failed")
+                log.warning("catching up with the log failed: %s", exc)
                 why = f"the log could not be read ({exc})"
                 break
             try:
                 return self._handle(requests, committed, more), committed
             except HeadMoved as moved:
                 log.info("another statesvc appended up to seq %d: deciding again", moved.head)
-        return [Answer(error=CommandError("storage_error", f"{why}; nothing was recorded, "
-                                          "retry")) for _ in requests], committed
+        return [Answer(error=CommandError("storage_error", f"{why}; retry with the same "
+                                          "event_id")) for _ in requests], committed
 
     def _handle(self, requests: list[tuple[Request, str]], committed: list[Event],
                 more: Callable[[], list[tuple[Request, str]]] | None) -> list[Answer]:

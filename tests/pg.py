@@ -74,10 +74,12 @@ class PgServer:
                                f"{res.stderr[-2000:]}\n{log}")
 
     def start(self) -> PgServer:
+        """initdb (the first time), then start the server; again after `halt`."""
         assert self.initdb and self.pg_ctl, self.missing()
-        self._run(self.initdb, "-D", str(self.data), "-U", SUPERUSER, "--auth=trust",
-                  "--encoding=UTF8", "--locale=C", "--no-instructions")
-        atexit.register(self.stop)  # a session that dies leaves no server behind
+        if not self.data.exists():
+            self._run(self.initdb, "-D", str(self.data), "-U", SUPERUSER, "--auth=trust",
+                      "--encoding=UTF8", "--locale=C", "--no-instructions")
+            atexit.register(self.stop)  # a session that dies leaves no server behind
         self._run(self.pg_ctl, "start", "-w", "-t", "60", "-D", str(self.data), "-l",
                   str(self.log), "-o", f"-p {self.port} -k {self.root} "
                   "-c listen_addresses=127.0.0.1 -c max_connections=200")
@@ -103,9 +105,14 @@ class PgServer:
             conn.execute("CREATE SCHEMA public")
         return url
 
-    def stop(self, *, mode: signal.Signals = signal.SIGQUIT) -> None:
-        """Stop the postmaster by its pid (SIGQUIT: immediate, since the cluster is thrown
-        away; SIGINT: fast shutdown), then SIGKILL after 30 s; removes the directory."""
+    def stop(self) -> None:
+        """Stop the server in immediate mode (the cluster is thrown away); remove it."""
+        self.halt()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def halt(self, *, mode: signal.Signals = signal.SIGQUIT) -> None:
+        """Stop the postmaster by its pid (SIGQUIT: immediate, as a crash leaves the data;
+        SIGINT: fast shutdown), then SIGKILL after 30 s; the data stay for `start`."""
         if self.pid is not None:
             pid, self.pid = self.pid, None
             try:
@@ -117,7 +124,6 @@ class PgServer:
                 time.sleep(0.05)
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _unprivileged_user() -> pwd.struct_passwd:

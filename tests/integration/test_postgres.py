@@ -18,6 +18,7 @@ import zmq
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.fleet import BIN, Computed, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
+from tests.pg import PgServer
 
 WRITERS, PAIRS = 4, 12  # clients, and load+unload pairs each: 1 + 4 * 24 events
 
@@ -242,3 +243,40 @@ def test_migrate_upgrades_a_postgresql_database_to_head(tmp_path: Path, pg_url: 
         tables = {r[0] for r in conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     assert {"events", "snapshots", "blobs", "blob_chunks"} <= tables
+
+
+def test_statesvc_rides_out_postgresql_restarting_in_immediate_mode(
+        tmp_path: Path, example: ExampleAssets) -> None:
+    """While PostgreSQL is down a command is answered storage_error (statesvc keeps running);
+    after PostgreSQL restarts from its crash recovery, the retried command is recorded once
+    and every acknowledged event is there."""
+    if PgServer.missing():
+        pytest.skip(PgServer.missing())
+    server = PgServer().start()  # its own: this test stops it
+    svc = StateSvc(tmp_path / "a", extra_args=("--db", server.database()))
+    try:
+        svc.start()
+        init(svc, example)
+        write(svc, "load", name="x", path=str(example.adapter_dirs["all-r2"]))
+        server.halt()  # immediate mode: no shutdown checkpoint, crash recovery at start
+        eid = new_event_id()
+        with pytest.raises(RemoteError) as down:
+            call(svc, "unload", event_id=eid, name="x")
+        assert down.value.code == "storage_error" and svc.running
+        server.start()
+
+        def recorded() -> bool:
+            try:
+                return call(svc, "unload", event_id=eid, name="x")["seq"] == 3
+            except RemoteError as exc:  # until the pool's connections are back
+                assert exc.code == "storage_error"
+                return False
+
+        wait_for(recorded, what="the unload recorded after the restart")
+        assert call(svc, "unload", event_id=eid, name="x")["seq"] == 3  # a retry: once
+        assert call(svc, "status")["head_seq"] == 3
+        assert [e["type"] for e in call(svc, "events", since=0, limit=10)["events"]] == [
+            "pool.configured", "adapter.loaded", "adapter.unloaded"]
+    finally:
+        svc.stop()
+        server.stop()
