@@ -310,7 +310,12 @@ def _parse_ids(value: str) -> list[int]:
 @click.option("--replica", required=True, envvar="LORAPLANE_REPLICA", callback=click_address,
               help="A replica's listen address, e.g. tcp://127.0.0.1:7200 (env LORAPLANE_REPLICA).")
 @click.option("--adapter", default=None, help="Adapter name; without it, the base model.")
-@click.option("--input-ids", required=True, help="Prompt token ids, comma-separated.")
+@click.option("--input-ids", default=None, help="Prompt token ids, comma-separated.")
+@click.option("--prompt", default=None,
+              help="Prompt text instead of --input-ids, tokenized with --model's tokenizer; "
+                   "the output is shown as text too.")
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="The base model dir whose tokenizer.json --prompt uses.")
 @click.option("--max-new-tokens", type=click.IntRange(1),
               default=GENERATE_DEFAULTS["max_new_tokens"], show_default=True)
 @click.option("--temperature", type=click.FloatRange(0), default=GENERATE_DEFAULTS["temperature"],
@@ -329,12 +334,30 @@ def _parse_ids(value: str) -> list[int]:
 @JSON_OPT
 @click.pass_context
 @handles_errors
-def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: str,
-             max_new_tokens: int, temperature: float, top_p: float, seed: int,
+def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: str | None,
+             prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float, top_p: float, seed: int,
              stop_token_ids: str, min_seq: int, replica_server_key: str | None,
              as_json: bool) -> None:
     """Ask a replica for a completion, on an adapter or on the base model."""
-    args = generate_args(_parse_ids(input_ids), adapter=adapter, max_new_tokens=max_new_tokens,
+    if (input_ids is None) == (prompt is None):
+        raise click.UsageError("give the prompt as --input-ids or as --prompt (one of them)")
+    codec = None
+    if prompt is not None:
+        if model is None:
+            raise click.UsageError("--prompt needs --model DIR, the base model whose "
+                                   "tokenizer.json turns text into token ids")
+        from shared.text import NoTokenizer, TextCodec
+        try:
+            codec = TextCodec.load(model)
+        except NoTokenizer as exc:
+            raise click.UsageError(str(exc))
+        ids = codec.encode(prompt)
+        if not ids:
+            raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    else:
+        assert input_ids is not None
+        ids = _parse_ids(input_ids)
+    args = generate_args(ids, adapter=adapter, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, seed=seed,
                          stop_token_ids=_parse_ids(stop_token_ids) if stop_token_ids else [],
                          min_seq=min_seq)
@@ -342,6 +365,8 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
     with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0,
                        keys=keys_) as c:
         res = c.call(GENERATE, args)
+    if codec is not None:
+        res["text"] = codec.decode(res["output_ids"])
     if as_json:
         emit(res)
         return
@@ -349,6 +374,8 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
            else "base model")
     out.print(shown(f"{who} (replica at seq {res['seq']}): "
                     f"{','.join(map(str, res['output_ids']))}"))
+    if codec is not None:
+        out.print(shown(res["text"]))
     t = res["timings"]
     out.print("[dim]" + shown(f"queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
                               f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms")

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from safetensors.numpy import save_file
 
 from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES, module_dims
+from statesvc.tools.tokenizer import MIN_VOCAB, write_tokenizer
 
 __all__ = [
     "EXAMPLE_ADAPTERS",
@@ -59,7 +60,7 @@ _ST_DTYPES: dict[str, str] = {"float32": "F32", "bfloat16": "BF16"}
 class ModelShape:
     """The architecture of a Llama checkpoint (the fields LlamaConfig takes)."""
 
-    vocab_size: int = 256
+    vocab_size: int = 512  # 3 special tokens, 256 bytes and the example tokenizer's merges
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -418,7 +419,8 @@ def make_example(dir: Path, *, seed: int = 0, shape: ModelShape = ModelShape(),
                  adapters: tuple[AdapterSpec, ...] = EXAMPLE_ADAPTERS,
                  dtype: str = "float32",
                  base_model_name_or_path: str = EXAMPLE_BASE_MODEL_NAME) -> ExampleAssets:
-    """Write dir/model and dir/adapters/<name>/ for each adapter."""
+    """Write dir/model (with the example tokenizer when the vocab has room for one: see
+    statesvc/tools/tokenizer.py) and dir/adapters/<name>/ for each adapter."""
     names = [a.name for a in adapters]
     if len(set(names)) != len(names):
         raise ValueError("adapter names must be unique")
@@ -427,6 +429,9 @@ def make_example(dir: Path, *, seed: int = 0, shape: ModelShape = ModelShape(),
             raise ValueError(f"adapter name {n!r} is not a valid directory name")
     root = Path(dir)
     model_dir = write_model(root / "model", shape, seed=seed, dtype=dtype)
+    if shape.vocab_size >= MIN_VOCAB:
+        write_tokenizer(model_dir, vocab_size=shape.vocab_size,
+                        max_len=shape.max_position_embeddings)
     adapter_dirs = {
         a.name: write_adapter(root / "adapters" / a.name, a, shape, seed=seed,
                               base_model_name_or_path=base_model_name_or_path, dtype=dtype)

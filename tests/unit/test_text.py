@@ -1,0 +1,64 @@
+"""The example tokenizer (trained by `loractl make-example`) and shared/text.py: text
+round-trips, the chat template renders as transformers renders it, and incremental
+detokenization never releases part of a multi-byte character."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.text import REPLACEMENT, IncrementalDecoder, TextCodec
+from statesvc.tools.example import ExampleAssets, ModelShape, make_example
+
+TEXTS = ["Hello, world!", "Grüße aus München — 日本語のテキスト 🎉🚀", "  spaces\tand\nnewlines ",
+         "\x00\x7f control bytes", "<s> is special, </s> too"]
+
+
+def test_text_round_trips_within_the_model_vocab(example: ExampleAssets) -> None:
+    codec = TextCodec.load(example.model_dir)
+    assert codec.tokenizer.get_vocab_size() <= example.shape.vocab_size
+    assert (codec.bos_token, codec.eos_token, codec.eos_token_id) == ("<s>", "</s>", 2)
+    for text in TEXTS[:4]:
+        ids = codec.encode(text)
+        assert max(ids) < example.shape.vocab_size
+        assert codec.decode(ids) == text
+
+
+def test_the_same_vocab_gives_byte_identical_files(tmp_path: Path,
+                                                  example: ExampleAssets) -> None:
+    again = make_example(tmp_path / "again", seed=0)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (again.model_dir / name).read_bytes() == (example.model_dir / name).read_bytes()
+
+
+def test_a_vocab_without_room_for_bytes_gets_no_tokenizer(tmp_path: Path) -> None:
+    small = make_example(tmp_path / "small", shape=ModelShape(vocab_size=256), adapters=())
+    assert not (small.model_dir / "tokenizer.json").exists()
+
+
+def test_incremental_pieces_are_whole_characters(example: ExampleAssets) -> None:
+    codec = TextCodec.load(example.model_dir)
+    for text in TEXTS[:4]:
+        dec = IncrementalDecoder(codec)
+        pieces = [dec.push(t) for t in codec.encode(text)]
+        assert all(REPLACEMENT not in p for p in pieces)
+        assert "".join(pieces) + dec.flush() == text
+    # bytes that never complete a character come out at the end, as a whole decode shows them
+    dec = IncrementalDecoder(codec)
+    emoji = codec.encode("🎉")
+    pieces = [dec.push(t) for t in emoji[:-1]]
+    assert "".join(pieces) + dec.flush() == codec.decode(emoji[:-1])
+
+
+def test_chat_template_renders_as_transformers(example: ExampleAssets) -> None:
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(example.model_dir))
+    codec = TextCodec.load(example.model_dir)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Grüße 🎉"}]
+    assert codec.render_chat(messages) == tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert codec.encode_chat(messages) == tok.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    for text in TEXTS:
+        assert codec.encode(text) == tok(text).input_ids
