@@ -13,6 +13,7 @@ from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
                            DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import EndpointError, check_bind, click_address
 from shared.faults import Faults
+from computed.gateway.cli import gateway
 
 
 
@@ -135,3 +136,5 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     finally:
         client.close()
     log.info("stopped")
+
+main.add_command(gateway)

@@ -197,3 +197,31 @@ def wait_for(predicate: Any, *, timeout: float = 60.0, what: str = "condition") 
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class Gateway(_Process):
+    """A `computed gateway` subprocess in front of `state`'s replicas, on a free port."""
+
+    model_dir: Path
+    state: Addresses
+    log_file: Path
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    proc: subprocess.Popen[Any] | None = None
+    ready: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.log_file
+
+    def start(self) -> Gateway:
+        self.proc, self.ready = start_ready(
+            [str(BIN / "computed"), "gateway", "--model", str(self.model_dir), "--state",
+             self.state.control, "--port", str(self.port), "--poll-interval", "0.2",
+             *self.extra_args], log=self.log_file)
+        return self

@@ -1,0 +1,3 @@
+"""`computed gateway`: an OpenAI-compatible HTTP front door over the replica fleet
+(docs/gateway.md). It speaks HTTP to applications and ZeroMQ to statesvc and the replicas,
+and imports no JAX."""

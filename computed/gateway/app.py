@@ -1,0 +1,150 @@
+"""The gateway's HTTP surface (Starlette): OpenAI's /v1/models, /v1/completions and
+/v1/chat/completions (JSON, or server-sent events with one chunk per token), and /health."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
+                                       parse_chat, parse_completion, parse_json)
+from computed.gateway.service import Gateway, Output
+from shared.text import IncrementalDecoder
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """The JSON body, read at most MAX_BODY_BYTES far."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    return parse_json(bytes(raw))
+
+
+def _usage(out: Output) -> dict[str, int]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def pieces(gw: Gateway, out: Output) -> list[str]:
+    """The output's text token by token, whole characters only, cut where out.text ends."""
+    dec, sent, parts = IncrementalDecoder(gw.codec), 0, []
+    for t in out.ids:
+        if sent >= len(out.text):
+            break
+        piece = out.text[sent:sent + len(dec.push(t))]
+        sent += len(piece)
+        parts.append(piece)
+    if sent < len(out.text):  # a character the output never completed, shown as U+FFFD
+        parts.append(out.text[sent:])
+    return parts
+
+
+def build_app(gw: Gateway, *, max_pending: int = 256) -> Starlette:
+    pending = threading.BoundedSemaphore(max_pending)
+
+    async def generate(request: Request, parse: Callable[[dict[str, Any]], Completion | Chat],
+                       chat: bool) -> Response:
+        try:
+            req = parse(await read_body(request))
+            gw.resolve(req.model)  # 404 before queueing
+            if not pending.acquire(blocking=False):
+                raise ApiError(429, f"the gateway has {max_pending} requests in flight "
+                               f"(--max-pending); retry later", code="overloaded")
+            try:
+                out = await run_in_threadpool(gw.run, req)
+            finally:
+                pending.release()
+        except ApiError as exc:
+            return error_response(exc)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        head = {"id": rid, "created": created, "model": req.model}
+        if req.sampling.stream:
+            return StreamingResponse(_sse(gw, out, head, chat, req.sampling.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [choice], "usage": _usage(out)})
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, parse_completion, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, parse_chat, chat=True)
+
+    async def models(request: Request) -> Response:
+        created = int(time.time())
+        base = gw.served_name
+        data = [{"id": base, "object": "model", "created": created, "owned_by": "loraplane",
+                 "root": base, "parent": None}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "loraplane",
+                  "root": name, "parent": base, "version": version}
+                 for name, version in sorted(gw.router.view.adapters.items())]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        view = gw.router.view
+        if not view.ok:
+            return error_response(ApiError(503, view.error, code="not_ready"))
+        if not view.replicas:
+            return error_response(ApiError(503, "no replica is ACTIVE and agreeing with the "
+                                           "log yet", code="not_ready"))
+        return JSONResponse({"status": "ok", "head_seq": view.head_seq,
+                             "replicas": [r.id for r in view.replicas]})
+
+    return Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ])
+
+
+async def _sse(gw: Gateway, out: Output, head: dict[str, Any], chat: bool,
+               include_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, *, role: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish)
+        body = {**head, "object": obj, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    if chat:
+        yield chunk("", None, role=True)
+    for piece in pieces(gw, out):
+        yield chunk(piece, None)
+    yield chunk(None if chat else "", out.finish_reason)
+    if include_usage:
+        yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(out)})}\n\n"
+    yield "data: [DONE]\n\n"

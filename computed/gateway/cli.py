@@ -1,0 +1,66 @@
+"""`computed gateway`: the OpenAI-compatible HTTP front door (docs/gateway.md)."""
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import click
+
+from shared.config import DEFAULT_CONTROL
+from shared.endpoints import click_address
+
+log = logging.getLogger("computed.gateway")
+
+
+@click.command("gateway")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False,
+                                                        path_type=Path),
+              help="The pool's base model dir: its tokenizer.json, tokenizer_config.json "
+                   "(chat template) and config.json.")
+@click.option("--state", default=DEFAULT_CONTROL, show_default=True, callback=click_address,
+              help="statesvc's control address (registry, replicas and their status).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="0: any free port (the READY line names it).")
+@click.option("--served-model-name", default=None,
+              help="The base model's name in `model` fields [default: --model's dir name].")
+@click.option("--max-pending", type=click.IntRange(1), default=256, show_default=True,
+              help="Requests in flight at once; more are refused with 429.")
+@click.option("--request-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="Seconds to wait for a replica's answer before trying another.")
+@click.option("--poll-interval", type=click.FloatRange(0.05), default=0.5, show_default=True,
+              help="Seconds between reads of statesvc's and the replicas' status.")
+def gateway(model: Path, state: str, host: str, port: int, served_model_name: str | None,
+            max_pending: int, request_timeout: float, poll_interval: float) -> None:
+    """Serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models over the
+    replicas that statesvc knows, on http://HOST:PORT."""
+    import uvicorn
+
+    from computed.gateway.app import build_app
+    from computed.gateway.routing import Router
+    from computed.gateway.service import Gateway
+    from shared.text import NoTokenizer
+
+    router = Router(state, interval_s=poll_interval).start()
+    try:
+        gw = Gateway(router, model, served_name=served_model_name or model.resolve().name,
+                     request_timeout_s=request_timeout)
+    except NoTokenizer as exc:
+        raise click.UsageError(str(exc))
+    # bind before READY: connections made after it wait in the backlog until uvicorn accepts
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    router.wait_polled(10.0)
+    bound = sock.getsockname()
+    log.info("gateway for %s (%s) on http://%s:%d, statesvc %s", gw.served_name, model,
+             bound[0], bound[1], state)
+    print(f"READY http://{bound[0]}:{bound[1]} model={gw.served_name}", flush=True)
+    config = uvicorn.Config(build_app(gw, max_pending=max_pending), log_level="warning",
+                            access_log=False, lifespan="off")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        router.stop()

@@ -1,0 +1,132 @@
+"""The gateway's view of the fleet, followed from statesvc, and the choice of a replica.
+
+A poller thread reads statesvc's `status` (replicas) and `list` (the registry: each adapter's
+version is the seq of its load) and each live replica's own `status` (queue and resident
+set) every `interval_s`. A request goes to an ACTIVE replica that agrees with the log and has
+applied at least the adapter's load seq (`min_seq`), preferring one where the adapter is
+resident, then the fewest queued requests (its last status plus what this gateway has sent it
+since); when none has applied that seq yet, any ACTIVE agreeing replica, which waits for it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
+from shared.replica_protocol import STATUS
+
+log = logging.getLogger("computed.gateway")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    id: str
+    address: str
+    applied_seq: int
+    queued: int  # running + waiting at its last status
+    resident: frozenset[str]  # adapter names in its slots
+    max_len: int
+
+
+@dataclass
+class FleetView:
+    """What the last poll saw; replaced whole, never changed in place."""
+
+    ok: bool = False  # statesvc answered the last poll
+    error: str = "no answer from statesvc yet"
+    head_seq: int = 0
+    pool: dict[str, Any] | None = None
+    adapters: dict[str, int] = field(default_factory=dict)  # name -> version (= load seq)
+    replicas: tuple[ReplicaView, ...] = ()
+
+
+class Router:
+    def __init__(self, state: str, *, interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
+        self.state = state
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.view = FleetView()
+        self._inflight: dict[str, int] = {}  # replica address -> requests sent and unanswered
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._polled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway-poll", daemon=True)
+
+    def start(self) -> Router:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def wait_polled(self, timeout: float) -> bool:
+        return self._polled.wait(timeout)
+
+    def refresh(self) -> None:
+        """Poll now (the poller does it every interval_s)."""
+        self.view = self._poll()
+        self._polled.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception as exc:  # the poller must outlive anything one poll meets
+                log.warning("poll failed: %s", exc)
+            self._stop.wait(self.interval_s)
+
+    def _poll(self) -> FleetView:
+        try:
+            with ControlClient(self.state, timeout_s=self.timeout_s, retries=0) as c:
+                status = c.call("status")
+                first, adapters = list_adapters(c)
+        except (Unavailable, RemoteError) as exc:
+            return FleetView(ok=False, error=f"statesvc at {self.state}: {exc}",
+                             replicas=self.view.replicas, adapters=self.view.adapters,
+                             pool=self.view.pool, head_seq=self.view.head_seq)
+        views = []
+        for r in status.get("replicas", []):
+            if r.get("state") != "ACTIVE" or r.get("agrees") is not True:
+                continue
+            own = self._replica_status(r["address"])
+            if own is None or own.get("state") != "ACTIVE" or not own.get("inference"):
+                continue
+            inf = own["inference"]
+            resident = frozenset(h["name"] for h in (own.get("slots") or {}).values()
+                                 if isinstance(h, dict) and "name" in h)
+            views.append(ReplicaView(
+                id=str(r["id"]), address=str(r["address"]),
+                applied_seq=max(int(r["applied_seq"]), int(own.get("applied_seq", 0))),
+                queued=int(inf["running"]) + int(inf["waiting"]), resident=resident,
+                max_len=int(inf["max_len"])))
+        return FleetView(ok=True, error="", head_seq=int(status["head_seq"]),
+                         pool=first.get("pool"),
+                         adapters={a["name"]: int(a["version"]) for a in adapters},
+                         replicas=tuple(sorted(views, key=lambda v: v.id)))
+
+    def _replica_status(self, address: str) -> dict[str, Any] | None:
+        try:
+            with ControlClient(address, timeout_s=self.timeout_s, retries=0) as c:
+                res = c.call(STATUS)
+            return res if isinstance(res, dict) else None
+        except (Unavailable, RemoteError):
+            return None
+
+    def candidates(self, adapter: str | None, min_seq: int,
+                   exclude: frozenset[str] = frozenset()) -> list[ReplicaView]:
+        """The replicas to try for a request, best first."""
+        replicas = [r for r in self.view.replicas if r.address not in exclude]
+        caught_up = [r for r in replicas if r.applied_seq >= min_seq]
+        pool = caught_up or replicas  # none has it yet: one that will wait for min_seq
+        with self._lock:
+            def key(r: ReplicaView) -> tuple[bool, int, str]:
+                return (adapter is not None and adapter not in r.resident,
+                        r.queued + self._inflight.get(r.address, 0), r.id)
+            return sorted(pool, key=key)
+
+    def sent(self, address: str, delta: int) -> None:
+        with self._lock:
+            self._inflight[address] = self._inflight.get(address, 0) + delta

@@ -1,0 +1,161 @@
+"""One gateway request, from checked body to finished output: the model name resolved to the
+base model or an adapter, the prompt tokenized, a replica chosen (and another tried when one
+fails or is full before answering), and the output cut at stop tokens and stop strings."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from computed.gateway.requests import ApiError, Chat, Completion, Sampling, bad
+from computed.gateway.routing import Router
+import zmq
+
+from computed.gateway import replicas
+from shared.client import RemoteError, Unavailable
+from shared.replica_protocol import MAX_STOP_TOKENS, generate_args
+from shared.text import TextCodec
+
+log = logging.getLogger("computed.gateway")
+CONNECT_TIMEOUT_S = 2.0  # a replica not reachable this long is skipped for another
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
+# replica error codes that another replica may not have: try the next one
+RETRY_ELSEWHERE = {"overloaded": 429, "not_ready": 503}
+REPLICA_ERRORS = {"bad_request": 400, "prompt_too_long": 400, "unknown_adapter": 404}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a `model` field names: the base model (adapter None) or an adapter."""
+
+    model: str
+    adapter: str | None
+    min_seq: int
+
+
+@dataclass
+class Output:
+    prompt_tokens: int
+    ids: list[int]  # the tokens whose text is `text` (stop token and past a stop string cut)
+    completion_tokens: int  # what the replica generated (a stop token counts)
+    text: str
+    finish_reason: str  # "stop" or "length"
+    replica: str
+
+
+class Gateway:
+    def __init__(self, router: Router, model_dir: Path, *, served_name: str,
+                 request_timeout_s: float = 120.0) -> None:
+        self.router = router
+        self.codec = TextCodec.load(model_dir)
+        self.served_name = served_name
+        self.vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        self.request_timeout_s = request_timeout_s
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+
+    def resolve(self, model: str) -> Target:
+        adapters = self.router.view.adapters
+        name: str | None = model
+        if model == self.served_name:
+            name = None
+        elif model.startswith(self.served_name + ":"):  # SGLang's base:adapter
+            name = model[len(self.served_name) + 1:]
+        if name is None:
+            return Target(model, None, 0)
+        if name not in adapters:
+            raise ApiError(404, f"The model `{model}` does not exist: not the base model "
+                           f"({self.served_name}) nor a registered adapter (GET /v1/models "
+                           f"lists them; loractl load adds one)", param="model",
+                           code="model_not_found")
+        return Target(model, name, adapters[name])
+
+    def prompt_ids(self, req: Completion | Chat) -> list[int]:
+        if isinstance(req, Chat):
+            try:
+                return self.codec.encode_chat(req.messages)
+            except Exception as exc:  # the template's own raise_exception, or a bad template
+                raise bad(f"the chat template could not render these messages: {exc}",
+                          "messages")
+        if isinstance(req.prompt, str):
+            return self.codec.encode(req.prompt)
+        if any(t >= self.vocab_size for t in req.prompt):
+            raise bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        return req.prompt
+
+    def run(self, req: Completion | Chat) -> Output:
+        """Blocking: call from a worker thread."""
+        target = self.resolve(req.model)
+        ids = self.prompt_ids(req)
+        if not ids:
+            raise bad("the prompt has no tokens", "prompt")
+        s = req.sampling
+        stop_ids = set(s.stop_token_ids)
+        if any(t >= self.vocab_size for t in stop_ids):
+            raise bad(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        if self.codec.eos_token_id is not None and not s.ignore_eos:
+            stop_ids.add(self.codec.eos_token_id)
+        if len(stop_ids) > MAX_STOP_TOKENS:
+            raise bad(f"at most {MAX_STOP_TOKENS} stop token ids", "stop_token_ids")
+        tried: set[str] = set()
+        last: ApiError | None = None
+        while True:
+            candidates = self.router.candidates(target.adapter, target.min_seq,
+                                                frozenset(tried))
+            if not candidates:
+                raise last or ApiError(503, "no replica is ready to serve (none ACTIVE and "
+                                       "agreeing with the log); see GET /health",
+                                       code="not_ready")
+            replica = candidates[0]
+            tried.add(replica.address)
+            max_new = self._max_new(s, len(ids), replica.max_len, isinstance(req, Chat))
+            args = generate_args(ids, adapter=target.adapter, max_new_tokens=max_new,
+                                 temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                 stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
+            self.router.sent(replica.address, 1)
+            try:
+                res = replicas.generate(self.ctx, replica.address, args,
+                                        connect_timeout_s=CONNECT_TIMEOUT_S,
+                                        timeout_s=self.request_timeout_s)
+            except Unavailable as exc:
+                log.warning("replica %s: %s; trying another", replica.id, exc)
+                last = ApiError(503, f"replica {replica.id} failed: {exc}", code="not_ready")
+                continue
+            except RemoteError as exc:
+                if exc.code in RETRY_ELSEWHERE:
+                    last = ApiError(RETRY_ELSEWHERE[exc.code], f"replica {replica.id}: "
+                                    f"{exc}", code=exc.code)
+                    continue
+                status = REPLICA_ERRORS.get(exc.code, 500)
+                raise ApiError(status, str(exc), code=exc.code,
+                               param="model" if exc.code == "unknown_adapter" else None)
+            finally:
+                self.router.sent(replica.address, -1)
+            return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id)
+
+    def _max_new(self, s: Sampling, prompt_len: int, max_len: int, chat: bool) -> int:
+        room = max_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens; "
+                           f"the prompt has {prompt_len}: shorten it", param="prompt",
+                           code="context_length_exceeded")
+        want = s.max_tokens or (room if chat else DEFAULT_MAX_TOKENS)
+        if s.max_tokens is not None and want > room:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens; "
+                           f"the prompt has {prompt_len} and max_tokens asks for {want}: "
+                           f"lower max_tokens to {room} or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+        return min(want, room)
+
+    def _finish(self, prompt: list[int], out: list[int], stop_ids: set[int], s: Sampling,
+                replica: str) -> Output:
+        ids, finish = out, "length"
+        if out and out[-1] in stop_ids:
+            ids, finish = out[:-1], "stop"
+        text = self.codec.decode(ids)
+        cut = min((i for i in (text.find(st) for st in s.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+        return Output(prompt_tokens=len(prompt), ids=ids, completion_tokens=len(out),
+                      text=text, finish_reason=finish, replica=replica)

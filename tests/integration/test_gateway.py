@@ -1,0 +1,202 @@
+"""The OpenAI-compatible gateway with the official `openai` client, against a real gateway,
+statesvc and two replicas (subprocesses); greedy outputs checked against transformers + PEFT
+on the same text, tokenized by the same tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from shared.fleet import Gateway, wait_for
+from statesvc.tools.example import ExampleAssets
+from tests.helpers import Fleet
+
+pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+from tests.helpers import HFReference  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+ADAPTERS = {"chat": "attn-qv-r8", "code": "all-r2"}
+NEW = 8
+
+
+class Setup:
+    def __init__(self, fleet: Fleet, gateway: Gateway, example: ExampleAssets) -> None:
+        import transformers
+        self.fleet, self.gateway, self.example = fleet, gateway, example
+        self.base = example.model_dir.name
+        self.client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused",
+                                    max_retries=0, timeout=300)
+        self.tok = transformers.AutoTokenizer.from_pretrained(str(example.model_dir))
+        self.ref = HFReference(example.model_dir)
+
+    def adapter_dir(self, model: str) -> Path | None:
+        name = model.split(":")[-1]
+        return None if name == self.base else self.example.adapter_dirs[ADAPTERS[name]]
+
+    def expected(self, model: str, ids: list[int], n: int = NEW) -> tuple[str, str, int]:
+        """(text, finish_reason, completion_tokens) of transformers + PEFT, greedy."""
+        out = self.ref.greedy(self.adapter_dir(model), ids, n)
+        eos = self.tok.eos_token_id
+        if eos in out:
+            out = out[:out.index(eos) + 1]
+            return self.tok.decode(out, skip_special_tokens=True), "stop", len(out)
+        return self.tok.decode(out, skip_special_tokens=True), "length", len(out)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    fleet = Fleet(tmp, example)
+    gateway = Gateway(example.model_dir, fleet.statesvc, log_file=tmp / "gateway.log")
+    try:
+        fleet.statesvc.start()
+        fleet.init()
+        for name, adapter in ADAPTERS.items():
+            fleet.load(name, adapter)
+        replicas = [fleet.replica("r1"), fleet.replica("r2")]
+        wait_for(lambda: fleet.converged(*replicas), what="replicas at head")
+        gateway.start()
+        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
+                 what="gateway healthy")
+        yield Setup(fleet, gateway, example)
+    finally:
+        gateway.stop()
+        fleet.stop()
+
+
+def test_models_lists_the_base_and_every_adapter(setup: Setup) -> None:
+    models = {m.id: m for m in setup.client.models.list().data}
+    assert set(models) == {setup.base, *ADAPTERS}
+    assert models[setup.base].model_extra["parent"] is None
+    assert all(models[a].model_extra["parent"] == setup.base for a in ADAPTERS)
+
+
+@pytest.mark.parametrize("model", ["BASE", "chat", "BASE:code"])
+def test_completions_equal_transformers_with_and_without_streaming(setup: Setup,
+                                                                   model: str) -> None:
+    model = model.replace("BASE", setup.base)
+    prompt = "The capital of France is"
+    ids = setup.tok(prompt).input_ids
+    text, finish, n = setup.expected(model, ids)
+    res = setup.client.completions.create(model=model, prompt=prompt, max_tokens=NEW,
+                                          temperature=0)
+    assert (res.choices[0].text, res.choices[0].finish_reason) == (text, finish)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(ids), n)
+    chunks = list(setup.client.completions.create(model=model, prompt=prompt, max_tokens=NEW,
+                                                  temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+    # one chunk per token (an eos that ends the output has no text), then the finish chunk
+    assert len(chunks) == n - (finish == "stop") + 1
+    by_ids = setup.client.completions.create(model=model, prompt=ids, max_tokens=NEW,
+                                             temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+@pytest.mark.parametrize("model", ["BASE", "code"])
+def test_chat_renders_the_template_as_transformers_does(setup: Setup, model: str) -> None:
+    model = model.replace("BASE", setup.base)
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Write a short poem about the sea."}]
+    ids = setup.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    text, finish, n = setup.expected(model, ids)
+    res = setup.client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                               max_tokens=NEW, temperature=0)
+    assert res.choices[0].message.role == "assistant"
+    assert (res.choices[0].message.content, res.choices[0].finish_reason) == (text, finish)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(ids), n)
+    stream = setup.client.chat.completions.create(
+        model=model, messages=messages, max_tokens=NEW, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == n
+
+
+def test_stop_strings_cut_the_text(setup: Setup) -> None:
+    prompt = "Once upon a time"
+    full = setup.client.completions.create(model=setup.base, prompt=prompt, max_tokens=NEW,
+                                           temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop
+    for stream in (False, True):
+        res = setup.client.completions.create(model=setup.base, prompt=prompt,
+                                              max_tokens=NEW, temperature=0, stop=[stop],
+                                              extra_body={"ignore_eos": True}, stream=stream)
+        if stream:
+            chunks = list(res)
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = res.choices[0].text, res.choices[0].finish_reason
+        assert (text, finish) == (full[:full.index(stop)], "stop")
+
+
+def test_errors_are_openai_shaped(setup: Setup) -> None:
+    c = setup.client
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as br:
+        c.completions.create(model=setup.base, prompt="hi", temperature="hot")  # type: ignore[arg-type]
+    assert br.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as long:
+        c.completions.create(model=setup.base, prompt=[5] * 300, max_tokens=2)
+    assert long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=setup.base, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=setup.base, messages=[])
+    for body in (b"{not json", b"\xff\xfe", b"[1]", b"[" * 100000):
+        r = httpx.post(setup.gateway.url + "/v1/completions", content=body,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
+    r = httpx.post(setup.gateway.url + "/v1/completions", content=b" " * (2 << 20))
+    assert r.status_code == 413
+    assert httpx.get(setup.gateway.url + "/health").status_code == 200  # still up
+
+
+def test_loractl_generate_takes_text(setup: Setup) -> None:
+    import json
+    import subprocess
+
+    from shared.fleet import BIN
+    prompt = "Grüße aus München"
+    ids = setup.tok(prompt).input_ids
+    res = subprocess.run([str(BIN / "loractl"), "generate", "--replica",
+                          setup.fleet.replicas[0].listen, "--prompt", prompt, "--model",
+                          str(setup.example.model_dir), "--max-new-tokens", str(NEW), "--json"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == setup.ref.greedy(None, ids, NEW)
+    assert out["text"] == setup.tok.decode(out["output_ids"], skip_special_tokens=True)
+
+
+def test_a_replica_that_dies_is_routed_around(setup: Setup) -> None:
+    """Runs last: it kills r1. Requests in flight on it when it dies are sent to r2 (the
+    replicas answer whole, so no token of theirs had reached the client); later ones go
+    to r2; the gateway stays up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt, n = "Once upon a time", 200
+    ids = setup.tok(prompt).input_ids
+    expected = setup.tok.decode(setup.ref.greedy(None, ids, n), skip_special_tokens=True)
+
+    def one(_: int) -> str:
+        res = setup.client.completions.create(model=setup.base, prompt=prompt, max_tokens=n,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        return res.choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(one, i) for i in range(4)]
+        setup.fleet.replicas[0].kill()
+        assert [f.result() for f in running] == [expected] * 4
+    assert one(0) == expected
+    wait_for(lambda: httpx.get(setup.gateway.url + "/health").json()["replicas"] == ["r2"],
+             what="the gateway to drop r1")
