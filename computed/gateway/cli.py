@@ -35,6 +35,8 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
             max_pending: int, request_timeout: float, poll_interval: float) -> None:
     """Serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models over the
     replicas that statesvc knows, on http://HOST:PORT."""
+    import ipaddress
+
     import uvicorn
 
     from computed.gateway.app import build_app
@@ -42,6 +44,14 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
     from computed.gateway.service import Gateway
     from shared.text import NoTokenizer
 
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise click.BadParameter(f"{host!r}: the gateway has no authentication yet, so it "
+                                 f"binds a loopback address only (127.0.0.1, ::1, localhost)",
+                                 param_hint="--host")
     router = Router(state, interval_s=poll_interval).start()
     try:
         gw = Gateway(router, model, served_name=served_model_name or model.resolve().name,
