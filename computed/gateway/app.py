@@ -1,5 +1,6 @@
 """The gateway's HTTP surface (Starlette): OpenAI's /v1/models, /v1/completions and
-/v1/chat/completions (JSON, or server-sent events with one chunk per token), and /health."""
+/v1/chat/completions (JSON, or server-sent events with one chunk per token), vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter, /health and /metrics."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,11 @@ from typing import Any, AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from computed.gateway import admin
+from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
@@ -58,21 +61,32 @@ def pieces(gw: Gateway, out: Output) -> list[str]:
 
 def build_app(gw: Gateway, *, max_pending: int = 256) -> Starlette:
     pending = threading.BoundedSemaphore(max_pending)
+    metrics = Metrics(gw.router)
 
     async def generate(request: Request, parse: Callable[[dict[str, Any]], Completion | Chat],
                        chat: bool) -> Response:
+        started, label = time.perf_counter(), UNRESOLVED
+        endpoint = request.url.path
         try:
             req = parse(await read_body(request))
-            gw.resolve(req.model)  # 404 before queueing
+            target = gw.resolve(req.model)  # 404 before queueing
+            label = target.adapter or gw.served_name
             if not pending.acquire(blocking=False):
                 raise ApiError(429, f"the gateway has {max_pending} requests in flight "
                                f"(--max-pending); retry later", code="overloaded")
+            metrics.pending.inc()
             try:
                 out = await run_in_threadpool(gw.run, req)
             finally:
                 pending.release()
+                metrics.pending.dec()
         except ApiError as exc:
+            metrics.requests.labels(label, endpoint, str(exc.status)).inc()
             return error_response(exc)
+        metrics.requests.labels(label, endpoint, "200").inc()
+        metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
+        metrics.generation_tokens.labels(label).inc(out.completion_tokens)
+        metrics.latency.labels(label).observe(time.perf_counter() - started)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         head = {"id": rid, "created": created, "model": req.model}
@@ -114,7 +128,28 @@ def build_app(gw: Gateway, *, max_pending: int = 256) -> Starlette:
         return JSONResponse({"status": "ok", "head_seq": view.head_seq,
                              "replicas": [r.id for r in view.replicas]})
 
+    async def load_lora_adapter(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            return PlainTextResponse(await run_in_threadpool(admin.load, gw.router,
+                                                             gw.served_name, body))
+        except ApiError as exc:
+            return error_response(exc)
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            return PlainTextResponse(await run_in_threadpool(admin.unload, gw.router, body))
+        except ApiError as exc:
+            return error_response(exc)
+
+    async def metrics_page(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
     return Starlette(routes=[
+        Route("/metrics", metrics_page, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -25,9 +25,10 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
+        named = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 429: "rate_limit_error", 503: "service_unavailable"}
+        return named.get(self.status, "invalid_request_error" if self.status < 500
+                         else "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -42,14 +42,31 @@ class FleetView:
     replicas: tuple[ReplicaView, ...] = ()
 
 
+def _with(view: FleetView, learned: dict[str, tuple[int | None, int]]) -> FleetView:
+    if not learned:
+        return view
+    adapters = dict(view.adapters)
+    for name, (version, _) in learned.items():
+        if version is None:
+            adapters.pop(name, None)
+        else:
+            adapters[name] = version
+    return FleetView(ok=view.ok, error=view.error, head_seq=view.head_seq, pool=view.pool,
+                     adapters=adapters, replicas=view.replicas)
+
+
 class Router:
     def __init__(self, state: str, *, interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
         self.state = state
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.view = FleetView()
-        self._inflight: dict[str, int] = {}  # replica address -> requests sent and unanswered
+        # replica address -> adapter (None: the base model) -> requests sent and unanswered
+        self._inflight: dict[str, dict[str | None, int]] = {}
         self._lock = threading.Lock()
+        # what this gateway wrote (name -> (version or None when unloaded, seq)), shown
+        # until a poll reaches that seq: a poll that began before the write must not undo it
+        self._learned: dict[str, tuple[int | None, int]] = {}
         self._stop = threading.Event()
         self._polled = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-poll", daemon=True)
@@ -67,8 +84,17 @@ class Router:
 
     def refresh(self) -> None:
         """Poll now (the poller does it every interval_s)."""
-        self.view = self._poll()
+        view = self._poll()
+        with self._lock:
+            self._learned = {n: vs for n, vs in self._learned.items() if vs[1] > view.head_seq}
+            self.view = _with(view, self._learned)
         self._polled.set()
+
+    def learn(self, name: str, version: int | None, seq: int) -> None:
+        """Show a load (version) or an unload (None) this gateway recorded at `seq` now."""
+        with self._lock:
+            self._learned[name] = (version, seq)
+            self.view = _with(self.view, {name: (version, seq)})
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -124,9 +150,17 @@ class Router:
         with self._lock:
             def key(r: ReplicaView) -> tuple[bool, int, str]:
                 return (adapter is not None and adapter not in r.resident,
-                        r.queued + self._inflight.get(r.address, 0), r.id)
+                        r.queued + sum(self._inflight.get(r.address, {}).values()), r.id)
             return sorted(pool, key=key)
 
-    def sent(self, address: str, delta: int) -> None:
+    def sent(self, address: str, adapter: str | None, delta: int) -> None:
+        """Count a request sent to a replica (delta 1) or answered there (-1)."""
         with self._lock:
-            self._inflight[address] = self._inflight.get(address, 0) + delta
+            counts = self._inflight.setdefault(address, {})
+            counts[adapter] = counts.get(adapter, 0) + delta
+            if not counts[adapter]:
+                del counts[adapter]
+
+    def inflight(self, address: str) -> dict[str | None, int]:
+        with self._lock:
+            return dict(self._inflight.get(address, {}))

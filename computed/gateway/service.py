@@ -113,7 +113,7 @@ class Gateway:
             args = generate_args(ids, adapter=target.adapter, max_new_tokens=max_new,
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                  stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
-            self.router.sent(replica.address, 1)
+            self.router.sent(replica.address, target.adapter, 1)
             try:
                 res = replicas.generate(self.ctx, replica.address, args,
                                         connect_timeout_s=CONNECT_TIMEOUT_S,
@@ -131,7 +131,7 @@ class Gateway:
                 raise ApiError(status, str(exc), code=exc.code,
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
-                self.router.sent(replica.address, -1)
+                self.router.sent(replica.address, target.adapter, -1)
             return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id)
 
     def _max_new(self, s: Sampling, prompt_len: int, max_len: int, chat: bool) -> int:

@@ -178,6 +178,70 @@ def test_loractl_generate_takes_text(setup: Setup) -> None:
     assert out["text"] == setup.tok.decode(out["output_ids"], skip_special_tokens=True)
 
 
+def _samples(setup: Setup) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(setup.gateway.url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_the_requests_per_adapter(setup: Setup) -> None:
+    before = _samples(setup)
+    tokens = 0
+    for model in ("chat", "chat", setup.base):
+        res = setup.client.completions.create(model=model, prompt="Hello", max_tokens=3,
+                                              temperature=0)
+        tokens += res.usage.completion_tokens if model == "chat" else 0
+    with pytest.raises(openai.NotFoundError):
+        setup.client.completions.create(model="nope", prompt="Hello", max_tokens=3)
+    after = _samples(setup)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    req = "loraplane_gateway_requests_total"
+    assert delta(req, model="chat", endpoint="/v1/completions", status="200") == 2
+    assert delta(req, model=setup.base, endpoint="/v1/completions", status="200") == 1
+    assert delta(req, model="", endpoint="/v1/completions", status="404") == 1
+    assert delta("loraplane_gateway_generation_tokens_total", model="chat") == tokens
+    assert delta("loraplane_gateway_request_seconds_count", model="chat") == 2
+    info = [dict(labels) for (name, labels) in after if name == "vllm:lora_requests_info"]
+    assert sorted(i["replica"] for i in info) == ["r1", "r2"]
+    assert all(i["max_lora"] == "6" for i in info)
+
+
+def test_load_and_unload_through_the_vllm_endpoints(setup: Setup) -> None:
+    url, adapter = setup.gateway.url, setup.example.adapter_dirs["mlp-only-r16"]
+    r = httpx.post(url + "/v1/load_lora_adapter",
+                   json={"lora_name": "late", "lora_path": str(adapter)})
+    assert r.status_code == 200, r.text
+    # read-your-writes: the very next request is served by the new adapter
+    ids = setup.tok("Hello there").input_ids
+    res = setup.client.completions.create(model="late", prompt="Hello there", max_tokens=NEW,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    want = setup.ref.greedy(adapter, ids, NEW)
+    assert res.choices[0].text == setup.tok.decode(want, skip_special_tokens=True)
+    assert "late" in {m.id for m in setup.client.models.list().data}
+    with setup.fleet.client() as c:
+        last = c.call("events", {"since": 0})["events"][-1]
+    assert (last["type"], last["actor"]) == ("adapter.loaded", "local")
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        setup.client.completions.create(model="late", prompt="Hello", max_tokens=2)
+    for path, body, status in [
+            ("/v1/unload_lora_adapter", {"lora_name": "late"}, 404),
+            ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "relative/dir"}, 400),
+            ("/v1/load_lora_adapter", {"lora_name": 5, "lora_path": str(adapter)}, 400),
+            ("/v1/load_lora_adapter", {"lora_name": setup.base, "lora_path": str(adapter)},
+             400)]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == status and "message" in r.json()["error"], (body, r.text)
+    with setup.fleet.client() as c:
+        assert c.call("events", {"since": 0})["events"][-1]["type"] == "adapter.unloaded"
+
+
 def test_a_replica_that_dies_is_routed_around(setup: Setup) -> None:
     """Runs last: it kills r1. Requests in flight on it when it dies are sent to r2 (the
     replicas answer whole, so no token of theirs had reached the client); later ones go

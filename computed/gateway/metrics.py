@@ -1,0 +1,71 @@
+"""GET /metrics (prometheus_client): requests, tokens and latency per model (the base model
+or an adapter: only names the gateway resolved, never a caller's arbitrary string), requests
+in flight, each replica's queue, and vLLM's `vllm:lora_requests_info` per replica, the gauge
+Kubernetes' Gateway API Inference Extension reads for LoRA-affinity routing."""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from computed.gateway.routing import Router
+
+UNRESOLVED = ""  # the model label of a request refused before its model was resolved
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0)
+
+
+class FleetCollector(Collector):
+    """Read at scrape time from the router's last view and its requests in flight."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        view = self.router.view
+        queued = GaugeMetricFamily("loraplane_gateway_replica_queued",
+                                   "Requests running or waiting on a replica (its last status "
+                                   "plus what this gateway sent since)", labels=["replica"])
+        # vLLM's form: one sample per replica, value the scrape time, the adapters in labels;
+        # running = adapters of this gateway's requests in flight there that are resident,
+        # waiting = those that are not (the replica fills a slot first)
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA "
+                                 "adapters per replica (vLLM's metric)",
+                                 labels=["replica", "max_lora", "running_lora_adapters",
+                                         "waiting_lora_adapters"])
+        max_lora = str((view.pool or {}).get("max_loras", ""))
+        now = time.time()
+        for r in view.replicas:
+            inflight = self.router.inflight(r.address)
+            queued.add_metric([r.id], r.queued + sum(inflight.values()))
+            names = sorted(a for a in inflight if a is not None)
+            info.add_metric([r.id, max_lora, ",".join(a for a in names if a in r.resident),
+                             ",".join(a for a in names if a not in r.resident)], now)
+        yield queued
+        yield info
+
+
+class Metrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loraplane_gateway_requests", "Requests answered, by model, "
+                                "endpoint and HTTP status", ["model", "endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("loraplane_gateway_prompt_tokens",
+                                     "Prompt tokens of answered requests", ["model"], registry=r)
+        self.generation_tokens = Counter("loraplane_gateway_generation_tokens",
+                                         "Tokens generated for answered requests", ["model"],
+                                         registry=r)
+        self.latency = Histogram("loraplane_gateway_request_seconds", "Time from a request's "
+                                 "body to its answer (the first byte of a stream)", ["model"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.pending = Gauge("loraplane_gateway_pending", "Requests in flight in the gateway",
+                             registry=r)
+        r.register(FleetCollector(router))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
