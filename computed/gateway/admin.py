@@ -9,6 +9,7 @@ from typing import Any
 from computed.gateway.requests import ApiError, bad
 from computed.gateway.routing import Router
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
+from shared.keys import ClientKeys
 
 # statesvc's error codes (docs/protocol.md §5) as HTTP statuses; any other is 400
 STATESVC_STATUS = {"not_found": 404, "forbidden": 403, "exists": 409, "conflict": 409,
@@ -23,9 +24,10 @@ def _name(body: dict[str, Any]) -> str:
     return name
 
 
-def _call(router: Router, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+def _call(router: Router, keys: ClientKeys | None, cmd: str,
+          args: dict[str, Any]) -> dict[str, Any]:
     try:
-        with ControlClient(router.state, timeout_s=10.0, retries=2) as c:
+        with ControlClient(router.state, timeout_s=10.0, retries=2, keys=keys) as c:
             return dict(c.call(cmd, {"event_id": new_event_id(), **args}))
     except Unavailable as exc:
         raise ApiError(503, f"statesvc: {exc}", code="not_ready")
@@ -34,7 +36,9 @@ def _call(router: Router, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
                        param="lora_path" if exc.field and "path" in exc.field else None)
 
 
-def load(router: Router, served_name: str, body: dict[str, Any]) -> str:
+def load(router: Router, keys: ClientKeys | None, served_name: str,
+         body: dict[str, Any]) -> str:
+    """`keys`: the caller's operator key under --auth, else the gateway's own (or None)."""
     name = _name(body)
     if name == served_name:
         raise bad(f"{name!r} is the base model's name; choose another lora_name", "lora_name")
@@ -42,13 +46,13 @@ def load(router: Router, served_name: str, body: dict[str, Any]) -> str:
     if not isinstance(path, str) or not path or len(path) > 4096:
         raise bad("lora_path must be the absolute path of a PEFT adapter directory on "
                   "statesvc's host", "lora_path")
-    res = _call(router, "load", {"name": name, "path": path, "pin": False, "replace": False})
+    res = _call(router, keys, "load", {"name": name, "path": path, "pin": False, "replace": False})
     router.learn(name, int(res["version"]), int(res["seq"]))
     return f"Success: LoRA adapter '{name}' added successfully."
 
 
-def unload(router: Router, body: dict[str, Any]) -> str:
+def unload(router: Router, keys: ClientKeys | None, body: dict[str, Any]) -> str:
     name = _name(body)
-    res = _call(router, "unload", {"name": name, "force": False})
+    res = _call(router, keys, "unload", {"name": name, "force": False})
     router.learn(name, None, int(res["seq"]))
     return f"Success: LoRA adapter '{name}' removed successfully."

@@ -16,10 +16,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from computed.gateway import admin
+from computed.gateway.auth import Operator, operator_of
 from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
+from shared.keys import ClientKeys
 from shared.text import IncrementalDecoder
 
 
@@ -59,7 +61,10 @@ def pieces(gw: Gateway, out: Output) -> list[str]:
     return parts
 
 
-def build_app(gw: Gateway, *, max_pending: int = 256) -> Starlette:
+def build_app(gw: Gateway, *, max_pending: int = 256,
+              operators: list[Operator] | None = None) -> Starlette:
+    """operators: with --auth, who may load and unload (else anyone who reaches the
+    gateway, as the gateway's own identity on statesvc)."""
     pending = threading.BoundedSemaphore(max_pending)
     metrics = Metrics(gw.router)
 
@@ -128,18 +133,26 @@ def build_app(gw: Gateway, *, max_pending: int = 256) -> Starlette:
         return JSONResponse({"status": "ok", "head_seq": view.head_seq,
                              "replicas": [r.id for r in view.replicas]})
 
+    def caller_keys(request: Request) -> ClientKeys | None:
+        if operators is None:
+            return gw.router.keys
+        return operator_of(operators, request.headers.get("authorization")).keys
+
     async def load_lora_adapter(request: Request) -> Response:
         try:
+            keys = caller_keys(request)
             body = await read_body(request)
-            return PlainTextResponse(await run_in_threadpool(admin.load, gw.router,
+            return PlainTextResponse(await run_in_threadpool(admin.load, gw.router, keys,
                                                              gw.served_name, body))
         except ApiError as exc:
             return error_response(exc)
 
     async def unload_lora_adapter(request: Request) -> Response:
         try:
+            keys = caller_keys(request)
             body = await read_body(request)
-            return PlainTextResponse(await run_in_threadpool(admin.unload, gw.router, body))
+            return PlainTextResponse(await run_in_threadpool(admin.unload, gw.router, keys,
+                                                             body))
         except ApiError as exc:
             return error_response(exc)
 

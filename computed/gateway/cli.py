@@ -31,8 +31,21 @@ log = logging.getLogger("computed.gateway")
               help="Seconds to wait for a replica's answer before trying another.")
 @click.option("--poll-interval", type=click.FloatRange(0.05), default=0.5, show_default=True,
               help="Seconds between reads of statesvc's and the replicas' status.")
+@click.option("--auth", "auth", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Operators' bearer tokens (a JSON file, docs/gateway.md): only they may "
+                   "load and unload, each as its own statesvc identity. Allows a --host that "
+                   "is not loopback.")
+@click.option("--key", envvar="LORAPLANE_KEY", default=None,
+              help="CURVE: the gateway's own *.key_secret, for statesvc (a key in its "
+                   "replicas/: reads only) and replicas (a key in their clients/).")
+@click.option("--server-key", envvar="LORAPLANE_SERVER_KEY", default=None,
+              help="CURVE: statesvc's server.key, when it runs with --auth.")
+@click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
+              help="CURVE: the replicas' server.key, when they run with --auth.")
 def gateway(model: Path, state: str, host: str, port: int, served_model_name: str | None,
-            max_pending: int, request_timeout: float, poll_interval: float) -> None:
+            max_pending: int, request_timeout: float, poll_interval: float,
+            auth: Path | None, key: str | None, server_key: str | None,
+            replica_server_key: str | None) -> None:
     """Serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models over the
     replicas that statesvc knows, on http://HOST:PORT."""
     import ipaddress
@@ -40,19 +53,29 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
     import uvicorn
 
     from computed.gateway.app import build_app
+    from computed.gateway.auth import load_operators
     from computed.gateway.routing import Router
     from computed.gateway.service import Gateway
+    from shared.keys import KeyError_, client_keys
     from shared.text import NoTokenizer
 
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback:
-        raise click.BadParameter(f"{host!r}: the gateway has no authentication yet, so it "
-                                 f"binds a loopback address only (127.0.0.1, ::1, localhost)",
+    if not loopback and auth is None:
+        raise click.BadParameter(f"{host!r}: without --auth anyone who reaches the gateway "
+                                 f"may load and unload adapters, so it binds a loopback "
+                                 f"address only (127.0.0.1, ::1, localhost)",
                                  param_hint="--host")
-    router = Router(state, interval_s=poll_interval).start()
+    try:
+        keys = client_keys(key, server_key)
+        replica_keys = client_keys(key, replica_server_key) if replica_server_key else None
+        operators = None if auth is None else load_operators(auth, server_key)
+    except (KeyError_, ValueError) as exc:
+        raise click.UsageError(str(exc))
+    router = Router(state, interval_s=poll_interval, keys=keys,
+                    replica_keys=replica_keys).start()
     try:
         gw = Gateway(router, model, served_name=served_model_name or model.resolve().name,
                      request_timeout_s=request_timeout)
@@ -68,7 +91,10 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
     log.info("gateway for %s (%s) on http://%s:%d, statesvc %s", gw.served_name, model,
              bound[0], bound[1], state)
     print(f"READY http://{bound[0]}:{bound[1]} model={gw.served_name}", flush=True)
-    config = uvicorn.Config(build_app(gw, max_pending=max_pending), log_level="warning",
+    if operators is not None:
+        log.info("--auth: operators %s may load and unload", ", ".join(o.name for o in operators))
+    config = uvicorn.Config(build_app(gw, max_pending=max_pending, operators=operators),
+                            log_level="warning",
                             access_log=False, lifespan="off")
     try:
         uvicorn.Server(config).run(sockets=[sock])

@@ -13,12 +13,14 @@ import zmq
 from shared.client import RemoteError, Unavailable
 from shared.config import MAX_WIRE_BYTES
 from shared.endpoints import connect
+from shared.keys import ClientKeys
 from shared.protocol import ProtocolError, encode_request, unpack
 from shared.replica_protocol import GENERATE
 
 
 def generate(ctx: zmq.Context[Any], address: str, args: dict[str, Any], *,
-             connect_timeout_s: float, timeout_s: float) -> dict[str, Any]:
+             connect_timeout_s: float, timeout_s: float,
+             keys: ClientKeys | None = None) -> dict[str, Any]:
     """The replica's result; RemoteError for its refusal, Unavailable when it cannot be
     reached within connect_timeout_s, goes away, or does not answer within timeout_s."""
     req_id = uuid.uuid4().hex
@@ -27,6 +29,8 @@ def generate(ctx: zmq.Context[Any], address: str, args: dict[str, Any], *,
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer
     sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
+    if keys is not None:
+        keys.apply(sock)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         connect(sock, address)

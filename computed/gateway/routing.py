@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
+from shared.keys import ClientKeys
 from shared.replica_protocol import STATUS
 
 log = logging.getLogger("computed.gateway")
@@ -56,8 +57,12 @@ def _with(view: FleetView, learned: dict[str, tuple[int | None, int]]) -> FleetV
 
 
 class Router:
-    def __init__(self, state: str, *, interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
+    def __init__(self, state: str, *, interval_s: float = 0.5, timeout_s: float = 2.0,
+                 keys: ClientKeys | None = None,
+                 replica_keys: ClientKeys | None = None) -> None:
         self.state = state
+        self.keys = keys  # the gateway's CURVE identity on statesvc (None: no --auth there)
+        self.replica_keys = replica_keys  # ... and on the replicas' listen sockets
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.view = FleetView()
@@ -106,7 +111,8 @@ class Router:
 
     def _poll(self) -> FleetView:
         try:
-            with ControlClient(self.state, timeout_s=self.timeout_s, retries=0) as c:
+            with ControlClient(self.state, timeout_s=self.timeout_s, retries=0,
+                               keys=self.keys) as c:
                 status = c.call("status")
                 first, adapters = list_adapters(c)
         except (Unavailable, RemoteError) as exc:
@@ -135,7 +141,8 @@ class Router:
 
     def _replica_status(self, address: str) -> dict[str, Any] | None:
         try:
-            with ControlClient(address, timeout_s=self.timeout_s, retries=0) as c:
+            with ControlClient(address, timeout_s=self.timeout_s, retries=0,
+                               keys=self.replica_keys) as c:
                 res = c.call(STATUS)
             return res if isinstance(res, dict) else None
         except (Unavailable, RemoteError):

@@ -117,7 +117,8 @@ class Gateway:
             try:
                 res = replicas.generate(self.ctx, replica.address, args,
                                         connect_timeout_s=CONNECT_TIMEOUT_S,
-                                        timeout_s=self.request_timeout_s)
+                                        timeout_s=self.request_timeout_s,
+                                        keys=self.router.replica_keys)
             except Unavailable as exc:
                 log.warning("replica %s: %s; trying another", replica.id, exc)
                 last = ApiError(503, f"replica {replica.id} failed: {exc}", code="not_ready")
