@@ -48,16 +48,20 @@ def _usage(out: Output) -> dict[str, int]:
 
 
 def pieces(gw: Gateway, out: Output) -> list[str]:
-    """The output's text token by token, whole characters only, cut where out.text ends."""
+    """The output's text, one piece per token (whole characters only: a token that ends
+    inside a character gives "" and the character comes with the token that completes it),
+    up to where a stop string cut out.text."""
     dec, sent, parts = IncrementalDecoder(gw.codec), 0, []
     for t in out.ids:
-        if sent >= len(out.text):
-            break
-        piece = out.text[sent:sent + len(dec.push(t))]
+        new = dec.push(t)
+        if sent >= len(out.text) and len(dec.sent) > len(out.text):
+            break  # past a stop string
+        piece = out.text[sent:sent + len(new)]
         sent += len(piece)
         parts.append(piece)
     if sent < len(out.text):  # a character the output never completed, shown as U+FFFD
-        parts.append(out.text[sent:])
+        rest = out.text[sent:]
+        parts = parts[:-1] + [parts[-1] + rest] if parts else [rest]
     return parts
 
 

@@ -1,8 +1,10 @@
-"""`make up`: statesvc and one replica on the example model, in the foreground.
+"""`make up`: statesvc, one replica and the OpenAI-compatible gateway on the example model,
+in the foreground.
 
-Uses the defaults (./var, tcp://127.0.0.1:7100/7101, replica on :7200) so
-`loractl` and `loractl generate --replica tcp://127.0.0.1:7200` work without
-flags. Ctrl-C (or SIGTERM) stops both, replica first.
+Uses the defaults (./var, tcp://127.0.0.1:7100/7101, replica on :7200, gateway on
+http://127.0.0.1:8000) so `loractl`, `loractl generate --replica tcp://127.0.0.1:7200` and
+an OpenAI client on http://127.0.0.1:8000/v1 work without flags. Ctrl-C (or SIGTERM) stops
+them all, gateway first.
 """
 from __future__ import annotations
 
@@ -13,17 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN
-from shared.fleet import BIN, Computed, StateSvc
+from shared.fleet import BIN, Computed, Gateway, StateSvc
 
 VAR = Path("var")
 
 
 def main() -> None:
     example = VAR / "example"
-    if not (example / "model" / "config.json").exists():
+    # none yet, or one written before the example had a tokenizer
+    if not (example / "model" / "tokenizer.json").exists():
         subprocess.run([str(BIN / "loractl"), "make-example", str(example)], check=True)
     VAR.mkdir(exist_ok=True)
-    procs: list[StateSvc | Computed] = []
+    procs: list[StateSvc | Computed | Gateway] = []
     stopping = False
 
     def stop(*_: Any) -> None:
@@ -40,13 +43,18 @@ def main() -> None:
                            DEFAULT_REPLICA_LISTEN, "replica-1", log_file=VAR / "replica-1.log")
         procs.append(replica.start())
         print(f"computed  pid {replica.pid}: {replica.ready} (log var/replica-1.log)")
+        gateway = Gateway(example / "model", svc, log_file=VAR / "gateway.log", port=8000)
+        procs.append(gateway.start())
+        print(f"gateway   pid {gateway.pid}: {gateway.ready} (log var/gateway.log)")
         print(f"""
 Try, in another terminal:
   .venv/bin/loractl pool init --model {example}/model --max-loras 8 --max-rank 32 --targets all
   .venv/bin/loractl load chat {example}/adapters/attn-qv-r8
   .venv/bin/loractl generate --replica {DEFAULT_REPLICA_LISTEN} --adapter chat --input-ids 1,2,3
   .venv/bin/loractl status
-Ctrl-C stops both.""", flush=True)
+  curl -s {gateway.url}/v1/completions -H 'content-type: application/json' \\
+    -d '{{"model": "chat", "prompt": "Hello", "max_tokens": 8, "temperature": 0}}'
+Ctrl-C stops them all.""", flush=True)
         while not stopping and all(p.running for p in procs):
             time.sleep(0.2)
         for p in procs:
