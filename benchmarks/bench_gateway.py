@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -44,6 +45,12 @@ from statesvc.tools.example import AdapterSpec, make_example
 
 BATCH, ADAPTERS, PROMPT = 32, 16, 8
 RESULT = Path(__file__).parent / "results" / "gateway.json"
+
+
+def cpu_name() -> str:
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
+    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} CPUs"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -142,7 +149,7 @@ def measure(rounds: int, tokens: int) -> dict[str, Any]:
         svc.stop()
     med = statistics.median
     return {
-        "cpu": platform.processor() or platform.machine(), "rounds": rounds, "batch": BATCH,
+        "cpu": cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "batch": BATCH,
         "adapters": ADAPTERS, "prompt_tokens": PROMPT, "new_tokens": tokens,
         "model": {"vocab_size": ex.shape.vocab_size, "hidden_size": ex.shape.hidden_size,
                   "layers": ex.shape.num_hidden_layers},

@@ -192,11 +192,13 @@ async def _sse(gw: Gateway, out: Output, head: dict[str, Any], chat: bool,
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    if chat:
-        yield chunk("", None, role=True)
-    for piece in pieces(gw, out):
-        yield chunk(piece, None)
-    yield chunk(None if chat else "", out.finish_reason)
+    # the replica answered whole, so every event is known now: one write carries them all
+    # (one SSE event per token still; a write per event costs the event loop for nothing)
+    events = [chunk("", None, role=True)] if chat else []
+    events += [chunk(piece, None) for piece in pieces(gw, out)]
+    events.append(chunk(None if chat else "", out.finish_reason))
     if include_usage:
-        yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(out)})}\n\n"
-    yield "data: [DONE]\n\n"
+        usage = {**head, "object": obj, "choices": [], "usage": _usage(out)}
+        events.append(f"data: {json.dumps(usage)}\n\n")
+    events.append("data: [DONE]\n\n")
+    yield "".join(events)

@@ -1,11 +1,14 @@
-"""One `generate` call to a replica, as the gateway makes it: a fresh DEALER that gives up at
+"""`generate` calls to replicas, as the gateway makes them: each on a DEALER that gives up at
 once when the replica cannot be reached or drops the connection while the request runs (a
 socket monitor reports the disconnect), so the gateway can try another replica instead of
-waiting out the request timeout."""
+waiting out the request timeout. Connected sockets are kept per replica and reused, one
+request at a time each, so a request does not pay for a TCP connection and handshake."""
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -17,40 +20,91 @@ from shared.keys import ClientKeys
 from shared.protocol import ProtocolError, encode_request, unpack
 from shared.replica_protocol import GENERATE
 
+MAX_IDLE_PER_REPLICA = 64
 
-def generate(ctx: zmq.Context[Any], address: str, args: dict[str, Any], *,
-             connect_timeout_s: float, timeout_s: float,
-             keys: ClientKeys | None = None) -> dict[str, Any]:
-    """The replica's result; RemoteError for its refusal, Unavailable when it cannot be
-    reached within connect_timeout_s, goes away, or does not answer within timeout_s."""
-    req_id = uuid.uuid4().hex
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer
-    sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
-    if keys is not None:
-        keys.apply(sock)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    try:
+
+@dataclass
+class _Link:
+    sock: zmq.Socket[Any]
+    monitor: zmq.Socket[Any]
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+
+
+class ReplicaLinks:
+    """Idle connected sockets per replica address; a socket is used by one thread at a time."""
+
+    def __init__(self, ctx: zmq.Context[Any], keys: ClientKeys | None = None) -> None:
+        self.ctx, self.keys = ctx, keys
+        self._idle: dict[str, list[_Link]] = {}
+        self._lock = threading.Lock()
+
+    def _take(self, address: str) -> _Link:
+        with self._lock:
+            idle = self._idle.get(address, [])
+            while idle:
+                link = idle.pop()
+                if not link.monitor.poll(0):  # no disconnect since it was last used
+                    return link
+                link.close()
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer
+        if self.keys is not None:
+            self.keys.apply(sock)
+        link = _Link(sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         connect(sock, address)
+        return link
+
+    def _give_back(self, address: str, link: _Link) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < MAX_IDLE_PER_REPLICA:
+                idle.append(link)
+                return
+        link.close()
+
+    def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
+                 timeout_s: float) -> dict[str, Any]:
+        """The replica's result; RemoteError for its refusal, Unavailable when it cannot be
+        reached within connect_timeout_s, goes away, or does not answer within timeout_s."""
+        link = self._take(address)
         try:
-            sock.send(encode_request(req_id, GENERATE, args))
+            result = self._call(link, address, args, connect_timeout_s, timeout_s)
+        except RemoteError:
+            self._give_back(address, link)
+            raise
+        except BaseException:
+            link.close()  # a reply may still come for this request: never reuse the socket
+            raise
+        self._give_back(address, link)
+        return result
+
+    @staticmethod
+    def _call(link: _Link, address: str, args: dict[str, Any], connect_timeout_s: float,
+              timeout_s: float) -> dict[str, Any]:
+        req_id = uuid.uuid4().hex
+        link.sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
+        try:
+            link.sock.send(encode_request(req_id, GENERATE, args))
         except zmq.Again:
             raise Unavailable(f"no connection to {address} within {connect_timeout_s:g} s")
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        poller.register(link.sock, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(int(left * 1000) + 1))
-            if monitor in ready:
-                monitor.recv_multipart()
+            if link.monitor in ready:
                 raise Unavailable(f"{address} dropped the connection before answering")
-            if sock not in ready:
+            if link.sock not in ready:
                 continue
             try:
-                reply = unpack(sock.recv(), max_bytes=MAX_WIRE_BYTES)
+                reply = unpack(link.sock.recv(), max_bytes=MAX_WIRE_BYTES)
             except ProtocolError:
                 continue
             if not isinstance(reply, dict) or reply.get("id") != req_id:
@@ -60,7 +114,3 @@ def generate(ctx: zmq.Context[Any], address: str, args: dict[str, Any], *,
             err = reply.get("error") or {}
             raise RemoteError(str(err.get("code")), str(err.get("message")), err.get("field"))
         raise Unavailable(f"no answer from {address} within {timeout_s:g} s")
-    finally:
-        sock.disable_monitor()
-        monitor.close(0)
-        sock.close(0)

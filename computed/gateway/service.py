@@ -13,7 +13,7 @@ from computed.gateway.requests import ApiError, Chat, Completion, Sampling, bad
 from computed.gateway.routing import Router
 import zmq
 
-from computed.gateway import replicas
+from computed.gateway.replicas import ReplicaLinks
 from shared.client import RemoteError, Unavailable
 from shared.replica_protocol import MAX_STOP_TOKENS, generate_args
 from shared.text import TextCodec
@@ -53,7 +53,7 @@ class Gateway:
         self.served_name = served_name
         self.vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         self.request_timeout_s = request_timeout_s
-        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.links = ReplicaLinks(zmq.Context.instance(), router.replica_keys)
 
     def resolve(self, model: str) -> Target:
         adapters = self.router.view.adapters
@@ -115,10 +115,9 @@ class Gateway:
                                  stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
             self.router.sent(replica.address, target.adapter, 1)
             try:
-                res = replicas.generate(self.ctx, replica.address, args,
-                                        connect_timeout_s=CONNECT_TIMEOUT_S,
-                                        timeout_s=self.request_timeout_s,
-                                        keys=self.router.replica_keys)
+                res = self.links.generate(replica.address, args,
+                                          connect_timeout_s=CONNECT_TIMEOUT_S,
+                                          timeout_s=self.request_timeout_s)
             except Unavailable as exc:
                 log.warning("replica %s: %s; trying another", replica.id, exc)
                 last = ApiError(503, f"replica {replica.id} failed: {exc}", code="not_ready")
