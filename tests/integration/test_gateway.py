@@ -3,6 +3,7 @@ statesvc and two replicas (subprocesses); greedy outputs checked against transfo
 on the same text, tokenized by the same tokenizer."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,6 +17,9 @@ from tests.helpers import Fleet
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 from tests.helpers import HFReference  # noqa: E402
+
+# a replica started with --no-warmup compiles on its first request: longer than httpx's 5 s
+post = functools.partial(httpx.post, timeout=300.0)
 
 pytestmark = pytest.mark.timeout(600)
 ADAPTERS = {"chat": "attn-qv-r8", "code": "all-r2"}
@@ -154,10 +158,10 @@ def test_errors_are_openai_shaped(setup: Setup) -> None:
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=setup.base, messages=[])
     for body in (b"{not json", b"\xff\xfe", b"[1]", b"[" * 100000):
-        r = httpx.post(setup.gateway.url + "/v1/completions", content=body,
+        r = post(setup.gateway.url + "/v1/completions", content=body,
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
-    r = httpx.post(setup.gateway.url + "/v1/completions", content=b" " * (2 << 20))
+    r = post(setup.gateway.url + "/v1/completions", content=b" " * (2 << 20))
     assert r.status_code == 413
     assert httpx.get(setup.gateway.url + "/health").status_code == 200  # still up
 
@@ -213,7 +217,7 @@ def test_metrics_count_the_requests_per_adapter(setup: Setup) -> None:
 
 def test_load_and_unload_through_the_vllm_endpoints(setup: Setup) -> None:
     url, adapter = setup.gateway.url, setup.example.adapter_dirs["mlp-only-r16"]
-    r = httpx.post(url + "/v1/load_lora_adapter",
+    r = post(url + "/v1/load_lora_adapter",
                    json={"lora_name": "late", "lora_path": str(adapter)})
     assert r.status_code == 200, r.text
     # read-your-writes: the very next request is served by the new adapter
@@ -226,7 +230,7 @@ def test_load_and_unload_through_the_vllm_endpoints(setup: Setup) -> None:
     with setup.fleet.client() as c:
         last = c.call("events", {"since": 0})["events"][-1]
     assert (last["type"], last["actor"]) == ("adapter.loaded", "local")
-    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
+    r = post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         setup.client.completions.create(model="late", prompt="Hello", max_tokens=2)
@@ -236,7 +240,7 @@ def test_load_and_unload_through_the_vllm_endpoints(setup: Setup) -> None:
             ("/v1/load_lora_adapter", {"lora_name": 5, "lora_path": str(adapter)}, 400),
             ("/v1/load_lora_adapter", {"lora_name": setup.base, "lora_path": str(adapter)},
              400)]:
-        r = httpx.post(url + path, json=body)
+        r = post(url + path, json=body)
         assert r.status_code == status and "message" in r.json()["error"], (body, r.text)
     with setup.fleet.client() as c:
         assert c.call("events", {"since": 0})["events"][-1]["type"] == "adapter.unloaded"

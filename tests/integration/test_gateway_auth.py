@@ -3,6 +3,8 @@ records the operator who sent it, and no token reaches the gateway's log; agains
 statesvc and replica running with CURVE keys."""
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import shutil
@@ -16,6 +18,9 @@ from shared.client import ControlClient, new_event_id
 from shared.fleet import BIN, Computed, Gateway, StateSvc, wait_for
 from shared.keys import client_keys
 from statesvc.tools.example import ExampleAssets
+
+# a replica started with --no-warmup compiles on its first request: longer than httpx's 5 s
+post = functools.partial(httpx.post, timeout=300.0)
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "alice-s3cret-token"
@@ -59,14 +64,14 @@ def test_only_operator_tokens_load_and_the_event_names_them(tmp_path: Path,
         body = {"lora_name": "a", "lora_path": str(example.adapter_dirs["all-r2"])}
         url = gateway.url + "/v1/load_lora_adapter"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-            r = httpx.post(url, json=body, headers=headers)
+            r = post(url, json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        r = post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200, r.text
-        r = httpx.post(gateway.url + "/v1/completions", json={
+        r = post(gateway.url + "/v1/completions", json={
             "model": "a", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-        r = httpx.post(gateway.url + "/v1/unload_lora_adapter", json={"lora_name": "a"},
+        r = post(gateway.url + "/v1/unload_lora_adapter", json={"lora_name": "a"},
                        headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200, r.text
         with ControlClient(svc.control, keys=alice) as c:

@@ -752,8 +752,9 @@ def test_errors_name_the_limit(example_setup: Setup) -> None:
         prefill(s.params, None, cache, ok, 3, 0, 0)
     with pytest.raises(ValueError, match=r"slot 9 is outside \[-1, 7\)"):
         prefill(s.params, s.pool.arrays, cache, ok, 3, 0, 9)
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
-        prefill(s.params, None, cache, ok + 256, 3, 0, lora.BASE)
+    vocab = s.config.vocab_size
+    with pytest.raises(ValueError, match=rf"token ids must be in \[0, {vocab}\)"):
+        prefill(s.params, None, cache, ok + vocab, 3, 0, lora.BASE)
     with pytest.raises(TypeError, match="tokens must be integers"):
         prefill(s.params, None, cache, ok.astype(np.float32), 3, 0, lora.BASE)
     zeros = np.zeros(2, np.int32)
