@@ -158,6 +158,9 @@ class Fills:
                 error = ""
             except (BlobError, OSError, Unavailable, RemoteError) as exc:
                 weights, error = None, str(exc)
+            except Exception as exc:  # a bug: the waiting requests get it, the worker lives on
+                log.exception("fill worker: %s v%d", adapter.name, adapter.version)
+                weights, error = None, f"{type(exc).__name__}: {exc}"
             fetch_s = time.perf_counter() - t0
             with self._lock:
                 self.fetching = None
