@@ -303,10 +303,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("RSS, 10 and all registered ...", flush=True)
         few = list(dirs.items())[:10]
         build_log(tmp / "rss-few", model_dir, few, args.slots[0])
-        rss = {"few_kb": rss_of(tmp, model_dir, tmp / "rss-few", args.host_cache_mb),
-               "many_kb": rss_of(tmp, model_dir, tmp / f"log-{args.slots[0]}",
-                                 args.host_cache_mb), "few": 10, "many": args.adapters}
-        rss["ratio"] = rss["many_kb"] / rss["few_kb"]
+        rss: dict[str, Any] = {"few": 10, "many": args.adapters, "few_kb_runs": [],
+                               "many_kb_runs": []}
+        for _ in range(args.repeats):  # alternated: each pair sees the same load
+            rss["few_kb_runs"].append(rss_of(tmp, model_dir, tmp / "rss-few", args.host_cache_mb))
+            rss["many_kb_runs"].append(rss_of(tmp, model_dir, tmp / f"log-{args.slots[0]}",
+                                              args.host_cache_mb))
+        rss["few_kb"], rss["many_kb"] = (median(rss["few_kb_runs"]),
+                                         median(rss["many_kb_runs"]))
+        ratios = [m / f for m, f in zip(rss["many_kb_runs"], rss["few_kb_runs"])]
+        rss["ratio"], rss["ratio_runs"] = median(ratios), ratios
         print(rss, flush=True)
         print(f"cold start, 10 and {args.tiny} tiny adapters ...", flush=True)
         tiny = write_adapter(tmp / "tiny", AdapterSpec("tiny", r=1, lora_alpha=1,
@@ -358,6 +364,8 @@ def report(r: dict[str, Any]) -> str:
     rss, cold = r["rss"], r["cold"]
     lines += ["", f"RSS of a replica with {rss['many']:,} registered / with {rss['few']}: "
               f"{rss['ratio']:.3f}x ({rss['many_kb'] / 1024:.0f} / {rss['few_kb'] / 1024:.0f} MB; "
+              f"median of {len(rss['ratio_runs'])} alternated pairs, "
+              f"{min(rss['ratio_runs']):.3f}-{max(rss['ratio_runs']):.3f}; "
               f"target <= {TARGETS_X['rss']}x). Cold replica to ACTIVE with {cold['many']:,} "
               f"tiny adapters registered / with {cold['few']}: {cold['ratio']:.2f}x "
               f"({median(cold['many_s']):.2f} / {median(cold['few_s']):.2f} s from process "

@@ -246,7 +246,9 @@ def residency_figures(r: dict[str, Any]) -> list[Figure]:
                           st["evictions_per_1000"], "evictions"))
     rss, cold = r["rss"], r["cold"]
     out.append(figure("residency", f"replica RSS, {rss['many']:,} / {rss['few']} registered",
-                      rss["ratio"], "x", target=f"<= {t['rss']}x", meets=rss["ratio"] <= t["rss"]))
+                      rss["ratio"], "x", target=f"<= {t['rss']}x", meets=rss["ratio"] <= t["rss"],
+                      spread=spread(rss["ratio_runs"]) if "ratio_runs" in rss else None,
+                      runs=len(rss.get("ratio_runs", [1]))))
     out.append(figure("residency", f"cold replica to ACTIVE, {cold['many']:,} / {cold['few']} "
                       "registered", cold["ratio"], "x", target=f"<= {t['cold']}x",
                       meets=cold["ratio"] <= t["cold"], runs=len(cold["many_s"])))
