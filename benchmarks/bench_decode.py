@@ -265,6 +265,9 @@ class Serving:
         slot = a.version - 2  # loaded_event: every adapter resident in its own slot
         return Grant(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
 
+    def want(self, adapter: str | None) -> None:
+        pass  # every adapter is resident
+
     def withdraw(self, ticket: int) -> None:
         pass
 

@@ -55,7 +55,7 @@ from benchmarks.bench_decode import (
     row_adapters,
     write_assets,
 )
-from benchmarks.report import machine_info, median, publish, spread
+from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
 from computed.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
@@ -182,17 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-dtype", choices=POOL_DTYPES, default="float32", help="the pool's dtype, both models")
     ap.add_argument("--served-clients", type=int, default=BATCH, help="served clients (0: no served path)")
     ap.add_argument("--served-tokens", type=int, default=SERVED_TOKENS, help="new tokens per served request")
-    ap.add_argument("--quick", action="store_true",
-                    help="a tiny model, for a smoke run; writes only where `python -m benchmarks --quick` says")
-    ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/dtype.json")
+    output_flags(ap, "dtype", "a tiny model, for a smoke run; writes only where "
+                 "`python -m benchmarks --quick` says")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.served_tokens = 1, 4, 8
-    result = run(args)
-    markdown = report(result)
-    print(markdown)
-    publish("dtype", result, markdown, quick=args.quick, no_write=args.no_write, say=print)
-    return 0
+    return run_and_publish("dtype", args, run, report)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ leaves the markers and everything else as they were.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -121,3 +122,22 @@ def publish(name: str, result: dict[str, Any], markdown: str, *, quick: bool, no
         say(f"README.md section bench:{name} updated")
     else:
         say(f"[dim]README.md has no bench:{name} markers; left alone[/dim]")
+
+
+def output_flags(ap: argparse.ArgumentParser, name: str, quick_help: str) -> None:
+    """A benchmark's --quick (a smoke run) and --no-write flags."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--no-write", action="store_true",
+                    help=f"do not write benchmarks/results/{name}.json")
+
+
+def run_and_publish(name: str, args: argparse.Namespace,
+                    run: Callable[[argparse.Namespace], dict[str, Any]],
+                    render: Callable[[dict[str, Any]], str]) -> int:
+    """Run a benchmark on its parsed `args` (with `output_flags`), print its README section
+    and `publish` it."""
+    result = run(args)
+    markdown = render(result)
+    print(markdown)
+    publish(name, result, markdown, quick=args.quick, no_write=args.no_write, say=print)
+    return 0

@@ -53,6 +53,7 @@ BENCHES = (
     Bench("replay", "benchmarks.bench_replay", ("--quick",)),
     Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
     Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
+    Bench("residency", "benchmarks.bench_residency", ("--quick",)),
 )
 
 # `--isa avx2` (a forced AVX2+FMA build on any x86 CPU) keeps its results here, beside the
@@ -218,9 +219,49 @@ def dtype_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def residency_figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 16: a Zipf stream over a registry far larger than the slots (bench_residency)."""
+    t, out = r["targets"], []
+    n = r["settings"]["adapters"]
+    for st in r["streams"]:
+        k = st["slots"]
+        v = st["throughput_ratio"]
+        out.append(figure("residency", f"Zipf stream over {n:,} adapters, {k} slots / all "
+                          "resident", v, "x", target=f">= {t['throughput']}x",
+                          meets=v >= t["throughput"]))
+        for tier, label in (("host", "host-tier hit"), ("miss", "miss")):
+            c = st[f"ttft_{tier}"]
+            if "p99_over_floor" in c:
+                v = c["p99_over_floor"]
+                out.append(figure("residency", f"TTFT p99, {label}, {k} slots / its fill floor",
+                                  v, "x", target=f"<= {t['ttft_p99']}x",
+                                  meets=v <= t["ttft_p99"]))
+            if "p99_extra_over_floor" in c:
+                out.append(figure("residency", f"TTFT p99, {label}, {k} slots, beyond a "
+                                  "resident request's p99 / its fill floor",
+                                  c["p99_extra_over_floor"], "x"))
+        out.append(figure("residency", f"host-tier hit rate, {k} slots",
+                          100 * st["host_hit_rate"], "%"))
+        out.append(figure("residency", f"evictions per 1,000 requests, {k} slots",
+                          st["evictions_per_1000"], "evictions"))
+    rss, cold = r["rss"], r["cold"]
+    out.append(figure("residency", f"replica RSS, {rss['many']:,} / {rss['few']} registered",
+                      rss["ratio"], "x", target=f"<= {t['rss']}x", meets=rss["ratio"] <= t["rss"],
+                      spread=spread(rss["ratio_runs"]) if "ratio_runs" in rss else None,
+                      runs=len(rss.get("ratio_runs", [1]))))
+    out.append(figure("residency", f"cold replica to ACTIVE, {cold['many']:,} / {cold['few']} "
+                      "registered", cold["ratio"], "x", target=f"<= {t['cold']}x",
+                      meets=cold["ratio"] <= t["cold"], runs=len(cold["many_s"])))
+    if "bootstrap_ratio" in cold:
+        out.append(figure("residency", f"cold bootstrap in process, {cold['many']:,} / "
+                          f"{cold['few']} registered", cold["bootstrap_ratio"], "x",
+                          runs=len(cold["many_s"])))
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "replica": replica_figures, "replay": replay_figures,
-    "decode": decode_figures, "dtype": dtype_figures}
+    "decode": decode_figures, "dtype": dtype_figures, "residency": residency_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

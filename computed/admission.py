@@ -63,6 +63,11 @@ class AdmissionPort(Protocol):
         GenerateError. `ticket` orders the requests that wait for a slot: older, smaller."""
         ...
 
+    def want(self, adapter: str | None) -> None:
+        """A request for `adapter` was queued: start making it resident if it is not (the
+        fetch and parse run beside the decode steps; admission then writes the slot)."""
+        ...
+
     def withdraw(self, ticket: int) -> None:
         """Request `ticket` left the queue without being admitted (refused, timed out): it
         no longer waits for a slot."""

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL, DEFAULT_PUBLISH,
-                           DEFAULT_REPLICA_LISTEN)
+from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
+                           DEFAULT_HOST_CACHE_MB, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import EndpointError, check_bind, click_address
 from shared.faults import Faults
 from computed.gateway.cli import gateway
@@ -69,11 +69,19 @@ def main() -> None:
                    "only keys in its clients/ and operators/ folders may connect.")
 @click.option("--client-queue-limit", type=click.IntRange(1), default=64, show_default=True,
               help="Requests one client may have waiting or running at once.")
+@click.option("--host-cache-mb", type=click.IntRange(0), default=DEFAULT_HOST_CACHE_MB,
+              show_default=True,
+              help="Host tier: parsed adapter weights ready for a slot write, LRU within this "
+                   "many MiB (0: none; every miss reads, verifies and parses its blob).")
+@click.option("--prefetch", is_flag=True,
+              help="Parse each newly loaded adapter into the host tier when its event is "
+                   "applied, before any request asks for it.")
 def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | None,
           cache_dir: Path | None, dtype: str, max_batch: int, max_len: int | None,
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
-          client_queue_limit: int, auth_dir: Path | None) -> None:
+          client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
+          prefetch: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
@@ -103,7 +111,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         raise click.UsageError(str(exc)) from None
     client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
-                      faults=Faults.from_env())
+                      faults=Faults.from_env(), host_cache_mb=host_cache_mb,
+                      prefetch=prefetch)
     engine = None
     if inference:
         from computed.engine import Engine

@@ -44,6 +44,7 @@ from shared.router import Replies, serving_router, split_request
 log = logging.getLogger("computed")
 
 RETRY_S = 1.0
+WAITING_POLL_MS = 2
 SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError,
                ForeignLog)
 
@@ -207,14 +208,16 @@ def digests(r: Replica) -> dict[str, Any]:
 
 
 def residency_stats(r: Replica) -> dict[str, Any] | None:
-    """Hits, misses and evictions of the replica's slots (computed/residency.py)."""
+    """Hits, misses and evictions of the replica's slots (computed/residency.py), its host
+    tier's and its fill times per tier (computed/fills.py)."""
     res = r.residency
     if res is None:
         return None
     return {"slots": res.slots, "resident": len(res.holders),
             "pinned": sum(h.pinned for h in res.holders.values()), "hits": res.hits,
             "misses": res.misses, "evictions": res.evictions,
-            "reserved": None if res.reserved is None else res.reserved[1]}
+            "reserved": None if res.reserved is None else res.reserved[1],
+            **r.fills.stats()}
 
 
 class Daemon:
@@ -254,7 +257,11 @@ class Daemon:
                     warming.start()
                 ready = self.engine is not None and (self.engine.warm or not self.warmup)
                 busy = ready and self.engine is not None and self.engine.busy
-                wait_ms = 0 if busy else HELD_REPLY_RETRY_MS if self.replies.held else 50
+                # only waiters (a fetch, a slot, a min_seq): poll briefly instead of spinning
+                # against the fill worker
+                stepping = busy and self.engine is not None and self.engine.stats()["running"]
+                wait_ms = 0 if stepping else WAITING_POLL_MS if busy else \
+                    HELD_REPLY_RETRY_MS if self.replies.held else 50
                 if self.router.poll(wait_ms):
                     self._serve_clients()
                 if busy and self.engine is not None:

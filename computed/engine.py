@@ -145,6 +145,7 @@ class Engine:
                 f"{self.queue_limit}); retry later or send to another replica"))
         self.tickets += 1
         self.waiting.append(Request(req_id, args, reply_to, client, self.tickets))
+        self.replica.want(args["adapter"])  # a missing adapter's fetch starts now, not at admit
         return None
 
     @property
@@ -246,8 +247,9 @@ class Engine:
                 return False
             raise GenerateError(exc.code, f"{exc} within {self.min_seq_wait_s:g} s", exc.field)
         except SlotDraining:
-            # its slot is being rewritten, or no slot can hold its adapter now (NoSlot): admit
-            # once a lease ends; requests whose adapters are resident go ahead meanwhile
+            # its slot is being rewritten, its weights are being fetched (Fetching), or no slot
+            # can hold its adapter now (NoSlot): admit later; requests whose adapters are
+            # resident go ahead meanwhile
             return False
         if row is None:
             return False

@@ -31,11 +31,13 @@ from typing import Any
 import msgpack
 
 from computed.admission import GenerateError, Grant, NoSlot, NotReady
+from computed.fills import FetchFailed, Fills
 from computed.pool import LoraPool, MemoryPool, PoolSpec, SlotWeights
 from computed.residency import Holder, Residency
 from computed.weights import BlobCache, BlobError, slot_weights
 from shared.canonical import canonical_bytes
-from shared.client import ControlClient, RemoteError, Unavailable
+from shared.client import ControlClient
+from shared.config import DEFAULT_HOST_CACHE_MB
 from shared.events import AdapterLoaded, Body, EventError, PoolConfigured, decode_body
 from shared.faults import NO_FAULTS, Faults
 from shared.fingerprint import ModelInfo
@@ -70,7 +72,8 @@ def pool_spec(pool: PoolConfigured) -> PoolSpec:
 
 class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
-                 from_zero: bool = False, faults: Faults = NO_FAULTS) -> None:
+                 from_zero: bool = False, faults: Faults = NO_FAULTS,
+                 host_cache_mb: int = DEFAULT_HOST_CACHE_MB, prefetch: bool = False) -> None:
         self.model = model
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
         self.faults = faults  # test-only (shared/faults.py): off unless switched on
@@ -79,6 +82,9 @@ class Replica:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobCache(self.cache_dir / "blobs", client)
+        # the host tier and the worker that fetches and parses into it (computed/fills.py)
+        self.fills = Fills(self.blobs, host_cache_mb << 20)
+        self.prefetch = prefetch  # parse newly loaded adapters into the host tier
         self.state = State()
         self.log_id: str | None = None  # the log the state comes from; None until one is held
         self.phase = Phase.INITIAL
@@ -137,9 +143,11 @@ class Replica:
 
     def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
         """Resolve `adapter` to its registered version, make it resident if it is not (a miss:
-        fetch, parse and write a slot, on the caller's thread) and lease its slot. Raises
-        NoSlot while no slot can be had (the request waits; `ticket`, smaller for older
-        requests, decides who reserves the next slot: computed/residency.py)."""
+        its weights from the host tier, fetched and parsed there by the fill worker, then a
+        slot write on the caller's thread) and lease its slot. Raises Fetching while the
+        worker fetches them, NoSlot while no slot can be had (the request waits; `ticket`,
+        smaller for older requests, decides who reserves the next slot:
+        computed/residency.py), FetchFailed when they could not be fetched."""
         ready = self.phase is Phase.ACTIVE and self.pool is not None
         if not ready or self.applied_seq < min_seq:
             raise NotReady(f"the replica is {self.phase.value} at seq {self.applied_seq} and "
@@ -171,18 +179,29 @@ class Replica:
         """Make `adapter` resident for request `ticket` (lock held); returns its slot."""
         slot = res.victim(ticket)
         if slot is None:
+            self.fills.want(adapter)  # fetched and parsed while the request waits for a slot
             res.wait(ticket)
             raise NoSlot(f"all {res.slots} slots are leased, pinned or reserved")
         try:
-            weights = slot_weights(self.blobs.get(adapter.sha256), adapter)
-        except (BlobError, OSError, Unavailable, RemoteError) as exc:
+            took = self.fills.take(adapter)  # Fetching: it waits, holding no slot
+        except FetchFailed as exc:
             res.forget(ticket)  # no slot stays reserved while the weights cannot be had
             self.last_error = f"filling {adapter.name} v{adapter.version}: {exc}"
-            raise NotReady(f"the weights of adapter {adapter.name!r} could not be made "
-                           f"resident ({exc})") from None
-        pool.write_slot(slot, weights)
+            raise
+        t0 = time.perf_counter()
+        self.faults.write_slot(pool.write_slot, slot, took.weights)
+        self.fills.wrote(took, time.perf_counter() - t0)
         res.fill(slot, _holder(adapter, pinned=False), ticket=ticket)
         return slot
+
+    def want(self, adapter: str | None) -> None:
+        """A request for `adapter` was queued: unless a slot holds its registered version,
+        start fetching and parsing it now, beside the decode steps."""
+        state, res = self.state, self.residency
+        loaded = None if adapter is None else state.adapters.get(adapter)
+        if loaded is not None and res is not None \
+                and res.slot_of(loaded.name, loaded.version) is None:
+            self.fills.want(loaded)
 
     def withdraw(self, ticket: int) -> None:
         with self.lock:
@@ -308,8 +327,15 @@ class Replica:
                     slot = res.pinned_victim() if pinned else free[0]
                     self.faults.write_slot(pool.write_slot, slot, weights[adapter.name])
                     res.fill(slot, _holder(adapter, pinned=pinned), demand=False)
-            self.pool, self.residency, self.state = pool, res, new
+            old, self.pool, self.residency, self.state = self.state, pool, res, new
             self.log_id = log_id
+        # versions that left the registry leave the host tier and the fill queue
+        self.fills.retain(lambda n, v: (a := new.adapters.get(n)) is not None
+                          and a.version == v)
+        if self.prefetch and self.phase is Phase.ACTIVE:
+            for a in new.adapters.values():
+                if (was := old.adapters.get(a.name)) is None or was.version != a.version:
+                    self.fills.want(a, demand=False)
         self.applied_at = time.time()
         self.last_error = None
         self._save_local_state()

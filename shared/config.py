@@ -26,6 +26,8 @@ MAX_HELD_REPLY_BYTES = MAX_WIRE_BYTES
 # How often held replies are offered to libzmq again.
 HELD_REPLY_RETRY_MS = 5
 MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
+# a replica's host tier of parsed adapter weights (computed serve --host-cache-mb), in MiB
+DEFAULT_HOST_CACHE_MB = 512
 MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's
 REPLICA_SILENCE_S = 3.0             # a replica that hears nothing this long catches up

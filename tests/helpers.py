@@ -4,6 +4,7 @@ served outputs (HFReference; torch and transformers imported only when it is bui
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -58,6 +59,21 @@ class Fleet:
                    for r in replicas)
 
 Command = Callable[..., Any]
+
+
+def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,
+          timeout_s: float = 60.0) -> Any:
+    """`replica.admit`, waiting while the fill worker fetches the adapter's weights (Fetching:
+    in serving the request waits in the engine's queue); other refusals are raised."""
+    from computed.fills import Fetching
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return replica.admit(adapter, min_seq, ticket)
+        except Fetching:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 @contextmanager

@@ -1,8 +1,10 @@
 """`make demo`: the main job end to end, from nothing, on the embedded defaults.
 
 A generated example model and adapters; CURVE keys for everyone; statesvc and
-two replicas on free loopback ports, all with --auth; three adapters loaded; one batch that mixes the base model and
-all three adapters; an unload and a request for it refused; a drill that kills
+two replicas on free loopback ports, all with --auth; five adapters registered on a pool of
+three slots per replica; one batch that mixes the base model and all five adapters (the
+replica evicts to serve it: docs/residency.md); an unload and a request for it refused; a
+drill that kills
 a replica and rebuilds it by replay with matching digests; a clean shutdown
 with no process left behind. Every process started here is stopped here.
 """
@@ -29,11 +31,13 @@ from shared import runfile
 from shared.fleet import BIN, Computed, StateSvc, alive, loopback
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.protocol import encode_request
-from shared.replica_protocol import GENERATE, generate_args
+from shared.replica_protocol import GENERATE, STATUS, generate_args
 
 console = Console(highlight=False, soft_wrap=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-ADAPTERS = {"support-bot": "attn-qv-r8", "sql-writer": "mlp-only-r16", "summarizer": "all-r2"}
+ADAPTERS = {"support-bot": "attn-qv-r8", "sql-writer": "mlp-only-r16", "summarizer": "all-r2",
+            "translator": "attn-all-r4", "coder": "all-r32-rslora"}
+SLOTS = 3  # fewer than the adapters: the mixed batch needs evictions
 
 
 class Demo:
@@ -113,17 +117,27 @@ class Demo:
 def mixed_batch(address: str, adapters: list[str | None],
                 keys: ClientKeys) -> dict[str | None, Any]:
     """Send one request per adapter at once (one decode batch), and gather the replies."""
+    return ask(address, [(a, GENERATE, generate_args(PROMPT, adapter=a, max_new_tokens=8))
+                         for a in adapters], keys)
+
+
+def replica_status(address: str, keys: ClientKeys) -> Any:
+    return ask(address, [(None, STATUS, {})], keys)[None]["result"]
+
+
+def ask(address: str, requests: list[tuple[str | None, str, Any]],
+        keys: ClientKeys) -> dict[str | None, Any]:
+    """Send every (label, command, args) at once on one socket; the replies by label."""
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     keys.apply(sock)
     sock.connect(address)
     try:
         ids = {}
-        for adapter in adapters:
+        for label, cmd, args in requests:
             rid = uuid.uuid4().hex
-            ids[rid] = adapter
-            sock.send(encode_request(rid, GENERATE, generate_args(PROMPT, adapter=adapter,
-                                                                  max_new_tokens=8)))
+            ids[rid] = label
+            sock.send(encode_request(rid, cmd, args))
         out: dict[str | None, Any] = {}
         while len(out) < len(ids):
             if not sock.poll(120_000):
@@ -149,13 +163,15 @@ def run(root: Path) -> None:
         svc = demo.start_statesvc()
         r1 = demo.start_replica("replica-1", assets["model"], svc)
         demo.start_replica("replica-2", assets["model"], svc)
-        console.print(Rule("3. configure the pool, load three adapters"))
-        demo.loractl("pool", "init", "--model", assets["model"], "--max-loras", "4",
-                     "--max-rank", "16", "--targets", "all")
+        console.print(Rule(f"3. configure {SLOTS} slots per replica, register "
+                           f"{len(ADAPTERS)} adapters"))
+        demo.loractl("pool", "init", "--model", assets["model"], "--max-loras", str(SLOTS),
+                     "--max-rank", "32", "--targets", "all")
         for name, adapter in ADAPTERS.items():
             demo.loractl("load", name, dirs[adapter])
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
-        console.print(Rule("4. one batch mixing the base model and all three adapters"))
+        console.print(Rule(f"4. one batch mixing the base model and all {len(ADAPTERS)} "
+                           f"adapters on {SLOTS} slots"))
         # min_seq: the replica answers once it has applied our last load
         replica_key = ("--replica-server-key", str(demo.replica_keys / "server.key"))
         demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "support-bot",
@@ -172,8 +188,15 @@ def run(root: Path) -> None:
                           f"{res['timings']['total_ms']:.0f}")
         console.print(table)
         distinct = len({tuple(r["result"]["output_ids"]) for r in replies.values()})
-        report.append((f"mixed batch: {distinct} different outputs from 4 requests",
-                       distinct == 4))
+        report.append((f"mixed batch: {distinct} different outputs from {len(replies)} requests",
+                       distinct == len(replies)))
+        res = replica_status(r1, demo.replica_client_keys())["residency"]
+        console.print(f"replica-1 residency: {res['resident']} of {res['slots']} slots held, "
+                      f"{res['hits']} hits, {res['misses']} misses, {res['evictions']} evictions; "
+                      f"host tier {res['host_entries']} entries, {res['host_bytes']} bytes")
+        report.append((f"{len(ADAPTERS)} adapters served on {SLOTS} slots: "
+                       f"{res['evictions']} evictions", res["evictions"] >= len(ADAPTERS) - SLOTS
+                       and res["resident"] <= SLOTS))
         console.print(Rule("5. unload one; a request for it is refused"))
         demo.loractl("unload", "summarizer")
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]

@@ -14,7 +14,7 @@ from computed.admission import GenerateError, Grant, NoSlot
 from computed.jaxcount import counting_compiles
 from computed.replica import Replica
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import Command, live_replica
+from tests.helpers import Command, admit, live_replica
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,9 +35,20 @@ def load(cmd: Command, replica: Replica, example: ExampleAssets, *names: str,
 
 def use(replica: Replica, name: str, ticket: int = 0) -> int:
     """One request for `name` admitted and finished; returns the slot it ran on."""
-    grant = replica.admit(name, 0, ticket)
+    grant = admit(replica, name, 0, ticket)
     grant.release()
     return grant.slot
+
+
+def leased_and_a_waiter(cmd: Command, replica: Replica,
+                        example: ExampleAssets) -> tuple[Grant, Grant]:
+    """On 2 slots: requests (tickets 1, 2) running on a and b, and one for c (ticket 3) that
+    waits for a slot; returns the grants of a and b."""
+    load(cmd, replica, example, "a", "b", "c")
+    ga, gb = admit(replica, "a", 0, 1), admit(replica, "b", 0, 2)
+    with pytest.raises(NoSlot):
+        admit(replica, "c", 0, 3)
+    return ga, gb
 
 
 def test_free_slots_fill_at_replay_then_misses_evict_lru_never_leased(
@@ -54,7 +65,7 @@ def test_free_slots_fill_at_replay_then_misses_evict_lru_never_leased(
             assert use(replica, "d") == slot_b  # a miss evicts the LRU: b
             assert sorted(where(replica)) == ["a", "c", "d"]
             # a leased slot is never evicted: a holds a lease, so e evicts c (LRU unleased)
-            held = replica.admit("a", 0, 1)
+            held = admit(replica, "a", 0, 1)
             use(replica, "d")
             slot_c = where(replica)["c"]
             assert use(replica, "e") == slot_c
@@ -94,25 +105,25 @@ def test_no_slot_waits_and_the_oldest_waiter_gets_the_reserved_slot(
         tmp_path: Path, example: ExampleAssets) -> None:
     with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
         load(cmd, replica, example, "hot1", "hot2", "cold")
-        first = replica.admit("hot1", 0, 1)  # running requests on both slots
-        second = replica.admit("hot2", 0, 2)
+        first = admit(replica, "hot1", 0, 1)  # running requests on both slots
+        second = admit(replica, "hot2", 0, 2)
         with pytest.raises(NoSlot):
-            replica.admit("cold", 0, 3)  # waits: not an error
+            admit(replica, "cold", 0, 3)  # waits: not an error
         res = replica.residency
         assert res is not None and res.reserved == (3, first.slot)  # the LRU slot
         # a hot stream: hot2 keeps being served, hot1 gets no new lease on the reserved slot
         running: list[Grant] = [second]
         for ticket in range(4, 40):
-            running.append(replica.admit("hot2", 0, ticket))
+            running.append(admit(replica, "hot2", 0, ticket))
             running.pop(0).release()
             with pytest.raises(NoSlot):
-                replica.admit("hot1", 0, ticket)
+                admit(replica, "hot1", 0, ticket)
             with pytest.raises(NoSlot):  # a younger request for another cold adapter waits
-                replica.admit("cold", 0, ticket + 100)
+                admit(replica, "cold", 0, ticket + 100)
         first.release()  # hot1's running request finishes (within its max_new_tokens)
         with pytest.raises(NoSlot):
-            replica.admit("cold", 0, 200)  # not for a younger waiter
-        got = replica.admit("cold", 0, 3)
+            admit(replica, "cold", 0, 200)  # not for a younger waiter
+        got = admit(replica, "cold", 0, 3)
         assert got.slot == first.slot and got.name == "cold" and res.reserved is None
         got.release()
         running[0].release()
@@ -121,16 +132,13 @@ def test_no_slot_waits_and_the_oldest_waiter_gets_the_reserved_slot(
 def test_unload_makes_waiters_unknown_and_frees_the_slot_after_its_leases(
         tmp_path: Path, example: ExampleAssets) -> None:
     with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
-        load(cmd, replica, example, "a", "b", "c")
-        ga, gb = replica.admit("a", 0, 1), replica.admit("b", 0, 2)
-        with pytest.raises(NoSlot):
-            replica.admit("c", 0, 3)
+        ga, gb = leased_and_a_waiter(cmd, replica, example)
         cmd("unload", name="c")
         cmd("unload", name="a")  # a request still runs on a
         replica.catch_up()
         for name, ticket in (("c", 3), ("a", 4)):
             with pytest.raises(GenerateError) as info:
-                replica.admit(name, 0, ticket)  # the waiting request, and a new one
+                admit(replica, name, 0, ticket)  # the waiting request, and a new one
             assert info.value.code == "unknown_adapter"
         res, pool = replica.residency, replica.pool
         assert res is not None and pool is not None and res.reserved is None
@@ -147,11 +155,11 @@ def test_replace_keeps_running_requests_on_the_old_version(
         dirs = example.adapter_dirs
         cmd("load", name="a", path=str(dirs["attn-qv-r8"]))
         replica.catch_up()
-        old = replica.admit("a", 0, 1)
+        old = admit(replica, "a", 0, 1)
         old_digest = replica.pool.slot_digest(old.slot)  # type: ignore[union-attr]
         cmd("load", name="a", path=str(dirs["all-r2"]), replace=True)
         replica.catch_up()
-        new = replica.admit("a", 0, 2)
+        new = admit(replica, "a", 0, 2)
         assert new.version > old.version and new.slot != old.slot
         # the old version's slot still holds it for the running request
         assert replica.pool.slot_digest(old.slot) == old_digest  # type: ignore[union-attr]
@@ -163,15 +171,12 @@ def test_replace_keeps_running_requests_on_the_old_version(
 def test_a_waiter_that_leaves_gives_up_its_reservation(tmp_path: Path,
                                                        example: ExampleAssets) -> None:
     with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
-        load(cmd, replica, example, "a", "b", "c")
-        ga, gb = replica.admit("a", 0, 1), replica.admit("b", 0, 2)
-        with pytest.raises(NoSlot):
-            replica.admit("c", 0, 3)
+        ga, gb = leased_and_a_waiter(cmd, replica, example)
         assert replica.residency is not None and replica.residency.reserved == (3, ga.slot)
         replica.withdraw(3)  # e.g. it timed out in the queue: the engine withdraws it
         assert replica.residency.reserved is None
         ga.release()
-        again = replica.admit("a", 0, 4)  # a's slot takes new leases again
+        again = admit(replica, "a", 0, 4)  # a's slot takes new leases again
         assert again.slot == ga.slot
         again.release()
         gb.release()

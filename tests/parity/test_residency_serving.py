@@ -2,6 +2,8 @@
 slots, through a real `computed serve`, every reply checked against transformers + PEFT."""
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,42 @@ def test_twelve_adapters_on_four_slots_all_match_peft(fleet: Fleet, tmp_path: Pa
     assert res["misses"] >= ADAPTERS - SLOTS and res["evictions"] >= ADAPTERS - SLOTS
     assert res["hits"] + res["misses"] >= 2 * ADAPTERS
     assert status["inference"]["running"] == status["inference"]["waiting"] == 0
+
+
+def test_a_resident_adapter_is_served_while_another_fetch_is_blocked(fleet: Fleet) -> None:
+    """statesvc stopped (SIGSTOP): the fetch of a missing adapter hangs on it, and a request
+    for a resident adapter, sent after it, completes meanwhile; once statesvc runs again the
+    waiting request is served too, and both equal transformers + PEFT."""
+    fleet.init(max_loras=2, max_rank=32)
+    replica = fleet.replica("r1", args=("--max-batch", "4", "--max-len", "64"))
+    dirs = fleet.example.adapter_dirs
+    chosen = {"hot": "attn-qv-r8", "other": "all-r2", "cold": "mlp-only-r16"}
+    for name, adapter in chosen.items():
+        fleet.load(name, adapter)
+    wait_for(lambda: fleet.converged(replica), what="the registry applied")
+    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
+    # the loads fill the two free slots (the newest two when they are applied together)
+    held = {h["name"] for h in replica.status()["slots"].values()}
+    assert len(held) == 2
+    cold_name, hot_name = ({*chosen} - held).pop(), sorted(held)[0]
+    reference = HFReference(fleet.example.model_dir)
+    client = Client(replica.listen)
+    os.kill(fleet.statesvc.pid, signal.SIGSTOP)
+    try:
+        cold = client.send("generate", generate(cold_name, PROMPTS[0], n=4))
+        hot = client.send("generate", generate(hot_name, PROMPTS[1], n=4))
+        first = client.recv()
+        assert first["id"] == hot and first["ok"], first  # cold's fetch is still blocked
+        assert replica.status()["inference"]["waiting"] == 1
+    finally:
+        os.kill(fleet.statesvc.pid, signal.SIGCONT)
+    try:
+        second = client.recv()
+    finally:
+        client.close()
+    assert second["id"] == cold and second["ok"], second
+    for reply, name, prompt in ((first, hot_name, PROMPTS[1]), (second, cold_name, PROMPTS[0])):
+        want = reference.greedy(dirs[chosen[name]], prompt, 4)
+        assert reply["result"]["output_ids"] == want, name
+    res = replica.status()["residency"]
+    assert res["host_misses"] == 1 and res["fill_ms"]["miss"]["n"] == 1

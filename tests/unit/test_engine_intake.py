@@ -47,6 +47,9 @@ class BaseOnly:
     def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
         return Grant(-1, None, 0, 0, None)
 
+    def want(self, adapter: str | None) -> None:
+        pass
+
     def withdraw(self, ticket: int) -> None:
         pass
 
