@@ -25,8 +25,10 @@
 // - with AVX512-BF16, by VDPBF16PS: x is transposed into bfloat16 bits, [in / 2][rows][2], so a
 //   vector holds 16 rows' pair of k, and each column's pair of weights is one broadcast 32-bit
 //   load; one instruction does 32 multiply-adds where an FMA does 16, over half the bytes;
-// - without, each panel is widened to float32, exactly (a shift), once into a per-thread buffer that
-//   stays in L2 for every chunk of rows that reads it, and the float32 loop runs over it.
+// - without (AVX2+FMA), float32's loop with each weight widened as it is broadcast: a 32-bit broadcast
+//   load of the pair and a shift of its lower half into place (exact), no float32 copy of the panel.
+//   Its FMAs are float32's; it adds a shift per weight and streams half the bytes: on this machine's
+//   forced AVX2 build about float32's rate (a copy widened into L2 once per panel ran at 0.88x).
 // Either way every product is exact in float32 and the sums are float32's, in k order but for the
 // pair (VDPBF16PS adds k + 1 before k, and flushes denormals): results differ by float32 rounding.
 //
@@ -97,32 +99,36 @@ void store(Vec (&acc)[V][kPanel], float* y, int64_t ldy, int64_t rows, int64_t c
     for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = t[c][r];
 }
 
-// acc += the outer products of n consecutive k: xt the chunk's rows at the first, [n][kLanes * V]; w the
-// panel's weights there as float32, k's row of kPanel at w + k * kPanel (S 1), or in pairs of k, k's at
-// w + k / 2 * 2 kPanel + k % 2 with a stride of 2 (S 2); `stream` the panel's bytes in memory at the
-// first k, `step` bytes per k, prefetched ahead (never faults)
-template <int V, int S>
-inline void accumulate(Vec (&acc)[V][kPanel], const float* xt, const float* w, int64_t n, const char* stream,
-                       int64_t step) {
-  for (int64_t k = 0; k < n; ++k) {
-    Vec x[V];
-    for (int v = 0; v < V; ++v) x[v] = loraplane::load<Vec>(xt + k * kLanes * V + kLanes * v);
-    const float* wk = w + k / S * kPanel * S + k % S;
-    _mm_prefetch(stream + k * step + kPrefetch, _MM_HINT_T0);
+// acc += the outer product of one k: the chunk's rows there, V vectors at xk, times the panel's kPanel
+// weights, weight(j) broadcast to a vector
+template <int V, typename Weight>
+inline void outer(Vec (&acc)[V][kPanel], const float* xk, Weight weight) {
+  Vec x[V];
+  for (int v = 0; v < V; ++v) x[v] = loraplane::load<Vec>(xk + kLanes * v);
 #pragma GCC unroll 12
-    for (int j = 0; j < kPanel; ++j) {
-      const Vec b = splat(wk[S * j]);
-      for (int v = 0; v < V; ++v) acc[v][j] = fmadd(x[v], b, acc[v][j]);
-    }
+  for (int j = 0; j < kPanel; ++j) {
+    const Vec b = weight(j);
+    for (int v = 0; v < V; ++v) acc[v][j] = fmadd(x[v], b, acc[v][j]);
   }
 }
 
+// acc += the outer products of n consecutive k: xt the chunk's rows at the first, [n][kLanes * V]; w the
+// panel's float32 weights there, k's row of kPanel at w + k * kPanel; the stream prefetched ahead
+// (never faults)
+template <int V>
+inline void accumulate(Vec (&acc)[V][kPanel], const float* xt, const float* w, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float* wk = w + k * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+    outer<V>(acc, xt + k * kLanes * V, [wk](int j) { return splat(wk[j]); });
+  }
+}
 // y[r][c] (r < rows, c < cols) of one chunk and one panel; xt is the chunk, [in][kLanes * V]
 template <int V>
 void panel_product(const float* xt, const float* w, int64_t in, float* y, int64_t ldy, int64_t rows,
                    int64_t cols) {
   Vec acc[V][kPanel] = {};
-  accumulate<V, 1>(acc, xt, w, in, reinterpret_cast<const char*>(w), kPanel * sizeof(float));
+  accumulate<V>(acc, xt, w, in);
   store<V>(acc, y, ldy, rows, cols);
 }
 
@@ -148,24 +154,36 @@ void panel_product_bf16(const uint16_t* xt, const uint16_t* w, int64_t in2, floa
   store<V>(acc, y, ldy, rows, cols);
 }
 #else
-// A bfloat16 panel [in2][kPanel][2] widened to float32 in the same layout, exactly, into `buf`: once per
-// panel, for every chunk of rows that reads it (two at decode's 32 rows on AVX2)
-inline void widen_panel(const uint16_t* w, int64_t count, float* buf) {
-  int64_t i = 0;
-  for (; i + kLanes <= count; i += kLanes) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetch, _MM_HINT_T0);
-    const Vec v = loraplane::load<Vec>(w + i);
-    std::memcpy(buf + i, &v, sizeof v);
-  }
-  for (; i < count; ++i) buf[i] = loraplane::widen(w[i]);
+// A bfloat16 weight widened exactly as it is broadcast: the 32 bits at p, their lower half shifted up
+// (as a vector: the shift needs no register, where a mask would take one of AVX2's 16)
+inline Vec bf16_splat(const uint16_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof f);
+  return (Vec)((typename loraplane::Bits<Vec>::U)splat(f) << 16);
 }
 
-// y[r][c] of one chunk and a widened bfloat16 panel `buf` [in2][kPanel][2]; xt as for float32 (x rounded)
+// y[r][c] of one chunk and a bfloat16 panel [in2][kPanel][2], each weight widened as it is broadcast (no
+// float32 copy of the panel: half the bytes of float32's loop and its instructions, plus a shift per
+// weight); xt as for float32, [in][kLanes * V] (x rounded to bfloat16). An odd k's weight is the lower
+// half of the 32 bits one weight on (the next column's even k, or the next pair's first), so every
+// pair but the panel's last reads in place; the last stops at the panel's end.
 template <int V>
-void panel_product_bf16(const float* xt, const float* buf, int64_t in, float* y, int64_t ldy, int64_t rows,
+void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y, int64_t ldy, int64_t rows,
                         int64_t cols) {
   Vec acc[V][kPanel] = {};
-  accumulate<V, 2>(acc, xt, buf, in, reinterpret_cast<const char*>(buf), kPanel * sizeof(float));
+  constexpr int64_t kRow = kLanes * V;  // one k of the chunk
+  const int64_t in2 = (in + 1) / 2;
+  for (int64_t k2 = 0; k2 + 1 < in2; ++k2) {
+    const uint16_t* wk = w + k2 * kPanel * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+    outer<V>(acc, xt + 2 * k2 * kRow, [wk](int j) { return bf16_splat(wk + 2 * j); });
+    outer<V>(acc, xt + (2 * k2 + 1) * kRow, [wk](int j) { return bf16_splat(wk + 2 * j + 1); });
+  }
+  const uint16_t* wk = w + (in2 - 1) * kPanel * 2;  // the last pair (or the lone last k of an odd `in`)
+  outer<V>(acc, xt + 2 * (in2 - 1) * kRow, [wk](int j) { return bf16_splat(wk + 2 * j); });
+  if (in % 2 == 0) {
+    outer<V>(acc, xt + (in - 1) * kRow, [wk](int j) { return splat(loraplane::widen(wk[2 * j + 1])); });
+  }
   store<V>(acc, y, ldy, rows, cols);
 }
 #endif
@@ -246,15 +264,10 @@ struct Dense {
           else
             panel_product_bf16<1>(xp, wp, in2, yp, pr.out, n, cols);
 #else
-          thread_local std::vector<float> buf;
-          if (r0 == block * kRowBlock) {  // the panel's first chunk of this item
-            buf.resize(static_cast<size_t>(in2 * kPanel * 2));
-            widen_panel(wp, in2 * kPanel * 2, buf.data());
-          }
           if (n > kLanes)
-            panel_product_bf16<2>(xt + r0 * in, buf.data(), in, yp, pr.out, n, cols);
+            panel_product_bf16<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
           else
-            panel_product_bf16<1>(xt + r0 * in, buf.data(), in, yp, pr.out, n, cols);
+            panel_product_bf16<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
 #endif
         }
       }
