@@ -2,7 +2,7 @@
 
 A generated example model and adapters; CURVE keys for everyone; statesvc and
 two replicas on free loopback ports, all with --auth; three adapters loaded; one batch that mixes the base model and
-all three adapters; an unload and a request for it refused; a drill that kills
+all three adapters, sent through the OpenAI-compatible gateway with the `openai` client (one request streamed); an unload and a request for it refused; a drill that kills
 a replica and rebuilds it by replay with matching digests; a clean shutdown
 with no process left behind. Every process started here is stopped here.
 """
@@ -15,21 +15,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import zmq
+import httpx
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
 from shared import runfile
-from shared.fleet import BIN, Computed, StateSvc, alive, loopback
-from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
-from shared.protocol import encode_request
-from shared.replica_protocol import GENERATE, generate_args
+from shared.fleet import BIN, Computed, Gateway, StateSvc, alive, loopback, wait_for
+from shared.keys import init_server_keys, new_client_keys
 
 console = Console(highlight=False, soft_wrap=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -48,11 +44,11 @@ class Demo:
         public, self.operator = new_client_keys(self.mine, "admin")
         for server in (self.keys, self.replica_keys):
             (server / "operators" / public.name).write_bytes(public.read_bytes())
-        self.procs: dict[str, StateSvc | Computed] = {}
+        self.procs: dict[str, StateSvc | Computed | Gateway] = {}
         self.extra_pids: list[int] = []  # processes the drill restarted
         self.env = {**os.environ, "COLUMNS": str(max(console.width, 120))}
 
-    def start(self, name: str, service: StateSvc | Computed) -> str:
+    def start(self, name: str, service: StateSvc | Computed | Gateway) -> str:
         self.procs[name] = service.start()
         console.print(f"[dim]{name}: pid {service.pid}, {service.ready}[/]")
         return service.ready
@@ -73,11 +69,17 @@ class Demo:
                         "--auth", str(self.replica_keys))))
         return ready.split("listen=")[1].split()[0]
 
-    def replica_client_keys(self) -> ClientKeys:
-        """The operator's key toward the replicas' listen sockets."""
-        keys = client_keys(str(self.operator), str(self.replica_keys / "server.key"))
-        assert keys is not None
-        return keys
+    def start_gateway(self, model: str, svc: StateSvc) -> str:
+        """The OpenAI-compatible gateway, with its own key: reads on statesvc (its
+        replicas/), generate on the replicas (their clients/)."""
+        public, secret = new_client_keys(self.mine, "gateway")
+        for server, role in ((self.keys, "replicas"), (self.replica_keys, "clients")):
+            (server / role / public.name).write_bytes(public.read_bytes())
+        gw = Gateway(Path(model), svc, log_file=self.root / "gateway.log", extra_args=(
+            "--key", str(secret), "--server-key", str(self.keys / "server.key"),
+            "--replica-server-key", str(self.replica_keys / "server.key")))
+        self.start("gateway", gw)
+        return gw.url
 
     def loractl(self, *args: str, show: bool = True, expect_fail: bool = False) -> str:
         shown = [a if not a.startswith(str(self.root)) else "…" + a[len(str(self.root)):]
@@ -110,29 +112,27 @@ class Demo:
         return [p for p in pids if alive(p)]
 
 
-def mixed_batch(address: str, adapters: list[str | None],
-                keys: ClientKeys) -> dict[str | None, Any]:
-    """Send one request per adapter at once (one decode batch), and gather the replies."""
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    keys.apply(sock)
-    sock.connect(address)
-    try:
-        ids = {}
-        for adapter in adapters:
-            rid = uuid.uuid4().hex
-            ids[rid] = adapter
-            sock.send(encode_request(rid, GENERATE, generate_args(PROMPT, adapter=adapter,
-                                                                  max_new_tokens=8)))
-        out: dict[str | None, Any] = {}
-        while len(out) < len(ids):
-            if not sock.poll(120_000):
-                raise SystemExit("demo failed: the replica did not answer")
-            reply = msgpack.unpackb(sock.recv())
-            out[ids[reply["id"]]] = reply
-        return out
-    finally:
-        sock.close(0)
+def mixed_batch(url: str, models: list[str]) -> dict[str, tuple[str, float, int]]:
+    """One request per model at once through the gateway with the official `openai` client
+    (so they share one decode batch), the first streamed: model -> (text, ms, chunks)."""
+    import openai  # the demo's client, as an application's would be
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def one(i: int, model: str) -> tuple[str, float, int]:
+        t = time.perf_counter()
+        args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+        if i == 0:
+            chunks = list(client.completions.create(stream=True, **args))
+            text = "".join(c.choices[0].text for c in chunks)
+            return text, (time.perf_counter() - t) * 1e3, len(chunks)
+        text = client.completions.create(**args).choices[0].text
+        return text, (time.perf_counter() - t) * 1e3, 0
+
+    with ThreadPoolExecutor(len(models)) as pool:
+        return dict(zip(models, pool.map(one, range(len(models)), models)))
 
 
 def run(root: Path) -> None:
@@ -155,25 +155,31 @@ def run(root: Path) -> None:
         for name, adapter in ADAPTERS.items():
             demo.loractl("load", name, dirs[adapter])
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
-        console.print(Rule("4. one batch mixing the base model and all three adapters"))
+        console.print(Rule("4. one batch mixing the base model and all three adapters, "
+                           "through the OpenAI-compatible gateway"))
         # min_seq: the replica answers once it has applied our last load
         replica_key = ("--replica-server-key", str(demo.replica_keys / "server.key"))
         demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "support-bot",
                      "--input-ids", ",".join(map(str, PROMPT)), "--min-seq", str(head))
-        replies = mixed_batch(r1, [None, *ADAPTERS], demo.replica_client_keys())
-        table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
-        for col in ("adapter", "version", "output_ids", "total ms"):
+        url = demo.start_gateway(assets["model"], svc)
+        base = Path(assets["model"]).name
+        wait_for(lambda: len(httpx.get(url + "/v1/models").json()["data"]) == 4,
+                 what="the gateway to list the adapters")
+        console.print(f"through the gateway at {url} with the official openai client "
+                      f"(model = {base} or an adapter's name), the first request streamed")
+        replies = mixed_batch(url, [base, *ADAPTERS])
+        table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch (random "
+                      "weights: the text is noise, different per adapter)")
+        for col in ("model", "text", "ms", "SSE chunks"):
             table.add_column(col)
-        for label, reply in replies.items():
-            res = reply["result"]
-            table.add_row(label or "(base model)",
-                          str(res["adapter"]["version"]) if res["adapter"] else "",
-                          " ".join(map(str, res["output_ids"])),
-                          f"{res['timings']['total_ms']:.0f}")
+        for model, (text, ms, chunks) in replies.items():
+            table.add_row(model, repr(text), f"{ms:.0f}", str(chunks or ""))
         console.print(table)
-        distinct = len({tuple(r["result"]["output_ids"]) for r in replies.values()})
-        report.append((f"mixed batch: {distinct} different outputs from 4 requests",
-                       distinct == 4))
+        distinct = len({text for text, _, _ in replies.values()})
+        report.append((f"mixed batch through the gateway: {distinct} different outputs from "
+                       "4 requests", distinct == 4))
+        report.append(("the streamed request came as one chunk per token",
+                       replies[base][2] == 9))
         console.print(Rule("5. unload one; a request for it is refused"))
         demo.loractl("unload", "summarizer")
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
