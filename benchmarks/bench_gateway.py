@@ -15,9 +15,10 @@ alternating by round:
 Per round: throughput (32 x tokens / wall seconds), each request's latency (send to last
 reply byte); reported: medians over rounds of the throughput ratio gateway / zmq (target
 >= 0.9x) and of the added latency, the gateway's p50 (p99) latency minus zmq's p50 (p99)
-(target p50 under 2 ms). Not in `make bench` yet.
+(target p50 under 2 ms). In `make bench` (benchmarks/suite.py); the replicas stream their
+tokens (docs/protocol.md §13b), so the gateway relays each as it comes.
 
-    .venv/bin/python -m benchmarks.bench_gateway [--rounds 5] [--tokens 32] [--no-write]
+    .venv/bin/python -m benchmarks.bench_gateway [--rounds 5] [--tokens 32] [--quick] [--no-write]
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ import msgpack
 import numpy as np
 import zmq
 
+from benchmarks.report import publish
 from shared.client import ControlClient, new_event_id
 from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import AdapterSpec, make_example
 
 BATCH, ADAPTERS, PROMPT = 32, 16, 8
-RESULT = Path(__file__).parent / "results" / "gateway.json"
 
 
 def cpu_name() -> str:
@@ -112,6 +113,7 @@ def run_gateway(url: str, reqs: list[tuple[str, list[int]]], tokens: int) -> tup
 
 
 def measure(rounds: int, tokens: int) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     specs = tuple(AdapterSpec(f"a{i:02d}", r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
                   for i in range(ADAPTERS))
@@ -149,7 +151,8 @@ def measure(rounds: int, tokens: int) -> dict[str, Any]:
         svc.stop()
     med = statistics.median
     return {
-        "cpu": cpu_name(), "load_average": os.getloadavg(), "rounds": rounds, "batch": BATCH,
+        "cpu": cpu_name(), "load_average": {"before": load_before, "after": os.getloadavg()[0]},
+        "rounds": rounds, "batch": BATCH,
         "adapters": ADAPTERS, "prompt_tokens": PROMPT, "new_tokens": tokens,
         "model": {"vocab_size": ex.shape.vocab_size, "hidden_size": ex.shape.hidden_size,
                   "layers": ex.shape.num_hidden_layers},
@@ -164,19 +167,44 @@ def measure(rounds: int, tokens: int) -> dict[str, Any]:
     }
 
 
+def report(res: dict[str, Any]) -> str:
+    """The README's bench:gateway section."""
+    m, lo, hi = res["model"], *res["ratio_range"]
+    return "\n".join([
+        "| path | tokens/s | gateway / ZeroMQ (spread) | added latency p50 | added p99 |",
+        "|---|---:|---:|---:|---:|",
+        f"| ZeroMQ straight to the replica | {res['zmq_tok_s']:,.0f} | | | |",
+        f"| gateway, streaming SSE | {res['gateway_tok_s']:,.0f} | {res['ratio']:.2f}x "
+        f"({lo:.2f}-{hi:.2f}); target >= 0.9x: {'PASS' if res['ratio'] >= 0.9 else 'MISS'} | "
+        f"{res['added_p50_ms']:+.1f} ms; target < 2 ms: "
+        f"{'PASS' if res['added_p50_ms'] < 2 else 'MISS'} | {res['added_p99_ms']:+.1f} ms |",
+        "",
+        f"Batch {res['batch']} over {res['adapters']} resident rank-8 adapters, "
+        f"{res['prompt_tokens']} prompt tokens and {res['new_tokens']} new tokens each, sent "
+        f"by ZeroMQ straight to one replica and as {res['batch']} concurrent streaming "
+        f"`/v1/completions` through the gateway (httpx, in the benchmark's process), rounds "
+        f"alternating which goes first; the example model (vocab {m['vocab_size']}, hidden "
+        f"{m['hidden_size']}, {m['layers']} layers); {res['rounds']} rounds, medians; on "
+        f"{res['cpu']}, load average {res['load_average']['before']:.1f} before, "
+        f"{res['load_average']['after']:.1f} after. `python -m benchmarks.bench_gateway` "
+        "reproduces it; docs/gateway.md says what the figures mean."])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--quick", action="store_true",
+                   help="one round of 8 tokens; writes only where `python -m benchmarks --quick` "
+                   "says")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
+    if a.quick:
+        a.rounds, a.tokens = 1, 8
     res = measure(a.rounds, a.tokens)
-    print(f"zmq {res['zmq_tok_s']:.0f} tok/s, gateway+SSE {res['gateway_tok_s']:.0f} tok/s: "
-          f"{res['ratio']:.2f}x ({res['ratio_range'][0]:.2f}-{res['ratio_range'][1]:.2f}; "
-          f"target >= 0.9x); added latency p50 {res['added_p50_ms']:.1f} ms, "
-          f"p99 {res['added_p99_ms']:.1f} ms (target p50 < 2 ms)")
-    if not a.no_write:
-        RESULT.write_text(json.dumps(res, indent=1) + "\n")
+    markdown = report(res)
+    print(markdown)
+    publish("gateway", res, markdown, quick=a.quick, no_write=a.no_write, say=print)
     return 0
 
 

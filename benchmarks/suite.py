@@ -54,6 +54,7 @@ BENCHES = (
     Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
     Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
     Bench("residency", "benchmarks.bench_residency", ("--quick",)),
+    Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
 )
 
 # `--isa avx2` (a forced AVX2+FMA build on any x86 CPU) keeps its results here, beside the
@@ -257,11 +258,25 @@ def residency_figures(r: dict[str, Any]) -> list[Figure]:
                           f"{cold['few']} registered", cold["bootstrap_ratio"], "x",
                           runs=len(cold["many_s"])))
     return out
+def gateway_figures(r: dict[str, Any]) -> list[Figure]:
+    """The gateway with streaming over ZeroMQ straight to the replica (issue 17)."""
+    rows, runs = r["rounds_detail"], r["rounds"]
+    added = {q: [x["gateway"][f"{q}_ms"] - x["zmq"][f"{q}_ms"] for x in rows]
+             for q in ("p50", "p99")}
+    return [figure("gateway", "gateway + streaming / ZeroMQ, batch 32, 16 adapters", r["ratio"],
+                   "x", target=">= 0.9x", meets=r["ratio"] >= 0.9, spread=r["ratio_range"],
+                   runs=runs),
+            figure("gateway", "gateway: added latency per request, p50", r["added_p50_ms"], "ms",
+                   target="< 2", meets=r["added_p50_ms"] < 2, spread=spread(added["p50"]),
+                   runs=runs),
+            figure("gateway", "gateway: added latency per request, p99", r["added_p99_ms"], "ms",
+                   spread=spread(added["p99"]), runs=runs)]
 
 
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "replica": replica_figures, "replay": replay_figures,
-    "decode": decode_figures, "dtype": dtype_figures, "residency": residency_figures}
+    "decode": decode_figures, "dtype": dtype_figures, "residency": residency_figures,
+    "gateway": gateway_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from computed.engine import Done, Engine
+from computed.engine import Done, Engine, Request
 from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
@@ -36,9 +36,10 @@ from shared.endpoints import check_bind, connect
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (PUBLISHED_HEARTBEAT, ProtocolError, encode_request, error_reply_of,
-                             ok_reply, request_id_of, unpack, validate)
+                             ok_reply, pack, request_id_of, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
-from shared.replica_protocol import GENERATE, SLOT_ARGS, STATUS, decode_replica_request
+from shared.replica_protocol import (GENERATE, SLOT_ARGS, STATUS, decode_replica_request,
+                                     token_frame)
 from shared.router import Replies, serving_router, split_request
 
 log = logging.getLogger("computed")
@@ -235,6 +236,8 @@ class Daemon:
         self.router, self.listen = serving_router(
             ctx, check_bind(listen, authenticated=self.auth is not None), self.auth)
         self.replies = Replies(self.router)
+        if engine is not None:
+            engine.on_token = self._token
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
                              diffs=diffs, heartbeat=heartbeat, keys=keys)
         self._stop = False
@@ -267,6 +270,7 @@ class Daemon:
                 if busy and self.engine is not None:
                     # requests that arrive while the step prefills are admitted in it
                     self._send(self.engine.step(intake=self._serve_clients))
+                    self.replica.faults.after_step()  # test-only; a no-op unless switched on
                 self.replies.flush()
         finally:
             self.sync.stopping.set()
@@ -299,6 +303,10 @@ class Daemon:
                                    "digest": None if pool is None or pool.pending else d}
                           for s, (h, d) in r.resident().items()},
                 "residency": residency_stats(r)}
+
+    def _token(self, req: Request, index: int, token: int) -> None:
+        """One token of a streaming `generate`, sent as soon as it is sampled."""
+        self.replies.send(req.reply_to + [pack(token_frame(req.req_id, index, token))])
 
     def _send(self, done: list[Done]) -> None:
         for d in done:

@@ -106,6 +106,9 @@ class Engine:
         self.cache = model.new_cache()
         self.warm = False
         self.tickets = 0
+        # called with (request, index, token) for each token of a request that asked for
+        # `stream` (the daemon sends it on at once); the final reply is the usual Done
+        self.on_token: Callable[[Request, int, int], None] | None = None
 
     def warmup(self) -> None:
         """Compile every shape serving uses, once the pool exists (its shapes are inputs)."""
@@ -194,6 +197,8 @@ class Engine:
         token = sample(logits, a["temperature"], a["top_p"], r.rng)
         r.output.append(token)
         r.next_token = token
+        if a["stream"] and self.on_token is not None:
+            self.on_token(r.req, len(r.output) - 1, token)
         if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
                 or r.position >= self.model.max_len):
             self._finish(r, done)

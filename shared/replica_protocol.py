@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Callable, TypedDict
 
+from shared.config import PROTOCOL_VERSION
 from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, str_len,
                              validate)
 
@@ -22,7 +23,7 @@ SLOT_ARGS: Schema = {"slot": Field(int, check=int_range(0, 1 << 20))}
 # `generate`'s optional args as a replica fills them in (loractl's defaults too)
 GENERATE_DEFAULTS: dict[str, Any] = {
     "adapter": None, "max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0,
-    "stop_token_ids": [], "min_seq": 0,
+    "stop_token_ids": [], "min_seq": 0, "stream": False,
 }
 
 
@@ -67,6 +68,7 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
         "stop_token_ids": Field(list, required=False, default=d["stop_token_ids"], check=stops),
         "min_seq": Field(int, required=False, default=d["min_seq"],
                          check=int_range(0, 2**62)),
+        "stream": Field(bool, required=False, default=d["stream"]),
     }
 
 
@@ -117,11 +119,23 @@ def generate_args(input_ids: Sequence[int], *, adapter: str | None = None,
                   top_p: float = GENERATE_DEFAULTS["top_p"],
                   seed: int = GENERATE_DEFAULTS["seed"],
                   stop_token_ids: Sequence[int] = (),
-                  min_seq: int = GENERATE_DEFAULTS["min_seq"]) -> dict[str, Any]:
-    """The args of a `generate` request, as a client sends them."""
-    return {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
+                  min_seq: int = GENERATE_DEFAULTS["min_seq"],
+                  stream: bool = False) -> dict[str, Any]:
+    """The args of a `generate` request, as a client sends them (`stream` only when set, so
+    replicas that predate it keep accepting what old clients send)."""
+    args = {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "seed": seed,
             "stop_token_ids": list(stop_token_ids), "min_seq": min_seq}
+    if stream:
+        args["stream"] = True
+    return args
+
+
+def token_frame(req_id: str | None, index: int, token: int) -> dict[str, Any]:
+    """One streamed token of a `generate` with `stream: true` (docs/protocol.md §13b): `ok`
+    with `token` instead of `result`; the final frame is the usual reply."""
+    return {"v": PROTOCOL_VERSION, "id": req_id, "ok": True,
+            "token": {"index": index, "id": token}}
 
 
 def slot_args(slot: int) -> dict[str, Any]:

@@ -3,11 +3,12 @@
 /v1/load_lora_adapter and /v1/unload_lora_adapter, /health and /metrics."""
 from __future__ import annotations
 
-import json
+import asyncio
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -21,8 +22,8 @@ from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
+from computed.gateway.streaming import Item, StreamText, events, usage
 from shared.keys import ClientKeys
-from shared.text import IncrementalDecoder
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -42,35 +43,57 @@ async def read_body(request: Request) -> dict[str, Any]:
     return parse_json(bytes(raw))
 
 
-def _usage(out: Output) -> dict[str, int]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
-
-
-def pieces(gw: Gateway, out: Output) -> list[str]:
-    """The output's text, one piece per token (whole characters only: a token that ends
-    inside a character gives "" and the character comes with the token that completes it),
-    up to where a stop string cut out.text."""
-    dec, sent, parts = IncrementalDecoder(gw.codec), 0, []
-    for t in out.ids:
-        new = dec.push(t)
-        if sent >= len(out.text) and len(dec.sent) > len(out.text):
-            break  # past a stop string
-        piece = out.text[sent:sent + len(new)]
-        sent += len(piece)
-        parts.append(piece)
-    if sent < len(out.text):  # a character the output never completed, shown as U+FFFD
-        rest = out.text[sent:]
-        parts = parts[:-1] + [parts[-1] + rest] if parts else [rest]
-    return parts
-
-
 def build_app(gw: Gateway, *, max_pending: int = 256,
               operators: list[Operator] | None = None) -> Starlette:
     """operators: with --auth, who may load and unload (else anyone who reaches the
     gateway, as the gateway's own identity on statesvc)."""
     pending = threading.BoundedSemaphore(max_pending)
     metrics = Metrics(gw.router)
+    workers = ThreadPoolExecutor(max_pending, thread_name_prefix="stream")
+
+    def record(label: str, endpoint: str, started: float, out: Output | ApiError) -> None:
+        if isinstance(out, ApiError):
+            metrics.requests.labels(label, endpoint, str(out.status)).inc()
+            return
+        metrics.requests.labels(label, endpoint, "200").inc()
+        metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
+        metrics.generation_tokens.labels(label).inc(out.completion_tokens)
+        metrics.latency.labels(label).observe(time.perf_counter() - started)
+
+    async def stream(req: Completion | Chat, stop_ids: set[int], label: str, endpoint: str,
+                     started: float, head: dict[str, Any], chat: bool) -> Response:
+        """Run the request on a worker thread whose replica streams its tokens; answer with
+        an error status when it fails before the first token, else with the event stream."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+
+        def token(t: int) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ("token", t))
+
+        def work() -> None:
+            result: Output | ApiError
+            try:
+                result = gw.run(req, on_token=token)
+            except ApiError as exc:
+                result = exc
+            except Exception as exc:  # a bug: the stream must still end
+                result = ApiError(500, f"internal error: {type(exc).__name__}")
+            finally:
+                pending.release()
+                metrics.pending.dec()
+            record(label, endpoint, started, result)
+            loop.call_soon_threadsafe(queue.put_nowait, (
+                "error" if isinstance(result, ApiError) else "done", result))
+
+        loop.run_in_executor(workers, work)
+        first = await queue.get()
+        if first[0] == "error":
+            return error_response(first[1])
+        text = StreamText(gw.codec, stop_ids, req.sampling.stop)
+        return StreamingResponse(events(text, queue, first, head, chat,
+                                        req.sampling.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     async def generate(request: Request, parse: Callable[[dict[str, Any]], Completion | Chat],
                        chat: bool) -> Response:
@@ -80,36 +103,31 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             req = parse(await read_body(request))
             target = gw.resolve(req.model)  # 404 before queueing
             label = target.adapter or gw.served_name
+            stop_ids = gw.stop_ids(req.sampling)
             if not pending.acquire(blocking=False):
                 raise ApiError(429, f"the gateway has {max_pending} requests in flight "
                                f"(--max-pending); retry later", code="overloaded")
             metrics.pending.inc()
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            head = {"id": rid, "created": int(time.time()), "model": req.model}
+            if req.sampling.stream:
+                return await stream(req, stop_ids, label, endpoint, started, head, chat)
             try:
                 out = await run_in_threadpool(gw.run, req)
             finally:
                 pending.release()
                 metrics.pending.dec()
         except ApiError as exc:
-            metrics.requests.labels(label, endpoint, str(exc.status)).inc()
+            record(label, endpoint, started, exc)
             return error_response(exc)
-        metrics.requests.labels(label, endpoint, "200").inc()
-        metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
-        metrics.generation_tokens.labels(label).inc(out.completion_tokens)
-        metrics.latency.labels(label).observe(time.perf_counter() - started)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        head = {"id": rid, "created": created, "model": req.model}
-        if req.sampling.stream:
-            return StreamingResponse(_sse(gw, out, head, chat, req.sampling.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+        record(label, endpoint, started, out)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [choice], "usage": _usage(out)})
+                             "choices": [choice], "usage": usage(out)})
 
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion, chat=False)
@@ -172,33 +190,3 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ])
-
-
-async def _sse(gw: Gateway, out: Output, head: dict[str, Any], chat: bool,
-               include_usage: bool) -> AsyncIterator[str]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(text: str | None, finish: str | None, *, role: bool = False) -> str:
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish)
-        body = {**head, "object": obj, "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
-        return f"data: {json.dumps(body)}\n\n"
-
-    # the replica answered whole, so every event is known now: one write carries them all
-    # (one SSE event per token still; a write per event costs the event loop for nothing)
-    events = [chunk("", None, role=True)] if chat else []
-    events += [chunk(piece, None) for piece in pieces(gw, out)]
-    events.append(chunk(None if chat else "", out.finish_reason))
-    if include_usage:
-        usage = {**head, "object": obj, "choices": [], "usage": _usage(out)}
-        events.append(f"data: {json.dumps(usage)}\n\n")
-    events.append("data: [DONE]\n\n")
-    yield "".join(events)

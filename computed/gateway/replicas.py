@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -69,12 +69,14 @@ class ReplicaLinks:
         link.close()
 
     def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
-                 timeout_s: float) -> dict[str, Any]:
+                 timeout_s: float, on_token: Callable[[int], None] | None = None
+                 ) -> dict[str, Any]:
         """The replica's result; RemoteError for its refusal, Unavailable when it cannot be
-        reached within connect_timeout_s, goes away, or does not answer within timeout_s."""
+        reached within connect_timeout_s, goes away, or does not answer within timeout_s.
+        With `on_token`, the request streams: each token is passed to it as it arrives."""
         link = self._take(address)
         try:
-            result = self._call(link, address, args, connect_timeout_s, timeout_s)
+            result = self._call(link, address, args, connect_timeout_s, timeout_s, on_token)
         except RemoteError:
             self._give_back(address, link)
             raise
@@ -86,9 +88,12 @@ class ReplicaLinks:
 
     @staticmethod
     def _call(link: _Link, address: str, args: dict[str, Any], connect_timeout_s: float,
-              timeout_s: float) -> dict[str, Any]:
+              timeout_s: float, on_token: Callable[[int], None] | None) -> dict[str, Any]:
         req_id = uuid.uuid4().hex
         link.sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
+        if on_token is not None:
+            args = {**args, "stream": True}
+        streamed = 0
         try:
             link.sock.send(encode_request(req_id, GENERATE, args))
         except zmq.Again:
@@ -108,6 +113,12 @@ class ReplicaLinks:
             except ProtocolError:
                 continue
             if not isinstance(reply, dict) or reply.get("id") != req_id:
+                continue
+            token = reply.get("token")
+            if on_token is not None and reply.get("ok") and isinstance(token, dict):
+                if token.get("index") == streamed and type(token.get("id")) is int:
+                    streamed += 1
+                    on_token(token["id"])
                 continue
             if reply.get("ok"):
                 return dict(reply["result"])

@@ -72,6 +72,9 @@ class Router:
         # what this gateway wrote (name -> (version or None when unloaded, seq)), shown
         # until a poll reaches that seq: a poll that began before the write must not undo it
         self._learned: dict[str, tuple[int | None, int]] = {}
+        # replicas a request found gone (unreachable, or the connection dropped): not
+        # candidates until their own status answers again
+        self._failed: set[str] = set()
         self._stop = threading.Event()
         self._polled = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-poll", daemon=True)
@@ -120,11 +123,22 @@ class Router:
                              replicas=self.view.replicas, adapters=self.view.adapters,
                              pool=self.view.pool, head_seq=self.view.head_seq)
         views = []
+        before = {v.address: v for v in self.view.replicas}
         for r in status.get("replicas", []):
             if r.get("state") != "ACTIVE" or r.get("agrees") is not True:
                 continue
             own = self._replica_status(r["address"])
-            if own is None or own.get("state") != "ACTIVE" or not own.get("inference"):
+            if own is None:
+                # no answer in time: a replica busy compiling or under load stays as last
+                # seen, unless a request found it gone (then it is out until it answers)
+                with self._lock:
+                    kept = before.get(r["address"]) if r["address"] not in self._failed else None
+                if kept is not None:
+                    views.append(kept)
+                continue
+            with self._lock:
+                self._failed.discard(r["address"])
+            if own.get("state") != "ACTIVE" or not own.get("inference"):
                 continue
             inf = own["inference"]
             resident = frozenset(h["name"] for h in (own.get("slots") or {}).values()
@@ -151,7 +165,9 @@ class Router:
     def candidates(self, adapter: str | None, min_seq: int,
                    exclude: frozenset[str] = frozenset()) -> list[ReplicaView]:
         """The replicas to try for a request, best first."""
-        replicas = [r for r in self.view.replicas if r.address not in exclude]
+        with self._lock:
+            replicas = [r for r in self.view.replicas
+                        if r.address not in exclude and r.address not in self._failed]
         caught_up = [r for r in replicas if r.applied_seq >= min_seq]
         pool = caught_up or replicas  # none has it yet: one that will wait for min_seq
         with self._lock:
@@ -159,6 +175,11 @@ class Router:
                 return (adapter is not None and adapter not in r.resident,
                         r.queued + sum(self._inflight.get(r.address, {}).values()), r.id)
             return sorted(pool, key=key)
+
+    def failed(self, address: str) -> None:
+        """A request found this replica gone: no more requests until its status answers."""
+        with self._lock:
+            self._failed.add(address)
 
     def sent(self, address: str, adapter: str | None, delta: int) -> None:
         """Count a request sent to a replica (delta 1) or answered there (-1)."""

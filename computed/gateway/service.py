@@ -7,11 +7,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import zmq
 
 from computed.gateway.requests import ApiError, Chat, Completion, Sampling, bad
 from computed.gateway.routing import Router
-import zmq
 
 from computed.gateway.replicas import ReplicaLinks
 from shared.client import RemoteError, Unavailable
@@ -43,6 +44,13 @@ class Output:
     text: str
     finish_reason: str  # "stop" or "length"
     replica: str
+
+
+class MidStream(ApiError):
+    """A replica failed after tokens of its answer were streamed: no retry can hide that."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, code="replica_failed")
 
 
 class Gateway:
@@ -84,20 +92,17 @@ class Gateway:
             raise bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return req.prompt
 
-    def run(self, req: Completion | Chat) -> Output:
-        """Blocking: call from a worker thread."""
+    def run(self, req: Completion | Chat,
+            on_token: Callable[[int], None] | None = None) -> Output:
+        """Blocking: call from a worker thread. With `on_token` the replica streams and each
+        token is passed on as it arrives; a replica that fails before its first token is
+        replaced by the next candidate, one that fails after it raises MidStream."""
         target = self.resolve(req.model)
         ids = self.prompt_ids(req)
         if not ids:
             raise bad("the prompt has no tokens", "prompt")
         s = req.sampling
-        stop_ids = set(s.stop_token_ids)
-        if any(t >= self.vocab_size for t in stop_ids):
-            raise bad(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
-        if self.codec.eos_token_id is not None and not s.ignore_eos:
-            stop_ids.add(self.codec.eos_token_id)
-        if len(stop_ids) > MAX_STOP_TOKENS:
-            raise bad(f"at most {MAX_STOP_TOKENS} stop token ids", "stop_token_ids")
+        stop_ids = self.stop_ids(s)
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
@@ -114,11 +119,24 @@ class Gateway:
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                  stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
             self.router.sent(replica.address, target.adapter, 1)
+            streamed = 0
+
+            def relay(token: int) -> None:
+                nonlocal streamed
+                streamed += 1
+                assert on_token is not None
+                on_token(token)
+
             try:
                 res = self.links.generate(replica.address, args,
                                           connect_timeout_s=CONNECT_TIMEOUT_S,
-                                          timeout_s=self.request_timeout_s)
+                                          timeout_s=self.request_timeout_s,
+                                          on_token=None if on_token is None else relay)
             except Unavailable as exc:
+                self.router.failed(replica.address)
+                if streamed:
+                    raise MidStream(f"replica {replica.id} failed after {streamed} tokens: "
+                                    f"{exc}")
                 log.warning("replica %s: %s; trying another", replica.id, exc)
                 last = ApiError(503, f"replica {replica.id} failed: {exc}", code="not_ready")
                 continue
@@ -133,6 +151,17 @@ class Gateway:
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
             return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id)
+
+    def stop_ids(self, s: Sampling) -> set[int]:
+        """The tokens that end the output: `stop_token_ids`, and eos unless `ignore_eos`."""
+        stop_ids = set(s.stop_token_ids)
+        if any(t >= self.vocab_size for t in stop_ids):
+            raise bad(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        if self.codec.eos_token_id is not None and not s.ignore_eos:
+            stop_ids.add(self.codec.eos_token_id)
+        if len(stop_ids) > MAX_STOP_TOKENS:
+            raise bad(f"at most {MAX_STOP_TOKENS} stop token ids", "stop_token_ids")
+        return stop_ids
 
     def _max_new(self, s: Sampling, prompt_len: int, max_len: int, chat: bool) -> int:
         room = max_len - prompt_len

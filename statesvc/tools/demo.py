@@ -3,8 +3,9 @@
 A generated example model and adapters; CURVE keys for everyone; statesvc and
 two replicas on free loopback ports, all with --auth; five adapters registered on a pool of
 three slots per replica; one batch that mixes the base model and all five adapters (the
-replica evicts to serve it: docs/residency.md); an unload and a request for it refused; a
-drill that kills
+replica evicts to serve it: docs/residency.md), then the same batch through the
+OpenAI-compatible gateway with the `openai` client (one request streamed); an unload and
+a request for it refused; a drill that kills
 a replica and rebuilds it by replay with matching digests; a clean shutdown
 with no process left behind. Every process started here is stopped here.
 """
@@ -21,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgpack
 import zmq
 from rich.console import Console
@@ -28,7 +30,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from shared import runfile
-from shared.fleet import BIN, Computed, StateSvc, alive, loopback
+from shared.fleet import BIN, Computed, Gateway, StateSvc, alive, loopback, wait_for
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, STATUS, generate_args
@@ -52,11 +54,11 @@ class Demo:
         public, self.operator = new_client_keys(self.mine, "admin")
         for server in (self.keys, self.replica_keys):
             (server / "operators" / public.name).write_bytes(public.read_bytes())
-        self.procs: dict[str, StateSvc | Computed] = {}
+        self.procs: dict[str, StateSvc | Computed | Gateway] = {}
         self.extra_pids: list[int] = []  # processes the drill restarted
         self.env = {**os.environ, "COLUMNS": str(max(console.width, 120))}
 
-    def start(self, name: str, service: StateSvc | Computed) -> str:
+    def start(self, name: str, service: StateSvc | Computed | Gateway) -> str:
         self.procs[name] = service.start()
         console.print(f"[dim]{name}: pid {service.pid}, {service.ready}[/]")
         return service.ready
@@ -82,6 +84,18 @@ class Demo:
         keys = client_keys(str(self.operator), str(self.replica_keys / "server.key"))
         assert keys is not None
         return keys
+
+    def start_gateway(self, model: str, svc: StateSvc) -> str:
+        """The OpenAI-compatible gateway, with its own key: reads on statesvc (its
+        replicas/), generate on the replicas (their clients/)."""
+        public, secret = new_client_keys(self.mine, "gateway")
+        for server, role in ((self.keys, "replicas"), (self.replica_keys, "clients")):
+            (server / role / public.name).write_bytes(public.read_bytes())
+        gw = Gateway(Path(model), svc, log_file=self.root / "gateway.log", extra_args=(
+            "--key", str(secret), "--server-key", str(self.keys / "server.key"),
+            "--replica-server-key", str(self.replica_keys / "server.key")))
+        self.start("gateway", gw)
+        return gw.url
 
     def loractl(self, *args: str, show: bool = True, expect_fail: bool = False) -> str:
         shown = [a if not a.startswith(str(self.root)) else "…" + a[len(str(self.root)):]
@@ -114,7 +128,7 @@ class Demo:
         return [p for p in pids if alive(p)]
 
 
-def mixed_batch(address: str, adapters: list[str | None],
+def replica_batch(address: str, adapters: list[str | None],
                 keys: ClientKeys) -> dict[str | None, Any]:
     """Send one request per adapter at once (one decode batch), and gather the replies."""
     return ask(address, [(a, GENERATE, generate_args(PROMPT, adapter=a, max_new_tokens=8))
@@ -149,6 +163,29 @@ def ask(address: str, requests: list[tuple[str | None, str, Any]],
         sock.close(0)
 
 
+def gateway_batch(url: str, models: list[str]) -> dict[str, tuple[str, float, int]]:
+    """One request per model at once through the gateway with the official `openai` client
+    (so they share one decode batch), the first streamed: model -> (text, ms, chunks)."""
+    import openai  # the demo's client, as an application's would be
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def one(i: int, model: str) -> tuple[str, float, int]:
+        t = time.perf_counter()
+        args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+        if i == 0:
+            chunks = list(client.completions.create(stream=True, **args))
+            text = "".join(c.choices[0].text for c in chunks)
+            return text, (time.perf_counter() - t) * 1e3, len(chunks)
+        text = client.completions.create(**args).choices[0].text
+        return text, (time.perf_counter() - t) * 1e3, 0
+
+    with ThreadPoolExecutor(len(models)) as pool:
+        return dict(zip(models, pool.map(one, range(len(models)), models)))
+
+
 def run(root: Path) -> None:
     t0 = time.perf_counter()
     demo = Demo(root)
@@ -176,7 +213,7 @@ def run(root: Path) -> None:
         replica_key = ("--replica-server-key", str(demo.replica_keys / "server.key"))
         demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "support-bot",
                      "--input-ids", ",".join(map(str, PROMPT)), "--min-seq", str(head))
-        replies = mixed_batch(r1, [None, *ADAPTERS], demo.replica_client_keys())
+        replies = replica_batch(r1, [None, *ADAPTERS], demo.replica_client_keys())
         table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
         for col in ("adapter", "version", "output_ids", "total ms"):
             table.add_column(col)
@@ -197,7 +234,26 @@ def run(root: Path) -> None:
         report.append((f"{len(ADAPTERS)} adapters served on {SLOTS} slots: "
                        f"{res['evictions']} evictions", res["evictions"] >= len(ADAPTERS) - SLOTS
                        and res["resident"] <= SLOTS))
-        console.print(Rule("5. unload one; a request for it is refused"))
+        console.print(Rule("5. the same batch through the OpenAI-compatible gateway"))
+        url = demo.start_gateway(assets["model"], svc)
+        base = Path(assets["model"]).name
+        wait_for(lambda: len(httpx.get(url + "/v1/models").json()["data"]) == 1 + len(ADAPTERS),
+                 what="the gateway to list the adapters")
+        console.print(f"through the gateway at {url} with the official openai client "
+                      f"(model = {base} or an adapter's name), the first request streamed")
+        texts = gateway_batch(url, [base, *ADAPTERS])
+        table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch (random "
+                      "weights: the text is noise, different per adapter)")
+        for col in ("model", "text", "ms", "SSE chunks"):
+            table.add_column(col)
+        for model, (text, ms, chunks) in texts.items():
+            table.add_row(model, repr(text), f"{ms:.0f}", str(chunks or ""))
+        console.print(table)
+        distinct = len({text for text, _, _ in texts.values()})
+        report.append((f"mixed batch through the gateway: {distinct} different outputs from "
+                       f"{len(texts)} requests", distinct == len(texts)))
+        report.append(("the streamed request came as one chunk per token", texts[base][2] == 9))
+        console.print(Rule("6. unload one; a request for it is refused"))
         demo.loractl("unload", "summarizer")
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
         demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "summarizer",
@@ -206,7 +262,7 @@ def run(root: Path) -> None:
         time.sleep(1.5)  # one heartbeat period, so the replicas have reported the head
         demo.loractl("status")
         demo.loractl("events")  # the audit trail: every event names the key that recorded it
-        console.print(Rule("6. drill: kill replica-2, rebuild by replay, compare everything"))
+        console.print(Rule("7. drill: kill replica-2, rebuild by replay, compare everything"))
         run_file = root / "replica-2" / runfile.RUN_FILE  # the operator's own record of it
         old_pid = runfile.read(run_file).pid
         drill = demo.loractl("drill", "--kill", "replica-2", "--run-file", str(run_file),
@@ -218,7 +274,7 @@ def run(root: Path) -> None:
         if new_pid != old_pid:
             demo.extra_pids.append(new_pid)
     finally:
-        console.print(Rule("7. shutdown"))
+        console.print(Rule("8. shutdown"))
         left = demo.stop_all()
     report.append(("clean shutdown: no process left", not left))
     console.print(Rule("report"))

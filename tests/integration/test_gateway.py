@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from shared.faults import SLOW_STEP_ENV
 from shared.fleet import Gateway, wait_for
 from statesvc.tools.example import ExampleAssets
 from tests.helpers import Fleet
@@ -60,7 +61,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
         fleet.init()
         for name, adapter in ADAPTERS.items():
             fleet.load(name, adapter)
-        replicas = [fleet.replica("r1"), fleet.replica("r2")]
+        # r1 pauses 20 ms a step (a test-only fault switch): its streams are still running
+        # when test_a_replica_killed_mid_stream kills it
+        replicas = [fleet.replica("r1", env={SLOW_STEP_ENV: "0.02"}), fleet.replica("r2")]
         wait_for(lambda: fleet.converged(*replicas), what="replicas at head")
         gateway.start()
         wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
@@ -246,25 +249,90 @@ def test_load_and_unload_through_the_vllm_endpoints(setup: Setup) -> None:
         assert c.call("events", {"since": 0})["events"][-1]["type"] == "adapter.unloaded"
 
 
-def test_a_replica_that_dies_is_routed_around(setup: Setup) -> None:
-    """Runs last: it kills r1. Requests in flight on it when it dies are sent to r2 (the
-    replicas answer whole, so no token of theirs had reached the client); later ones go
-    to r2; the gateway stays up."""
+def test_replicas_stream_tokens_to_clients_that_ask(setup: Setup) -> None:
+    """docs/protocol.md §13b: `generate` with `stream: true` answers one frame per token, then
+    the usual reply; without it, one reply as before."""
+    import zmq
+
+    from shared.protocol import encode_request, unpack
+    from shared.replica_protocol import generate_args
+
+    ids = setup.tok("Hello").input_ids
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.connect(setup.fleet.replicas[1].listen)
+    try:
+        frames = []
+        for stream in (True, False):
+            sock.send(encode_request(f"s{stream}", "generate", generate_args(
+                ids, max_new_tokens=NEW, stream=stream)))
+            while True:
+                frames.append(unpack(sock.recv()))
+                if "result" in frames[-1]:
+                    break
+        streamed, final, whole = frames[:NEW], frames[NEW], frames[NEW + 1]
+        assert [f["token"] for f in streamed] == [
+            {"index": i, "id": t} for i, t in enumerate(final["result"]["output_ids"])]
+        assert all(f["ok"] and f["id"] == "sTrue" for f in streamed + [final])
+        assert len(frames) == NEW + 2 and whole["id"] == "sFalse"
+        assert whole["result"]["output_ids"] == final["result"]["output_ids"]
+        assert final["result"]["output_ids"] == setup.ref.greedy(None, ids, NEW)
+    finally:
+        sock.close(0)
+
+
+def test_a_replica_killed_mid_stream(setup: Setup) -> None:
+    """Runs last: it kills r1 while streams run through the gateway. Streams that had
+    started on r1 end with an error event (their text so far correct); those on r2 finish;
+    requests sent after the kill are served by r2; nothing hangs; the gateway stays up."""
     from concurrent.futures import ThreadPoolExecutor
 
+    prompt = "Once upon a time"
+    ids = setup.tok(prompt).input_ids
+    n = 256 - len(ids)  # the whole context: r1's streams run 5 s at least (its slow steps)
+    expected = setup.tok.decode(setup.ref.greedy(None, ids, n), skip_special_tokens=True)
+
+    def start() -> Any:  # returns once the first token has reached the gateway
+        return setup.client.completions.create(model=setup.base, prompt=prompt, max_tokens=n,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+
+    def read(stream: Any) -> tuple[str, str | None]:
+        text = ""
+        try:
+            for c in stream:
+                text += c.choices[0].text
+        except openai.APIError as exc:
+            return text, str(exc.code)
+        return text, None
+
+    def whole() -> str:  # not streamed: a replica that dies under it is retried unseen
+        return setup.client.completions.create(
+            model=setup.base, prompt=prompt, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(10) as pool:
+        started = [start() for _ in range(4)]  # routed to r1 and r2 in turn
+        unstreamed = [pool.submit(whole) for _ in range(2)]
+        setup.fleet.replicas[0].kill()
+        later = [pool.submit(lambda: read(start())) for _ in range(4)]
+        ended = list(pool.map(read, started))
+        assert [f.result() for f in later] == [(expected, None)] * 4
+        assert [f.result() for f in unstreamed] == [expected] * 2
+    failed = [text for text, code in ended if code is not None]
+    assert {code for _, code in ended} == {None, "replica_failed"}, ended
+    assert all(expected.startswith(text) and text != expected for text in failed)
+    assert all(text == expected for text, code in ended if code is None)
+    wait_for(lambda: httpx.get(setup.gateway.url + "/health").json()["replicas"] == ["r2"],
+             what="the gateway to drop r1")
+
+
+def test_after_the_kill_requests_go_to_the_other_replica(setup: Setup) -> None:
+    """Runs after the kill above: r2 serves, the gateway stays up."""
     prompt, n = "Once upon a time", 200
     ids = setup.tok(prompt).input_ids
     expected = setup.tok.decode(setup.ref.greedy(None, ids, n), skip_special_tokens=True)
-
-    def one(_: int) -> str:
-        res = setup.client.completions.create(model=setup.base, prompt=prompt, max_tokens=n,
-                                              temperature=0, extra_body={"ignore_eos": True})
-        return res.choices[0].text
-
-    with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(one, i) for i in range(4)]
-        setup.fleet.replicas[0].kill()
-        assert [f.result() for f in running] == [expected] * 4
-    assert one(0) == expected
-    wait_for(lambda: httpx.get(setup.gateway.url + "/health").json()["replicas"] == ["r2"],
-             what="the gateway to drop r1")
+    res = setup.client.completions.create(model=setup.base, prompt=prompt, max_tokens=n,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert res.choices[0].text == expected
