@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import re
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -17,7 +18,9 @@ import safetensors
 from hypothesis import event
 from hypothesis.errors import InvalidArgument
 
+from computed.admission import Grant
 from computed.engine import Engine
+from computed.pool import LoraPool
 from shared.config import UUID_RE
 from shared.events import AdapterLoaded, AdapterUnloaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
@@ -162,10 +165,30 @@ class SchemaOnlyModel:
     decode = warmup = prefill
 
 
+class NoReplica:
+    """The admission port of an engine that only validates: a fuzzed request is queued, and
+    must never get further (the oracles check what was queued, not what ran)."""
+
+    def want(self, adapter: str | None) -> None:
+        pass
+
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+        raise AssertionError("a fuzzed request reached admission")
+
+    def withdraw(self, ticket: int) -> None:
+        pass
+
+    def reading(self) -> AbstractContextManager[LoraPool]:
+        raise AssertionError("a fuzzed request reached the pool")
+
+    def pool_shapes(self) -> LoraPool | None:
+        return None
+
+
 # The replica's commands and their fields, for request_maps.
 REPLICA_SCHEMAS: dict[str, Any] = {
     "status": {}, "slot": SLOT_ARGS,
-    "generate": Engine(SchemaOnlyModel(), None).schema}  # type: ignore[arg-type]
+    "generate": Engine(SchemaOnlyModel(), NoReplica()).schema}
 
 
 REPLICA_FIELDS = {f"args.{k}" for k in REPLICA_SCHEMAS["generate"]}
@@ -187,7 +210,7 @@ def check_queued(engine: Engine, args: dict[str, Any]) -> None:
 def check_submit(args: Any) -> str:
     """The oracle for Engine.submit: a coded error naming its field with nothing queued, or
     one request queued whose args keep the schema's promises."""
-    engine = Engine(SchemaOnlyModel(), replica=None)  # type: ignore[arg-type]
+    engine = Engine(SchemaOnlyModel(), NoReplica())
     queued = object()
     done = decode(lambda: engine.submit("req", args, [b"client"]) or queued, (),
                   known=("validate-keys",))

@@ -56,7 +56,7 @@ from hypothesis import strategies as st
 from computed.daemon import Daemon
 from computed.engine import Engine
 from computed.fuzz_oracles import (HEARTBEAT, LOG_ID, REPLICA_SCHEMAS, TENSOR_BUGS,
-                                   Refused, SchemaOnlyModel, check_adapter, check_diff,
+                                   NoReplica, Refused, SchemaOnlyModel, check_adapter, check_diff,
                                    check_frame, check_heartbeat, check_submit, check_tensor_file,
                                    decode, diff_cases, example_pool, known_bug, names, note)
 from computed.replica import Replica
@@ -1177,6 +1177,6 @@ def test_regression_diff_with_an_int_name(diffs: tuple[State, list[dict[str, Any
 
 
 def test_regression_generate_args_with_int_and_bytes_keys() -> None:
-    engine = Engine(SchemaOnlyModel(), replica=None)  # type: ignore[arg-type]
+    engine = Engine(SchemaOnlyModel(), NoReplica())
     done = engine.submit("req", {0: None, b"": None}, [b"client"])
     assert done is not None and done.error is not None and done.error.code == "bad_request"
