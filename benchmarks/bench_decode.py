@@ -294,12 +294,9 @@ class RawDecode:
         self.runner, self.slots = runner, slots.astype(np.int32)
         self.arrays = None if pool is None else pool.arrays  # the pool never changes here
         self.cache = runner.new_cache()  # K laid out as the runner's backend attends
-        first = np.zeros(BATCH, np.int32)
-        for row in range(BATCH):
-            logits, self.cache = runner.prefill(self.arrays, self.cache, prompts[row], PROMPT, row,
-                                                int(slots[row]))
-            first[row] = int(np.argmax(logits))
-        self.first = first
+        logits, self.cache = runner.prefill(self.arrays, self.cache, list(prompts), list(range(BATCH)),
+                                            [int(s) for s in slots])
+        self.first = logits.argmax(axis=-1).astype(np.int32)
         self.active = np.ones(BATCH, np.bool_)
         self.tokens: list[np.ndarray] = []  # the last round's tokens, [steps][BATCH]
 

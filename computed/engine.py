@@ -5,9 +5,11 @@ adapter to the version registered at that moment, makes it resident in a slot
 if it is not (a miss fills a slot; with none to be had the request waits in the
 queue, docs/residency.md) and leases the slot
 (so the slot is not overwritten until the request finishes; the admission
-port, computed/admission.py, is all the engine asks of the replica), it is
-prefilled into its own KV-cache row, and from the next step on decodes
-together with every other running request. It leaves the batch when it hits
+port, computed/admission.py, is all the engine asks of the replica). Every
+request admitted in a pass over the queue is prefilled at once, each into its
+own KV-cache row with its own slot (one forward for any mix of adapters and
+lengths, as the model's `prefill` buckets them), and from the next step on
+decodes together with every other running request. It leaves the batch when it hits
 max_new_tokens, a stop token or the cache's end. Sampling happens on the host
 from each step's logits: greedy at temperature 0, else temperature and top-p
 with the request's own seeded generator, so a request's output does not depend
@@ -34,12 +36,10 @@ class Model(Protocol):
     max_len: int
     max_batch: int
 
-    def bucket(self, length: int) -> int: ...
-
     def new_cache(self) -> Any: ...
 
-    def prefill(self, pool: LoraPool, cache: Any, tokens: np.ndarray, length: int, row: int,
-                slot: int) -> tuple[np.ndarray, Any]: ...
+    def prefill(self, pool: LoraPool, cache: Any, prompts: list[list[int]], rows: list[int],
+                slots: list[int]) -> tuple[np.ndarray, Any]: ...
 
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
@@ -219,27 +219,36 @@ class Engine:
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
-        """Admit the waiting requests in order; those that must wait stay in the queue, where
-        the limits `submit` checks count them while `intake` runs."""
-        i = 0
-        while i < len(self.waiting):
-            req = self.waiting[i]
-            try:
-                admitted = self._try_admit(req, done)
-            except GenerateError as exc:
+        """Admit the waiting requests in order and prefill those admitted together; those that
+        must wait stay in the queue, where the limits `submit` checks count them while `intake`
+        runs. Then again for what `intake` brought, until a pass admits nothing."""
+        while True:
+            admitted: list[Running] = []
+            i = 0
+            while i < len(self.waiting):
+                req = self.waiting[i]
+                try:
+                    run = self._try_admit(req)
+                except GenerateError as exc:
+                    del self.waiting[i]
+                    self.replica.withdraw(req.ticket)  # e.g. a waiter's not_ready: its slot goes
+                    done.append(Done(req.reply_to, req.req_id, error=exc))
+                    continue
+                if run is None:
+                    i += 1
+                    continue
                 del self.waiting[i]
-                self.replica.withdraw(req.ticket)  # e.g. a waiter's not_ready: its slot goes
-                done.append(Done(req.reply_to, req.req_id, error=exc))
-                continue
+                self.rows[run.row] = run
+                admitted.append(run)
             if not admitted:
-                i += 1
-                continue
-            del self.waiting[i]
-            if intake is not None:
-                intake()  # what came meanwhile joins the queue's end, and this loop
+                return
+            self._prefill(admitted, done)
+            if intake is None:
+                return
+            intake()  # what came meanwhile joins the queue's end, and the next pass
 
-    def _try_admit(self, req: Request, done: list[Done]) -> bool:
-        """Admit `req` into a free row; False to keep it waiting."""
+    def _try_admit(self, req: Request) -> Running | None:
+        """Admit `req` into a free row (not yet prefilled); None to keep it waiting."""
         a = req.args
         row = next((i for i, r in enumerate(self.rows) if r is None), None)
         try:
@@ -249,24 +258,34 @@ class Engine:
                                        req.ticket)
         except NotReady as exc:
             if time.perf_counter() - req.arrived < self.min_seq_wait_s:
-                return False
+                return None
             raise GenerateError(exc.code, f"{exc} within {self.min_seq_wait_s:g} s", exc.field)
         except SlotDraining:
             # its slot is being rewritten, its weights are being fetched (Fetching), or no slot
             # can hold its adapter now (NoSlot): admit later; requests whose adapters are
             # resident go ahead meanwhile
-            return False
+            return None
         if row is None:
-            return False
+            return None
         run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
         run.admitted = time.perf_counter()
-        prompt = np.zeros(self.model.bucket(len(a["input_ids"])), np.int32)
-        prompt[:len(a["input_ids"])] = a["input_ids"]
-        with self.replica.reading() as arrays:
-            logits, self.cache = self.model.prefill(arrays, self.cache, prompt,
-                                                    len(a["input_ids"]), row, grant.slot)
+        return run
+
+    def _prefill(self, runs: list[Running], done: list[Done]) -> None:
+        """Prefill the admitted `runs` at once, each into its row with its slot, and sample each
+        one's first token; if the model fails, their rows and leases are freed first."""
+        try:
+            with self.replica.reading() as arrays:
+                logits, self.cache = self.model.prefill(
+                    arrays, self.cache, [r.req.args["input_ids"] for r in runs], [r.row for r in runs],
+                    [r.grant.slot for r in runs])
+        except BaseException:
+            for r in runs:
+                self.rows[r.row] = None
+                r.grant.release()
+            raise
         logits = np.asarray(logits)
-        run.prefill_s = time.perf_counter() - run.admitted
-        self.rows[row] = run
-        self._emit(run, logits, done)
-        return True
+        now = time.perf_counter()
+        for r, row_logits in zip(runs, logits):
+            r.prefill_s = now - r.admitted
+            self._emit(r, row_logits, done)

@@ -6,9 +6,10 @@ of -1 means the base model: its rows get no LoRA term (exactly zero).
 
 Two shapes of input:
 
-- one slot for every row (a prefill): `single` takes that slot's A and B with a
-  dynamic index, two small matmuls, nothing per token.
-- rows that mix slots (a decode step): `segmented`, after Punica's SGMV and
+- one slot for every row: `single` takes that slot's A and B with a dynamic
+  index, two small matmuls, nothing per token (tests; serving's prefill batches
+  prompts of any slots, each prompt's tokens one segment of its slot, below).
+- rows that mix slots (a decode step, a batched prefill): `segmented`, after Punica's SGMV and
   S-LoRA. Each slot's rows are laid out one after the other, every slot's run
   padded to a whole number of windows of `window` rows, in a buffer of a fixed
   `rows` rows (`Segments`). A loop whose trip count is the number of windows in

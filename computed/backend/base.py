@@ -58,6 +58,11 @@ class Backend(ABC):
         """In the graph, once per forward pass: each row's slot `slots [N]` (BASE for the base model)
         made into what `lora_terms` reads for every layer and module."""
 
+    def prefill_window(self, length: int) -> int | None:
+        """The window a prefill of prompts padded to `length` tokens passes `prepare` (each prompt's
+        tokens share one slot), or None where the backend has no windows."""
+        return None
+
     @abstractmethod
     def lora_terms(self, x: jax.Array, pool: LoraPool, modules: Sequence[str], batch: Any,
                    layer: int) -> list[jax.Array]:

@@ -67,6 +67,10 @@ class XlaBackend(Backend):
                              "leave window unset to have lora.choose_window pick one")
         return window
 
+    def prefill_window(self, length: int) -> int | None:
+        # a prompt's tokens fill whole windows of its own slot: one window per prompt, no padding
+        return None if self.lora == "gather" else length
+
     def prepare(self, slots: jax.Array, num_slots: int, window: int | None) -> Any:
         if self.lora == "gather":
             return slots

@@ -6,7 +6,8 @@
 - kv_cache.py: the KV cache's two layouts of K, and the writes into it
 - attention.py: causal and bucket attention in XLA
 - llama.py: the architecture, the forward pass (jitted entry points)
-- runner.py: host-side checks, `prefill` / `decode` / `forward_full`, warm-up, `LlamaRunner`
+- runner.py: host-side checks, `prefill` / `prefill_batch` / `decode` / `forward_full`, warm-up,
+  `LlamaRunner` (batched prefill: prompts grouped by length bucket, forwards of (n, P) shapes)
 
 The compute (dense products, LoRA terms, decode attention) is the backend's, chosen once at load
 (computed/backend). This package imports nothing at import time, so that the backend package

@@ -82,15 +82,20 @@ def _k_blocks(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.transpose(x, (2, 0, 3, 1))[None, None].astype(dtype)
 
 
-def write_prompt(cache: KVCache, layer: int, row: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """A prompt's k and v [P, kv, d] into positions [0, P) of row `row` of layer `layer`."""
+def write_prompts(cache: KVCache, layer: int, rows: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Prompts' k and v [n, P, kv, d] into positions [0, P) of rows `rows [n]` of layer `layer`,
+    prompt i into row rows[i] (an in-place slice write per prompt; a row named twice must be
+    given the same k and v twice, as the runner's padding of n does)."""
     # k goes to [kv, P / 16, d, 16] or [kv, d, P], v to [kv, P, d]
-    if cache.blocked:
-        k_cache = jax.lax.dynamic_update_slice(cache.k, _k_blocks(k, cache.k.dtype), (layer, row, 0, 0, 0, 0))
-    else:
-        k_cache = jax.lax.dynamic_update_slice(cache.k, _heads_first(k, cache.k.dtype, positions_minor=True),
-                                               (layer, row, 0, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(cache.v, _heads_first(v, cache.v.dtype), (layer, row, 0, 0, 0))
+    k_cache, v_cache = cache.k, cache.v
+    for i in range(k.shape[0]):
+        if cache.blocked:
+            k_cache = jax.lax.dynamic_update_slice(k_cache, _k_blocks(k[i], k_cache.dtype),
+                                                   (layer, rows[i], 0, 0, 0, 0))
+        else:
+            k_cache = jax.lax.dynamic_update_slice(
+                k_cache, _heads_first(k[i], k_cache.dtype, positions_minor=True), (layer, rows[i], 0, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, _heads_first(v[i], v_cache.dtype), (layer, rows[i], 0, 0, 0))
     return KVCache(k_cache, v_cache)
 
 

@@ -16,15 +16,16 @@ The projections and the lm_head are `x W`, by the backend (computed/backend): XL
 native dense kernel over weights packed at load. Modules that read the same x share a call.
 LoRA is added to q, k, v, o, gate, up and down wherever the pool has the module:
 `y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT does; slot -1 is the base model and adds
-nothing. A prefill's one slot takes `lora.single`; rows that mix slots take the backend's terms.
+nothing. Rows that mix slots take the backend's terms (its `prepare` groups their tokens by slot).
 
 Entry points (jitted; computed/model/runner.py checks their arguments on the host), the first two
 donating the cache so it is updated in place:
 
-- `prefill_jit(params, lora_pool, cache, tokens[P], length, row, slot)`: one prompt padded to a
-  bucket length P; writes K/V of positions [0, P) of row `row` (positions from `length` on hold
-  padding, overwritten by decode before they are ever read) and returns the logits after token
-  `length - 1`.
+- `prefill_jit(params, lora_pool, cache, tokens[n, P], lengths[n], rows[n], slots[n])`: n prompts
+  padded to one bucket length P, prompt i with LoRA slot `slots[i]`; writes K/V of positions
+  [0, P) of cache row `rows[i]` (positions from `lengths[i]` on hold padding, overwritten by
+  decode before they are ever read) and returns each prompt's logits after its token
+  `lengths[i] - 1`. The LoRA terms group the n * P tokens by slot, as a decode step's rows.
 - `decode_jit(params, lora_pool, cache, tokens[B], positions[B], slots[B], active[B], tables, ...)`:
   one step for every row; row b writes its K/V at positions[b] and attends to [0, positions[b]]
   by the backend's decode attention. Inactive rows write nothing.
@@ -81,11 +82,10 @@ def rope(x: jax.Array, tables: RopeTables) -> jax.Array:
 
 class _Projections:
     """How one forward pass computes `x W (+ bias) (+ LoRA)`: the backend's products, and LoRA for
-    one slot for all tokens (`slot`), or each row's own slot (`batch`, the backend's `prepare`)."""
+    each token's own slot (`batch`, the backend's `prepare`)."""
 
-    def __init__(self, backend: Backend, pool: LoraPool | None, *, slot: jax.Array | None = None,
-                 batch: Any = None) -> None:
-        self.backend, self.pool, self.slot, self.batch = backend, pool, slot, batch
+    def __init__(self, backend: Backend, pool: LoraPool | None, batch: Any = None) -> None:
+        self.backend, self.pool, self.batch = backend, pool, batch
 
     def _lora(self, x: jax.Array, layer: int, modules: tuple[str, ...]) -> dict[str, jax.Array]:
         """The LoRA terms of `modules`, which all read `x`, for those the pool has."""
@@ -93,8 +93,6 @@ class _Projections:
         present = [] if pool is None else [m for m in modules if m in pool.A]  # all layers: see lora._take
         if pool is None or not present:
             return {}
-        if self.slot is not None:
-            return {m: lora.single(x, pool.A[m], pool.B[m], pool.scaling, self.slot, layer) for m in present}
         ys = self.backend.lora_terms(x.reshape(-1, x.shape[-1]), pool, present, self.batch, layer)
         return {m: y.reshape(*x.shape[:-1], -1) for m, y in zip(present, ys)}
 
@@ -166,15 +164,21 @@ def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, proje
 
 
 def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
-             length: jax.Array, row: jax.Array, slot: jax.Array) -> tuple[jax.Array, KVCache]:
+             lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, KVCache]:
+    n, p = tokens.shape
+
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         nonlocal cache
-        cache = kv_cache.write_prompt(cache, i, row, k, v)
+        cache = kv_cache.write_prompts(cache, i, rows, k, v)
         return attention.causal(q, k, v)
 
-    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, slot=slot), attend)
-    last = jax.lax.dynamic_index_in_dim(h, length - 1, 0, keepdims=False)
+    # every token of prompt i reads slot i: windows of P tokens, one per prompt (XLA's window loop)
+    token_slots = jnp.broadcast_to(slots[:, None], (n, p)).reshape(-1)
+    batch = None if lora_pool is None else params.backend.prepare(token_slots, lora_pool.scaling.shape[0],
+                                                                  params.backend.prefill_window(p))
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend)
+    last = h[jnp.arange(n), lengths - 1]  # [n, hidden]
     return _logits(params, last), cache
 
 
@@ -192,7 +196,7 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         return out
 
     batch = None if lora_pool is None else backend.prepare(slots, lora_pool.scaling.shape[0], window)
-    h = _decoder(params, tokens, positions, _Projections(backend, lora_pool, batch=batch), attend, tables)
+    h = _decoder(params, tokens, positions, _Projections(backend, lora_pool, batch), attend, tables)
     return _logits(params, h), cache
 
 
@@ -202,7 +206,7 @@ def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.A
     token_slots = jnp.broadcast_to(slots[:, None], (n_rows, t)).reshape(-1)
     batch = None if lora_pool is None else params.backend.prepare(token_slots, lora_pool.scaling.shape[0], None)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n_rows, t))
-    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch=batch),
+    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch),
                  lambda i, q, k, v: attention.causal(q, k, v))
     return _logits(params, h)
 

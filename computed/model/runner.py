@@ -7,6 +7,7 @@ parameters were loaded for. `LlamaRunner` is the model behind the engine's `Mode
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -72,27 +73,55 @@ def _check_pool(pool: LoraPool | None, config: LlamaConfig) -> None:
 
 
 def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, length: int,
-            row: int, slot: int) -> tuple[jax.Array, KVCache]:
-    """Run one prompt (`tokens [P]`, the first `length` real, the rest padding) into cache row `row`.
-
-    Returns (logits [vocab] float32 after token length - 1, the updated cache);
-    `cache` is donated. `slot` is the request's LoRA slot, or -1 for the base model.
-    One compile per P (bucket the prompt lengths).
-    """
+            row: int, slot: int) -> tuple[np.ndarray, KVCache]:
+    """Run one prompt (`tokens [P]`, the first `length` real, the rest padding) into cache row `row`:
+    `prefill_batch` with one prompt. Returns (logits [vocab] float32 after token length - 1, the
+    updated cache); `cache` is donated. `slot` is the request's LoRA slot, or -1 for the base model."""
     tokens = _host_i32(tokens, "tokens")
-    if tokens.ndim != 1 or not 1 <= tokens.shape[0] <= cache.max_len:
-        raise ValueError(f"prefill takes tokens [P] with 1 <= P <= the cache's max_len {cache.max_len}; "
-                         f"got shape {tokens.shape}")
+    if tokens.ndim != 1:
+        raise ValueError(f"prefill takes tokens [P]; got shape {tokens.shape}")
+    logits, cache = prefill_batch(params, lora_pool, cache, tokens[None], [length], [row], [slot])
+    return logits[0], cache
+
+
+def prefill_batch(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, lengths: Any,
+                  rows: Any, slots: Any, *, pad_to: int | None = None) -> tuple[np.ndarray, KVCache]:
+    """Run n prompts (`tokens [n, P]`, prompt i's first `lengths[i]` real, the rest padding) at once,
+    prompt i into cache row `rows[i]` (distinct rows) with LoRA slot `slots[i]` (-1: the base model).
+
+    Returns (logits [n, vocab] float32 on the host, prompt i's after its token lengths[i] - 1,
+    the updated cache); `cache` is donated. One compile per (n, P): bucket both. `pad_to` runs the forward over
+    that many prompts (copies of prompt 0, which write what it writes), so that any n up to it
+    shares one compile."""
+    tokens = _host_i32(tokens, "tokens")
+    if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= cache.max_len:
+        raise ValueError(f"prefill takes tokens [n, P] with n >= 1 and 1 <= P <= the cache's max_len "
+                         f"{cache.max_len}; got shape {tokens.shape}")
+    n, p = tokens.shape
     _check_tokens(tokens, params.config)
-    length_, row_, slot_ = (_host_i32(v, n) for v, n in ((length, "length"), (row, "row"), (slot, "slot")))
-    if not 1 <= length_ <= tokens.shape[0]:
-        raise ValueError(f"length {int(length_)} must be in [1, {tokens.shape[0]}] (the padded prompt's length)")
-    if not 0 <= row_ < cache.max_batch:
-        raise ValueError(f"row {int(row_)} is outside the cache's {cache.max_batch} rows (max_batch)")
-    _check_slots(slot_.reshape(1), lora_pool)
+    lengths_, rows_, slots_ = (_host_i32(v, name).reshape(-1)
+                               for v, name in ((lengths, "lengths"), (rows, "rows"), (slots, "slots")))
+    for name, arr in (("lengths", lengths_), ("rows", rows_), ("slots", slots_)):
+        if arr.shape != (n,):
+            raise ValueError(f"prefill takes {name} of shape [{n}] (one per prompt); got {arr.shape}")
+    bad = lengths_[(lengths_ < 1) | (lengths_ > p)]
+    if bad.size:
+        raise ValueError(f"length {int(bad[0])} must be in [1, {p}] (the padded prompts' length)")
+    bad = rows_[(rows_ < 0) | (rows_ >= cache.max_batch)]
+    if bad.size:
+        raise ValueError(f"row {int(bad[0])} is outside the cache's {cache.max_batch} rows (max_batch)")
+    if len(set(rows_.tolist())) != n:
+        raise ValueError(f"rows {rows_.tolist()} name a row twice: each prompt needs its own cache row")
+    _check_slots(slots_, lora_pool)
     _check_pool(lora_pool, params.config)
-    out: tuple[jax.Array, KVCache] = prefill_jit(params, lora_pool, cache, tokens, length_, row_, slot_)
-    return out
+    if pad_to is not None:
+        if pad_to < n:
+            raise ValueError(f"pad_to {pad_to} is below the {n} prompts")
+        extra = pad_to - n
+        tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
+        lengths_, rows_, slots_ = (np.concatenate([a, np.repeat(a[:1], extra)]) for a in (lengths_, rows_, slots_))
+    logits, cache = prefill_jit(params, lora_pool, cache, tokens, lengths_, rows_, slots_)
+    return np.asarray(logits)[:n], cache  # sliced on the host: a slice of a jax.Array compiles
 
 
 def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
@@ -155,9 +184,9 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
 
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
-                    prompt_lengths: tuple[int, ...], attend_lens: tuple[int, ...]) -> None:
+                    prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...]) -> None:
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
-    one per prompt length, and one per attention length (only one with the attention kernel) and
+    one per prefill shape (prompts, prompt length), and one per attention length (only one with the attention kernel) and
     LoRA window of the backend. Only the shapes and dtypes of `lora_pool` and `cache` are used
     (nothing is read or donated), so a replica can warm up while diffs keep writing its pool."""
     def shapes(tree: Any) -> Any:
@@ -167,9 +196,10 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     backend.check_cache(cache)
     _check_pool(lora_pool, params.config)
     pool_s, cache_s = shapes(lora_pool), shapes(cache)
-    scalar = np.zeros((), np.int32)
-    for p in prompt_lengths:  # as `prefill` calls it
-        prefill_jit.lower(params, pool_s, cache_s, np.zeros(p, np.int32), scalar, scalar, scalar).compile()
+    for n, p in prefill_shapes:  # as `prefill_batch` calls it
+        per_prompt = np.zeros(n, np.int32)
+        prefill_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
+                          per_prompt).compile()
     rows = np.zeros(cache.max_batch, np.int32)
     windows = backend.windows(cache.max_batch) if lora_pool is not None else (None,)
     for attend_len in sorted({backend.attend_len(cache, n) for n in attend_lens}):  # as `decode` calls it
@@ -178,31 +208,54 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
                              rope_tables(rows, params.config), attend_len=attend_len, window=window).compile()
 
 
+PREFILL_TOKENS = 256  # tokens one prefill forward takes at most (LlamaRunner's prefill_tokens): docs/benchmarks.md
+
+
+def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2 low, 4 low, ... below `high`, then `high`."""
+    out, b = [], low
+    while b < high:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (high,)
+
+
 class LlamaRunner:
     """The Llama (computed/model/llama.py) behind the engine's `Model` interface.
 
-    Prompts are padded to power-of-two buckets (from 16 up to max_len), so
-    prefill compiles once per bucket. With the native backend decode compiles
-    once: each row attends over its own positions and the LoRA kernel takes any
-    mix. With the XLA backend a decode step attends over the bucket that holds
-    its longest sequence, and decode compiles once per bucket and LoRA window
-    (`backend.windows(max_batch)`; each step's mix picks its window). `warmup`
-    compiles them all up front, so nothing compiles while serving.
+    `prefill` takes every prompt the engine admitted in a step at once: prompts are grouped by
+    their power-of-two length bucket (from 16 up to max_len) and each group runs as forwards of
+    n prompts, n a power of two up to max_batch (padded with copies of the first) and n * P at most
+    `prefill_tokens` (or one prompt, where a single one is longer). So prefill compiles once per
+    (n, P) of `prefill_shapes`, whatever the prompts' adapters. With the native backend decode
+    compiles once: each row attends over its own positions and the LoRA kernel takes any mix.
+    With the XLA backend a decode step attends over the bucket that holds its longest sequence,
+    and decode compiles once per bucket and LoRA window (`backend.windows(max_batch)`; each
+    step's mix picks its window). `warmup` compiles them all up front, so nothing compiles while
+    serving.
     """
 
-    def __init__(self, config: Any, params: LlamaParams, *, max_batch: int, max_len: int) -> None:
+    def __init__(self, config: Any, params: LlamaParams, *, max_batch: int, max_len: int,
+                 prefill_tokens: int = PREFILL_TOKENS) -> None:
         self.config, self.params = config, params
         self.vocab_size = int(config.vocab_size)
         self.max_batch = max_batch
         self.max_len = max_len
-        buckets, b = [], 16
-        while b < max_len:
-            buckets.append(b)
-            b *= 2
-        self.buckets = tuple(buckets) + (max_len,)
+        self.buckets = _powers_of_two(16, max_len) if max_len > 16 else (max_len,)
+        self.row_buckets = _powers_of_two(1, max_batch)
+        self.prefill_tokens = prefill_tokens
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
+
+    def prefill_rows(self, length: int) -> int:
+        """The most prompts of padded length `length` one prefill forward takes."""
+        return max([n for n in self.row_buckets if n * length <= self.prefill_tokens], default=1)
+
+    @property
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (prompts, padded length) `prefill` runs a forward of."""
+        return tuple((n, p) for p in self.buckets for n in self.row_buckets if n <= self.prefill_rows(p))
 
     def new_cache(self, blocked: bool | None = None) -> KVCache:
         """A zeroed KV cache for this runner; K's layout as the backend attends, or by `blocked`."""
@@ -211,10 +264,33 @@ class LlamaRunner:
         return kv_cache.zeros(self.config, self.max_batch, self.max_len,
                               self.params.backend.cache_dtype(self.params.dtype), blocked=blocked)
 
-    def prefill(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, length: int, row: int,
-                slot: int) -> tuple[np.ndarray, KVCache]:
-        logits, cache = prefill(self.params, pool, cache, tokens, length, row, slot)
-        return np.asarray(logits), cache
+    def prefill(self, pool: LoraPool | None, cache: KVCache, prompts: Sequence[Sequence[int] | np.ndarray],
+                rows: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> tuple[np.ndarray, KVCache]:
+        """Prompt i into cache row rows[i] with LoRA slot slots[i] (-1: base), all at once as
+        `prefill_shapes` allow. Returns (logits [n, vocab] float32, prompt i's after its last
+        token, the updated cache); `cache` is donated."""
+        if not len(prompts) == len(rows) == len(slots):
+            raise ValueError(f"prefill takes one row and one slot per prompt; got {len(prompts)} prompts, "
+                             f"{len(rows)} rows and {len(slots)} slots")
+        lengths = [len(t) for t in prompts]
+        if not all(1 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"prompts must hold 1 to max_len {self.max_len} tokens; got lengths {lengths}")
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(self.bucket(n), []).append(i)
+        out = np.zeros((len(prompts), self.vocab_size), np.float32)
+        for p, members in groups.items():
+            most = self.prefill_rows(p)
+            for start in range(0, len(members), most):
+                part = members[start:start + most]
+                tokens = np.zeros((len(part), p), np.int32)
+                for j, i in enumerate(part):
+                    tokens[j, :lengths[i]] = prompts[i]
+                logits, cache = prefill_batch(
+                    self.params, pool, cache, tokens, [lengths[i] for i in part], [rows[i] for i in part],
+                    [slots[i] for i in part], pad_to=next(n for n in self.row_buckets if n >= len(part)))
+                out[part] = logits
+        return out, cache
 
     def decode(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, KVCache]:
@@ -225,6 +301,6 @@ class LlamaRunner:
         return np.asarray(logits), cache
 
     def warmup(self, pool: LoraPool, cache: KVCache) -> None:
-        """Compile prefill for every bucket and decode for every bucket and LoRA window; only the
-        shapes of `pool` and `cache` are used."""
-        compile_serving(self.params, pool, cache, prompt_lengths=self.buckets, attend_lens=self.buckets)
+        """Compile prefill for every shape of `prefill_shapes` and decode for every bucket and LoRA
+        window; only the shapes of `pool` and `cache` are used."""
+        compile_serving(self.params, pool, cache, prefill_shapes=self.prefill_shapes, attend_lens=self.buckets)

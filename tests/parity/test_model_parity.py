@@ -40,7 +40,8 @@ from computed.model.config import LlamaConfig  # noqa: E402
 from computed.model.kv_cache import KV_BLOCK, KVCache  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams, PackedWeight, pack, unpack  # noqa: E402
-from computed.model.runner import decode, forward_full, init_cache, prefill  # noqa: E402
+from computed.model.runner import (LlamaRunner, decode, forward_full, init_cache, prefill,  # noqa: E402
+                                   prefill_batch)
 from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from computed.weights import slot_weights  # noqa: E402
 from shared.events import AdapterLoaded  # noqa: E402
@@ -322,6 +323,52 @@ def test_continuous_batch_of_mixed_adapters(setup: Setup, impl: str) -> None:
     for r in requests:
         assert r.out == setup.ref.greedy(r.prompt, r.adapter)[0], f"{r.adapter} row {r.row}: greedy differs"
         assert r.checked == NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("impl", ["kernels", "xla", "runner"])
+def test_batched_prefill_of_mixed_adapters_lengths_and_base(setup: Setup, impl: str) -> None:
+    """One prefill forward holds prompts of different adapters, lengths and the base model, each
+    into its own cache row (out of order, the forward padded with copies); every row's first
+    logits, and the greedy continuation decoded from the cache it wrote, equal PEFT's. "runner":
+    the engine's `LlamaRunner.prefill`, which groups prompts by length bucket and, here, splits a
+    group over forwards of at most 64 tokens."""
+    names = [a.name for a in setup.assets.adapters]
+    adapters: list[str | None] = [names[0], None, names[-1], names[0], None, names[1 % len(names)]]
+    lengths = [5, 12, 17, 3, 30, 9] if impl != "runner" else [5, 12, 40, 3, 9, 7]
+    prompts = [prompt_of(setup, 30 + i, n) for i, n in enumerate(lengths)]
+    rows = [4, 0, 2, 5, 1, 3]
+    slots = [setup.slot(a) for a in adapters]
+    params = setup.params if impl != "xla" else setup.unpacked()
+    cache = init_cache(setup.config, MAX_BATCH, MAX_LEN, blocked=impl != "xla")
+    if impl == "runner":
+        runner = LlamaRunner(setup.config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, prefill_tokens=64)
+        assert runner.prefill_shapes == ((1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 64))
+        first, cache = runner.prefill(setup.pool.arrays, cache, prompts, rows, slots)
+    else:
+        tokens = np.zeros((len(prompts), 32), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        first, cache = prefill_batch(params, setup.pool.arrays, cache, tokens, lengths, rows, slots, pad_to=8)
+    want = [setup.ref.greedy(p, a) for p, a in zip(prompts, adapters)]
+    assert np.asarray(first).shape == (len(prompts), setup.config.vocab_size)
+    for i in range(len(prompts)):
+        close(first[i], want[i][1][0])
+    out = [[int(np.argmax(first[i]))] for i in range(len(prompts))]
+    row_slots = np.zeros(MAX_BATCH, np.int32)
+    row_slots[rows] = slots
+    for step in range(1, NEW_TOKENS):
+        tokens_ = np.zeros(MAX_BATCH, np.int32)
+        positions = np.zeros(MAX_BATCH, np.int32)
+        for i, r in enumerate(rows):
+            tokens_[r], positions[r] = out[i][-1], lengths[i] + step - 1
+        window = None if impl != "xla" else lora.choose_window(row_slots, lora.loop_windows(MAX_BATCH))
+        logits, cache = decode(params, setup.pool.arrays, cache, tokens_, positions, row_slots,
+                               np.ones(MAX_BATCH, bool), window=window)
+        for i, r in enumerate(rows):
+            close(logits[r], want[i][1][step])
+            out[i].append(int(np.argmax(logits[r])))
+    for i in range(len(prompts)):
+        assert out[i] == want[i][0], f"{adapters[i]} row {rows[i]}: greedy differs from PEFT"
 
 
 def k_blocks(k: np.ndarray) -> np.ndarray:
@@ -710,6 +757,8 @@ def test_no_recompiles_across_slots_rows_lengths_and_mixes(example_setup: Setup)
     arrays = s.pool.arrays
     tokens16 = np.arange(16, dtype=np.int32)
     _, cache = prefill(s.params, arrays, cache, tokens16, 5, 0, lora.BASE)  # warm: one compile
+    tokens4x16 = np.tile(tokens16, (4, 1))
+    _, cache = prefill_batch(s.params, arrays, cache, tokens4x16, [5] * 4, [0, 1, 2, 3], [lora.BASE] * 4)
     for window in s.params.backend.windows(MAX_BATCH):  # warm: one compile per LoRA window
         _, cache = decode(s.params, arrays, cache, np.zeros(MAX_BATCH, int), np.zeros(MAX_BATCH, int),
                           np.full(MAX_BATCH, lora.BASE), np.zeros(MAX_BATCH, bool), window=window)
@@ -718,6 +767,10 @@ def test_no_recompiles_across_slots_rows_lengths_and_mixes(example_setup: Setup)
         for length, row, slot in [(16, 5, 1), (1, 3, 4), (9, 0, lora.BASE), (12, 2, 5)]:
             _, cache = prefill(s.params, arrays, cache, tokens16, length, row, slot)
         _, cache = prefill(s.params, arrays, cache, list(range(16)), np.int64(3), np.int32(1), 2)
+        # a batched prefill's shape is (prompts, length): any rows, lengths and mix of slots
+        _, cache = prefill_batch(s.params, arrays, cache, tokens4x16, [16, 1, 9, 4], [5, 0, 3, 1], [1, 1, 4, 2])
+        _, cache = prefill_batch(s.params, arrays, cache, tokens4x16[:3], [2, 3, 4], [2, 4, 0],
+                                 [lora.BASE, 5, 0], pad_to=4)
         for mix in ([lora.BASE] * MAX_BATCH, [1] * MAX_BATCH, [1, 2, 3, 4, 5, lora.BASE], [5, 5, 1, 1, 0, 0]):
             _, cache = decode(s.params, arrays, cache, rng.integers(0, 256, MAX_BATCH),
                               rng.integers(0, MAX_LEN, MAX_BATCH), mix, rng.random(MAX_BATCH) < 0.7)

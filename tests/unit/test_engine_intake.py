@@ -18,19 +18,18 @@ class CountingModel:
     vocab_size, max_len, max_batch = 16, 32, 4
 
     def __init__(self) -> None:
-        self.prefills = 0
+        self.prefills = 0  # prompts prefilled
+        self.batches: list[list[int]] = []  # the rows of each prefill call
         self.decodes = 0
-
-    def bucket(self, length: int) -> int:
-        return 16
 
     def new_cache(self) -> Any:
         return None
 
-    def prefill(self, pool: Any, cache: Any, tokens: np.ndarray, length: int, row: int,
-                slot: int) -> tuple[np.ndarray, Any]:
-        self.prefills += 1
-        return np.eye(self.vocab_size, dtype=np.float32)[1], cache
+    def prefill(self, pool: Any, cache: Any, prompts: list[list[int]], rows: list[int],
+                slots: list[int]) -> tuple[np.ndarray, Any]:
+        self.prefills += len(prompts)
+        self.batches.append(list(rows))
+        return np.tile(np.eye(self.vocab_size, dtype=np.float32)[1], (len(prompts), 1)), cache
 
     def decode(self, pool: Any, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]:
@@ -75,7 +74,8 @@ def test_requests_taken_in_between_prefills_join_the_same_step() -> None:
             submit(engine, i)
 
     done: list[Done] = engine.step(intake=intake)
-    assert model.prefills == 4 and model.decodes == 1
+    # each pass over the queue prefills what it admitted in one call
+    assert model.prefills == 4 and model.batches == [[0], [1, 2], [3]] and model.decodes == 1
     assert [r.req.req_id for r in engine.rows if r is not None] == ["r0", "r1", "r2", "r3"]
     assert [r.req_id for r in engine.waiting] == ["r4"]  # queued, counted by submit's limits
     assert engine.stats()["waiting"] == 1
@@ -96,3 +96,14 @@ def test_without_intake_a_burst_arriving_during_prefill_waits_a_step() -> None:
     while len(done) < 2:
         done += engine.step()
     assert [d.req_id for d in done] == ["r0", "r1"] and model.decodes == 4
+
+
+def test_requests_waiting_together_are_prefilled_in_one_call() -> None:
+    model = CountingModel()
+    engine = Engine(model, BaseOnly())
+    for i in range(6):
+        submit(engine, i)
+    engine.step()
+    # one prefill for the four rows; the other two wait for a free row
+    assert model.batches == [[0, 1, 2, 3]] and model.decodes == 1
+    assert [r.req_id for r in engine.waiting] == ["r4", "r5"]
