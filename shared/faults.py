@@ -10,6 +10,7 @@ off and each call is a no-op.
     LORAPLANE_FAULT_DROP_DIFFS=3,5-7     statesvc: diffs of these seqs are not published
     LORAPLANE_FAULT_PERTURB_SLOT=1       replica: this slot's first A weight is nudged by 0.5
     LORAPLANE_FAULT_SLOW_WRITE_S=30      replica: a pause after each slot write
+    LORAPLANE_FAULT_SLOW_BLOB_S=2        statesvc: a pause before each blob chunk is read
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import numpy as np
 DROP_DIFFS_ENV = "LORAPLANE_FAULT_DROP_DIFFS"
 PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
 SLOW_WRITE_ENV = "LORAPLANE_FAULT_SLOW_WRITE_S"
+SLOW_BLOB_ENV = "LORAPLANE_FAULT_SLOW_BLOB_S"
 
 log = logging.getLogger("faults")
 
@@ -53,6 +55,7 @@ class Faults:
     drop_diffs: frozenset[int] = frozenset()
     perturb_slot: int | None = None
     slow_write_s: float = 0.0
+    slow_blob_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
@@ -61,7 +64,8 @@ class Faults:
         perturb = env.get(PERTURB_SLOT_ENV, "")
         faults = cls(drop_diffs=parse_seq_set(env.get(DROP_DIFFS_ENV, "")),
                      perturb_slot=int(perturb) if perturb else None,
-                     slow_write_s=float(env.get(SLOW_WRITE_ENV, "") or 0.0))
+                     slow_write_s=float(env.get(SLOW_WRITE_ENV, "") or 0.0),
+                     slow_blob_s=float(env.get(SLOW_BLOB_ENV, "") or 0.0))
         for name, value in dataclasses.asdict(faults).items():
             if value:
                 log.warning("test-only fault switch on: %s=%s", name, value)
@@ -85,6 +89,12 @@ class Faults:
         write(slot, weights)
         if self.slow_write_s:
             time.sleep(self.slow_write_s)
+
+
+    def before_blob_read(self) -> None:
+        """statesvc's blob thread, before each chunk is read."""
+        if self.slow_blob_s:
+            time.sleep(self.slow_blob_s)
 
 
 NO_FAULTS = Faults()

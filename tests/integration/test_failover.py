@@ -1,8 +1,9 @@
 """Failover between statesvc instances of one PostgreSQL log (real server, real subprocesses):
 clients, loractl and replicas given `a,b` move to b when a stops answering, and nothing is
-lost, repeated or applied out of order."""
+lost, repeated or applied out of order. Also: blob chunks never hold up commands."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,11 +13,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import zmq
 
 from shared.client import ControlClient, new_event_id
 from shared.endpoints import EndpointError, split_addresses
 from shared.fleet import BIN, Computed, Endpoints, StateSvc, alive, loopback, wait_for
 from shared.keys import ClientKeys, client_keys
+from shared.protocol import encode_request, unpack
 from statesvc.tools.example import ExampleAssets
 
 
@@ -171,3 +174,39 @@ def test_drill_refuses_to_kill_the_only_named_instance(
                           a.publish, "--model", str(example.model_dir), "--kill-statesvc",
                           str(a.data_dir)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 3 and "another instance" in res.stderr and a.running
+
+
+def test_a_command_and_heartbeats_go_on_while_a_blob_streams(tmp_path: Path,
+                                                             example: ExampleAssets) -> None:
+    """Blob chunks are read on statesvc's blob thread: with each chunk read held up (a test
+    fault, 3 s a chunk), a command sent after a blob request is answered first, and
+    heartbeats keep coming, while the blob's reply follows with the right bytes."""
+    svc = StateSvc(tmp_path / "s", env={"LORAPLANE_FAULT_SLOW_BLOB_S": "3"}).start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    blob_sock, sub = ctx.socket(zmq.DEALER), ctx.socket(zmq.SUB)
+    try:
+        adapter = example.adapter_dirs["attn-qv-r8"] / "adapter_model.safetensors"
+        sha = hashlib.sha256(adapter.read_bytes()).hexdigest()
+        with ControlClient(svc.control) as c:
+            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                                 "max_loras": 2, "max_rank": 16, "targets": "all"})
+            c.call("load", {"event_id": new_event_id(), "name": "x",
+                            "path": str(adapter.parent)})
+        for sock in (blob_sock, sub):
+            sock.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"hb")
+        sub.connect(svc.publish)
+        blob_sock.connect(svc.control)
+        blob_sock.send(encode_request("b", "blob", {"sha256": sha}))
+        with ControlClient(svc.control, timeout_s=20, retries=0) as c:
+            assert c.call("status")["head_seq"] == 2
+        assert not blob_sock.poll(0)  # the command was answered while the chunk waited
+        assert sub.poll(10_000) and sub.recv_multipart()[0] == b"hb"
+        assert blob_sock.poll(30_000)
+        reply = unpack(blob_sock.recv())
+        assert reply["ok"] and reply["result"]["data"] == adapter.read_bytes()[:len(
+            reply["result"]["data"])] and reply["result"]["size"] == adapter.stat().st_size
+    finally:
+        blob_sock.close(0)
+        sub.close(0)
+        svc.stop()
