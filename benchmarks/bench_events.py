@@ -38,8 +38,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, print_targets, publish
-from shared.client import ControlClient, new_event_id
+from benchmarks.report import machine_info, median, show_and_publish
+from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
 from shared.fleet import loopback, start_ready, stop_pid
 from statesvc.tools.example import make_example
@@ -48,6 +48,7 @@ TARGET_EVENTS_PER_S = 1000.0
 TARGET_RATIO = 0.5
 NAMES_PER_CLIENT = 8  # each round loads these names, then unloads them: 16 events
 MAX_LORAS = 64
+MAX_RESENDS = 100  # storage_error answers a client resends (the same event_id) before failing
 ROUND_TIMEOUT_S = 120.0  # a measurement that takes longer is broken, not slow
 
 # Wide enough for the table when the output goes to a file or a pipe.
@@ -110,13 +111,14 @@ class Service:
     data_dir: Path
     control: str = field(default_factory=loopback)
     publish: str = field(default_factory=loopback)
+    extra_args: tuple[str, ...] = ()  # --db URL (benchmarks/bench_pg.py)
     proc: subprocess.Popen[Any] | None = None
 
     def start(self) -> Service:
         self.proc, _ = start_ready(
             [str(Path(sys.executable).parent / "statesvc"), "serve", "--data-dir",
-             str(self.data_dir), "--control", self.control, "--publish", self.publish],
-            log=self.data_dir.parent / "statesvc.log")
+             str(self.data_dir), "--control", self.control, "--publish", self.publish,
+             *self.extra_args], log=self.data_dir.parent / f"statesvc-{self.data_dir.name}.log")
         return self
 
     def stop(self) -> None:
@@ -136,6 +138,7 @@ def client_loop(address: str, index: int, paths: list[str], events: int, max_sec
                 barrier: Any, out: Any) -> None:
     """One client: a warm-up round, then load/unload rounds of its own names until done."""
     names = [(f"b{index}-{j}", paths[(index + j) % len(paths)]) for j in range(NAMES_PER_CLIENT)]
+    resent = [0]  # storage_error answers, each resent with its event_id
 
     def one_round(client: ControlClient, lat: list[float] | None) -> None:
         for cmd in ("load", "unload"):
@@ -144,7 +147,14 @@ def client_loop(address: str, index: int, paths: list[str], events: int, max_sec
                 if cmd == "load":
                     args["path"] = path
                 t = time.monotonic()
-                result = client.call(cmd, args)
+                for tries in range(MAX_RESENDS + 1):
+                    try:
+                        result = client.call(cmd, args)
+                        break
+                    except RemoteError as exc:  # several instances racing (bench_pg): resend
+                        if exc.code != "storage_error" or tries == MAX_RESENDS:
+                            raise
+                        resent[0] += 1
                 if lat is not None:
                     lat.append(time.monotonic() - t)
                 if cmd == "load" and not result.get("created"):
@@ -159,22 +169,27 @@ def client_loop(address: str, index: int, paths: list[str], events: int, max_sec
             while len(lat) < events and time.monotonic() - t0 < max_seconds:
                 one_round(client, lat)
             t1 = time.monotonic()
-        out.put({"index": index, "t0": t0, "t1": t1, "events": len(lat), "latencies": lat})
+        out.put({"index": index, "t0": t0, "t1": t1, "events": len(lat), "latencies": lat,
+                 "resent": resent[0]})
     except Exception as exc:  # reported to the parent, which fails the measurement
         out.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def measure_service(svc: Service, paths: list[str], clients: int, events: int,
-                    max_seconds: float) -> dict[str, Any]:
-    """`clients` processes, `events` in all (whole rounds); aggregate events/s and latency."""
+                    max_seconds: float, *, others: tuple[Service, ...] = ()) -> dict[str, Any]:
+    """`clients` processes, `events` in all (whole rounds); aggregate events/s and latency.
+    With `others` (instances of one PostgreSQL log), client i writes through instance i mod n
+    and the server CPU is theirs together."""
+    services = (svc, *others)
     per_client = max(1, round(events / clients / (2 * NAMES_PER_CLIENT))) * 2 * NAMES_PER_CLIENT
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients)
     out = ctx.Queue()
     head_before = head_of(svc)
-    cpu_before = svc.cpu_seconds()
+    cpu_before = sum(s.cpu_seconds() for s in services)
     procs = [ctx.Process(target=client_loop, name=f"bench-client-{i}",
-                         args=(svc.control, i, paths, per_client, max_seconds, barrier, out))
+                         args=(services[i % len(services)].control, i, paths, per_client,
+                               max_seconds, barrier, out))
              for i in range(clients)]
     reports: list[dict[str, Any]] = []
     try:
@@ -208,7 +223,7 @@ def measure_service(svc: Service, paths: list[str], clients: int, events: int,
     errors = [r["error"] for r in reports if "error" in r]
     if errors:
         raise RuntimeError("client failed: " + "; ".join(errors))
-    cpu = svc.cpu_seconds() - cpu_before
+    cpu = sum(s.cpu_seconds() for s in services) - cpu_before
     total = sum(r["events"] for r in reports)
     elapsed = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)
     lat = sorted(x for r in reports for x in r["latencies"])
@@ -221,6 +236,7 @@ def measure_service(svc: Service, paths: list[str], clients: int, events: int,
     return {"events": total, "seconds": elapsed, "events_per_s": total / elapsed,
             "commits": commits, "events_per_commit": total / commits,
             "server_cpu_ms_per_event": 1000 * cpu / (total + warmup),
+            "resent": sum(r["resent"] for r in reports),
             "latency_ms_p50": 1000 * lat[len(lat) // 2],
             "latency_ms_p99": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))]}
 
@@ -244,10 +260,10 @@ def count_commits(svc: Service, since: int, until: int) -> int:
     return max(1, len(stamps))
 
 
-def init_pool(svc: Service, model_dir: Path) -> None:
+def init_pool(svc: Service, model_dir: Path, max_loras: int = MAX_LORAS) -> None:
     with ControlClient(svc.control) as client:
         client.call("pool.init", {"event_id": new_event_id(), "model": str(model_dir),
-                                  "max_loras": MAX_LORAS, "max_rank": 32, "targets": "all"})
+                                  "max_loras": max_loras, "max_rank": 32, "targets": "all"})
 
 
 # ---- the run ---------------------------------------------------------------------
@@ -294,7 +310,7 @@ def run(settings: Settings) -> dict[str, Any]:
                               f"{r['events_per_s']:>8.0f} events/s  ({r['events']} events in "
                               f"{r['seconds']:.2f} s)[/dim]")
     except BaseException:
-        log = root / "statesvc.log"
+        log = root / "statesvc-data.log"
         if log.is_file():
             console.print(f"[red]statesvc log (last lines):[/red]\n{log.read_text()[-2000:]}")
         raise
@@ -412,10 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         settings = Settings(1, a.clients, 64 * a.clients, 64, 500, 5.0)
     result = run(settings)
-    table, markdown = render(result)
-    console.print(table)
-    print_targets(result, console.print)
-    publish("events", result, markdown, quick=a.quick, no_write=a.no_write, say=console.print)
+    show_and_publish("events", result, *render(result), quick=a.quick, no_write=a.no_write,
+                     console=console)
     return 0
 
 

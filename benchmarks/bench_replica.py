@@ -330,10 +330,11 @@ def wait_applied(clients: list[ControlClient], seq: int) -> list[dict[str, Any]]
 
 
 def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], n: int,
-                        loads: int) -> dict[str, Any]:
+                        loads: int, *, statesvc_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`statesvc_args`: e.g. --db URL (benchmarks/bench_pg.py), one database per call."""
     base = root / f"prop-{n}"
     base.mkdir(parents=True)
-    svc = StateSvc(base / "data")
+    svc = StateSvc(base / "data", extra_args=statesvc_args)
     replicas = [Computed(model_dir, svc, base / "replicas" / f"r{i}", replica_id=f"r{i}",
                          extra_args=("--no-inference",))
                 for i in range(n)]

@@ -103,6 +103,14 @@ def decode_rates(cell: dict[str, Any], tokens: int) -> list[float]:
     return [tokens / cell["seconds"][i] for i in (range(len(cell["seconds"])) if used is None else used)]
 
 
+def show_and_publish(name: str, result: dict[str, Any], table: Any, markdown: str, *,
+                     quick: bool, no_write: bool, console: Any) -> None:
+    """Print a benchmark's table and verdicts, then `publish` it."""
+    console.print(table)
+    print_targets(result, console.print)
+    publish(name, result, markdown, quick=quick, no_write=no_write, say=console.print)
+
+
 def print_targets(result: dict[str, Any], say: Callable[[str], None]) -> None:
     """One PASS/MISS line (rich markup) per entry of `result["targets"]`."""
     for t in result["targets"]:

@@ -49,6 +49,7 @@ class Bench:
 
 BENCHES = (
     Bench("events", "benchmarks.bench_events", ("--quick",)),
+    Bench("pg", "benchmarks.bench_pg", ("--quick",)),  # no results where PostgreSQL is missing
     Bench("replica", "benchmarks.bench_replica", ("--quick",)),
     Bench("replay", "benchmarks.bench_replay", ("--quick",)),
     Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
@@ -97,6 +98,27 @@ def events_figures(r: dict[str, Any]) -> list[Figure]:
                           target=">= 0.5x" if kind == "concurrent" else None,
                           meets=median(ratios) >= 0.5 if kind == "concurrent" else None,
                           spread=spread(ratios), runs=len(ratios)))
+    return out
+
+
+def pg_figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    for k, per_repeat in r["ratio_to_raw_per_repeat"].items():
+        n, c = k.split("x")
+        rates = [x["events_per_s"] for x in r["runs"][k]]
+        label = f"event append on PostgreSQL, {n} statesvc, {c} clients"
+        out.append(figure("pg", label, median(rates), "events/s", spread=spread(rates),
+                          runs=len(rates)))
+        out.append(figure("pg", f"{label} / raw psycopg", median(per_repeat), "x",
+                          target=">= 0.5x", meets=median(per_repeat) >= 0.5,
+                          spread=spread(per_repeat), runs=len(per_repeat)))
+    props = r.get("propagation") or []
+    for p in props[1:]:
+        n = p["replicas"]
+        target = "<= 3x" if p is props[-1] else None
+        out.append(figure("pg", f"propagation on PostgreSQL, ack to applied p99, {n} replicas / "
+                                "1 replica", p["p99_over_one"], "x", target=target,
+                          meets=p["p99_over_one"] <= 3 if target else None))
     return out
 
 
@@ -274,9 +296,9 @@ def gateway_figures(r: dict[str, Any]) -> list[Figure]:
 
 
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
-    "events": events_figures, "replica": replica_figures, "replay": replay_figures,
-    "decode": decode_figures, "dtype": dtype_figures, "residency": residency_figures,
-    "gateway": gateway_figures}
+    "events": events_figures, "pg": pg_figures, "replica": replica_figures,
+    "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
+    "residency": residency_figures, "gateway": gateway_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

@@ -11,7 +11,7 @@ import click
 
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
                            DEFAULT_HOST_CACHE_MB, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN)
-from shared.endpoints import EndpointError, check_bind, click_address
+from shared.endpoints import EndpointError, check_bind, click_addresses, split_addresses
 from shared.faults import Faults
 from computed.gateway.cli import gateway
 
@@ -29,10 +29,11 @@ def main() -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False,
                                                         path_type=Path),
               help="Hugging Face checkpoint directory of the pool's base model.")
-@click.option("--state", default=DEFAULT_CONTROL, show_default=True, callback=click_address,
-              help="statesvc's control address.")
-@click.option("--diffs", default=DEFAULT_PUBLISH, show_default=True, callback=click_address,
-              help="statesvc's diff (PUB) address.")
+@click.option("--state", default=DEFAULT_CONTROL, show_default=True, callback=click_addresses,
+              help="statesvc's control address; several instances of one log as a,b.")
+@click.option("--diffs", default=DEFAULT_PUBLISH, show_default=True, callback=click_addresses,
+              help="statesvc's diff (PUB) address; with several --state, one per instance, "
+                   "in the same order.")
 @click.option("--listen", default=DEFAULT_REPLICA_LISTEN, show_default=True,
               help="This replica's ROUTER address (status; inference); loopback only "
                    "without --auth.")
@@ -94,6 +95,10 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         check_bind(listen, authenticated=auth_dir is not None)
     except EndpointError as exc:
         raise click.UsageError(f"--listen: {exc}") from None
+    if len(split_addresses(state)) != len(split_addresses(diffs)):
+        raise click.UsageError(f"--state names {len(split_addresses(state))} instance(s) and "
+                               f"--diffs {len(split_addresses(diffs))}: give each instance's "
+                               "control and diff address, in the same order")
     try:
         info = read_model(model)
     except ModelError as exc:

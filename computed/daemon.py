@@ -5,7 +5,10 @@ client and a DEALER that heartbeats to statesvc without ever blocking. Each
 turn it drains the diff stream into a queue, applies what follows the applied
 seq, and catches up on a gap, on a heartbeat beyond the applied seq or after
 3 s of silence. A failed advance (statesvc down, a bad blob) keeps the pool as
-it is and is retried.
+it is and is retried. With several statesvc instances of one log (`--state a,b
+--diffs c,d`), it follows one; after 3 s of silence it moves its SUB and its
+heartbeats to the next and catches up by seq from its applied seq (the control
+client moves on its own), so no event is lost or applied out of order.
 
 The main thread owns the ROUTER at --listen: status, slot reads and
 `generate`, which the engine batches continuously; while requests run it steps
@@ -32,7 +35,7 @@ from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,
                            REPLICA_SILENCE_S)
-from shared.endpoints import check_bind, connect
+from shared.endpoints import check_bind, connect, split_addresses
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (PUBLISHED_HEARTBEAT, ProtocolError, encode_request, error_reply_of,
@@ -61,7 +64,11 @@ class SyncLoop(threading.Thread):
         self.replica = replica
         self.replica_id = replica_id
         self.listen = listen
-        self.state_addr, self.diffs_addr = state, diffs
+        self.state_addrs, self.diffs_addrs = split_addresses(state), split_addresses(diffs)
+        if len(self.state_addrs) != len(self.diffs_addrs):
+            raise ValueError(f"{len(self.state_addrs)} control and {len(self.diffs_addrs)} diff "
+                             "addresses: give one of each per statesvc instance")
+        self.follow = 0  # the instance whose diff stream this replica follows now
         self.queue: dict[int, tuple[str | None, Body]] = {}  # seq -> (its log, the event)
         self.heard_at = time.monotonic()
         self.remote_head = 0
@@ -70,7 +77,16 @@ class SyncLoop(threading.Thread):
         self.beat_refused = ""  # statesvc's last refusal of a heartbeat, to log it once
         self.stopping = threading.Event()
 
-    def run(self) -> None:
+    @property
+    def state_addr(self) -> str:
+        return self.state_addrs[self.follow]
+
+    @property
+    def diffs_addr(self) -> str:
+        return self.diffs_addrs[self.follow]
+
+    def _open(self) -> None:
+        """The SUB and the heartbeat DEALER, connected to the followed instance."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 1_000_000)
@@ -84,13 +100,27 @@ class SyncLoop(threading.Thread):
         self.beat.setsockopt(zmq.LINGER, 0)
         self.beat.setsockopt(zmq.SNDHWM, 4)
         connect(self.beat, self.state_addr)
-        poller = zmq.Poller()
-        poller.register(self.sub, zmq.POLLIN)
-        poller.register(self.beat, zmq.POLLIN)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+        self.poller.register(self.beat, zmq.POLLIN)
+
+    def _move_on(self) -> None:
+        """The followed instance is silent: follow the next one. What was published in
+        between is read by seq (the queue keeps what arrived; a gap is fetched)."""
+        self.sub.close(0)
+        self.beat.close(0)
+        old = self.diffs_addr
+        self.follow = (self.follow + 1) % len(self.diffs_addrs)
+        self._open()
+        log.warning("no word from statesvc at %s for %g s: following %s / %s", old,
+                    REPLICA_SILENCE_S, self.state_addr, self.diffs_addr)
+
+    def run(self) -> None:
+        self._open()
         next_beat = 0.0
         try:
             while not self.stopping.is_set():
-                ready = dict(poller.poll(100))
+                ready = dict(self.poller.poll(100))
                 if self.sub in ready:
                     self._drain_sub()
                 if self.beat in ready:
@@ -153,6 +183,9 @@ class SyncLoop(threading.Thread):
                 self.next_sync = 0.0
             behind = self.remote_head > r.applied_seq or bool(self.queue)
             silent = now - self.heard_at > REPLICA_SILENCE_S
+            if silent and len(self.diffs_addrs) > 1:
+                self._move_on()
+                self.heard_at = now  # give the next one a whole period
             if (behind or silent) and now >= self.next_sync:
                 self.next_sync = now + RETRY_S
                 if r.catch_up():

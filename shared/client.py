@@ -3,6 +3,11 @@
 Writes carry a client-chosen event_id, so resending after a timeout is safe:
 the state service records the command once and answers a retry with the
 original result (the ZeroMQ Guide's Lazy Pirate pattern).
+
+The address may name several statesvc instances of one log (`a,b`, docs/postgres.md): a
+try that meets silence moves to the next one, and the client stays there while it answers.
+Every instance decides on the same log and answers a retried event_id with its original
+result, so a write resent to another instance is still recorded once.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any, Mapping
 import zmq
 
 from shared.config import MAX_LIST_PAGE, MAX_WIRE_BYTES
-from shared.endpoints import connect
+from shared.endpoints import connect, split_addresses
 from shared.errors import CodedError
 from shared.keys import ClientKeys
 from shared.protocol import ProtocolError, encode_request, unpack
@@ -30,7 +35,8 @@ class Unavailable(Exception):
 class ControlClient:
     def __init__(self, address: str, *, timeout_s: float = 10.0, retries: int = 2,
                  context: zmq.Context[Any] | None = None, keys: ClientKeys | None = None) -> None:
-        self.address = address
+        self.addresses = split_addresses(address)
+        self.current = 0  # the instance asked first; moves on silence
         self.keys = keys
         self.timeout_ms = int(timeout_s * 1000)
         self.retries = retries
@@ -39,6 +45,11 @@ class ControlClient:
         # one request at a time: a replica's sync thread and its engine (filling a slot on a
         # miss) share one client, and a ZeroMQ socket is not thread-safe
         self._calling = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """The instance this client asks now."""
+        return self.addresses[self.current]
 
     def _socket(self) -> zmq.Socket[Any]:
         if self.sock is None:
@@ -73,12 +84,14 @@ class ControlClient:
     def _call(self, cmd: str, args: Mapping[str, Any] | None) -> Any:
         req_id = uuid.uuid4().hex
         frame = encode_request(req_id, cmd, args or {})
-        for _ in range(self.retries + 1):
+        # every instance gets at least one try, and the silent one is left for the next
+        tries = max(self.retries + 1, len(self.addresses))
+        for _ in range(tries):
             sock = self._socket()
             try:
                 sock.send(frame)
             except zmq.Again:  # no peer within the timeout: silence, as below
-                self.close()
+                self._next()
                 continue
             while sock.poll(self.timeout_ms):
                 try:
@@ -96,11 +109,16 @@ class ControlClient:
                     return reply.get("result")
                 err = reply.get("error") or {}
                 raise RemoteError(str(err.get("code")), str(err.get("message")), err.get("field"))
-            self.close()  # a fresh socket, so a reply to the old one cannot arrive late
+            self._next()  # a fresh socket, so a reply to the old one cannot arrive late
         hint = ("is it running, and is this key allowed there?" if self.keys is not None else
                 "is it running? (a server started with --auth also needs --key and --server-key)")
-        raise Unavailable(f"no answer from {self.address} within {self.timeout_ms / 1000:g} s "
-                          f"({self.retries + 1} tries); {hint}")
+        raise Unavailable(f"no answer from {','.join(self.addresses)} within "
+                          f"{self.timeout_ms / 1000:g} s ({tries} tries); {hint}")
+
+    def _next(self) -> None:
+        """Drop the socket and move to the next instance (the same one when there is one)."""
+        self.close()
+        self.current = (self.current + 1) % len(self.addresses)
 
 
 def list_adapters(client: ControlClient, *, after: str | None = None,

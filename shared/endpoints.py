@@ -149,6 +149,31 @@ def connect(sock: zmq.Socket[Any], address: str) -> None:
     sock.connect(str(endpoint))
 
 
+def split_addresses(address: str) -> list[str]:
+    """`a,b,...`: the addresses of the statesvc instances of one log, in order of preference.
+    Each is one endpoint (parse_endpoint); an empty one or a repeat is refused."""
+    parts = [a.strip() for a in address.split(",")]
+    if not all(parts):
+        raise EndpointError(f"{address!r} has an empty address; separate the addresses of "
+                            "several instances with single commas, e.g. "
+                            "tcp://10.0.0.1:7100,tcp://10.0.0.2:7100")
+    if len(set(parts)) != len(parts):
+        raise EndpointError(f"{address!r} names one address twice; name each instance once")
+    for part in parts:
+        parse_endpoint(part, bind=False)
+    return parts
+
+
+def click_addresses(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """click_address for options that may name several statesvc instances (`a,b`)."""
+    if value is not None:
+        try:
+            split_addresses(value)
+        except EndpointError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 def click_address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A click callback for options that name an address to connect to: a malformed one is a
     usage error that says what is wrong."""

@@ -11,6 +11,7 @@ off and each call is a no-op.
     LORAPLANE_FAULT_PERTURB_SLOT=1       replica: this slot's first A weight is nudged by 0.5
     LORAPLANE_FAULT_SLOW_WRITE_S=30      replica: a pause after each slot write
     LORAPLANE_FAULT_SLOW_STEP_S=0.02     replica: a pause after each inference step
+    LORAPLANE_FAULT_SLOW_BLOB_S=2        statesvc: a pause before each blob chunk is read
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ DROP_DIFFS_ENV = "LORAPLANE_FAULT_DROP_DIFFS"
 PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
 SLOW_WRITE_ENV = "LORAPLANE_FAULT_SLOW_WRITE_S"
 SLOW_STEP_ENV = "LORAPLANE_FAULT_SLOW_STEP_S"
+SLOW_BLOB_ENV = "LORAPLANE_FAULT_SLOW_BLOB_S"
 
 log = logging.getLogger("faults")
 
@@ -56,6 +58,7 @@ class Faults:
     perturb_slot: int | None = None
     slow_write_s: float = 0.0
     slow_step_s: float = 0.0
+    slow_blob_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
@@ -65,7 +68,8 @@ class Faults:
         faults = cls(drop_diffs=parse_seq_set(env.get(DROP_DIFFS_ENV, "")),
                      perturb_slot=int(perturb) if perturb else None,
                      slow_write_s=float(env.get(SLOW_WRITE_ENV, "") or 0.0),
-                     slow_step_s=float(env.get(SLOW_STEP_ENV, "") or 0.0))
+                     slow_step_s=float(env.get(SLOW_STEP_ENV, "") or 0.0),
+                     slow_blob_s=float(env.get(SLOW_BLOB_ENV, "") or 0.0))
         for name, value in dataclasses.asdict(faults).items():
             if value:
                 log.warning("test-only fault switch on: %s=%s", name, value)
@@ -95,6 +99,12 @@ class Faults:
         enough for a test to kill the replica under them."""
         if self.slow_step_s:
             time.sleep(self.slow_step_s)
+
+
+    def before_blob_read(self) -> None:
+        """statesvc's blob thread, before each chunk is read."""
+        if self.slow_blob_s:
+            time.sleep(self.slow_blob_s)
 
 
 NO_FAULTS = Faults()

@@ -6,6 +6,9 @@ The file is written atomically, mode 0600, in a directory the operator chose. Dr
 this file (never what a replica reports over the network), and only after checking that it
 belongs to the user running the drill, is writable by no one else, and that the pid still runs
 that very command line (a reused pid runs something else).
+
+`statesvc serve` writes one too, `<data-dir>/run.json` (replica_id "statesvc", listen its
+control address, no model), for `loractl drill --kill-statesvc DATA_DIR`.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any
 from shared.files import FileError, open_regular, read_limited
 
 RUN_FILE = "run.json"
+STATESVC_RUN_ID = "statesvc"  # the replica_id of a statesvc instance's run file (its data dir)
 MAX_RUN_FILE_BYTES = 1 << 20
 
 

@@ -115,6 +115,7 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
           heartbeat_interval: float, max_adapter_bytes: int, auth_dir: Path | None,
           adapter_roots: tuple[Path, ...], max_replicas: int) -> None:
     """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
+    from shared import runfile
     from statesvc.pgblobs import LogBlobStore
     from statesvc.pgstore import PostgresEventStore
     from statesvc.server import Server
@@ -158,6 +159,9 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
                  server.publish, auth_dir)
     if not adapter_roots:
         log.warning("no --adapter-root: load accepts adapter directories anywhere on this host")
+    # what `loractl drill --kill-statesvc DATA_DIR` trusts to kill and restart this instance
+    runfile.write(data_dir / runfile.RUN_FILE, runfile.RunFile(
+        runfile.STATESVC_RUN_ID, os.getpid(), runfile.own_cmdline(), os.getcwd(), server.control, ""))
     print(f"READY control={server.control} publish={server.publish}", flush=True)
     try:
         server.serve_forever()

@@ -19,7 +19,7 @@ from rich.table import Table
 from shared.client import ControlClient, list_adapters, new_event_id
 from shared.config import (DEFAULT_CONTROL, DEFAULT_MAX_ADAPTERS, DEFAULT_PUBLISH, MAX_MAX_ADAPTERS,
                            POOL_DTYPES, STATE_ENV)
-from shared.endpoints import click_address, connect
+from shared.endpoints import click_address, click_addresses, connect
 from shared.llama import MODULES
 from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
 from statesvc.console import JSON_OPT, emit, handles_errors, keys_of, out, shown
@@ -41,8 +41,9 @@ def _client(ctx: click.Context) -> ControlClient:
 
 @click.group()
 @click.option("--state", envvar=STATE_ENV, default=DEFAULT_CONTROL, show_default=True,
-              callback=click_address,
-              help=f"Control address of the state service (env {STATE_ENV}).")
+              callback=click_addresses,
+              help=f"Control address of the state service (env {STATE_ENV}); several "
+                   "instances of one log as a,b: a silent one is left for the next.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds to wait for each answer before retrying.")
 @click.option("--key", envvar="LORAPLANE_KEY", default=None,

@@ -8,6 +8,9 @@ after the commit and before the replies; a heartbeat with the head seq goes
 out every second, also while a load reads and checks large weights (the
 service calls back into the loop for it).
 
+`blob` requests are read on a thread of their own (statesvc/blobserve.py): chunks served to
+a fleet of replicas never hold up commands or heartbeats.
+
 On a shared log (PostgreSQL, several instances) the loop also polls the store's doorbell
 (LISTEN/NOTIFY) and, when it rings and once every CATCH_UP_S anyway, reads the events other
 instances appended and publishes them: every instance publishes every event, in seq order.
@@ -23,7 +26,7 @@ from typing import Any
 import zmq
 from sqlalchemy.exc import OperationalError
 
-from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_BLOB_CHUNK
+from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS
 from shared.endpoints import bind, check_bind
 from shared.events import Event
 from shared.faults import Faults
@@ -32,15 +35,13 @@ from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_requ
                              error_reply_of, ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
 from shared.router import Replies, serving_router, split_request
+from statesvc.blobserve import BlobServer
 from statesvc.pgstore import PostgresEventStore
 from statesvc.service import StateService
 
 log = logging.getLogger("statesvc")
 
 MAX_BATCH = 512
-# A batch stops taking requests once its blob reads ask for this much: its answers are held
-# together until they are sent.
-MAX_BATCH_BLOB_BYTES = MAX_BLOB_CHUNK
 # Largest frame a subscriber may send: its subscriptions (b"", b"diff", b"hb") and, with
 # CURVE, its handshake.
 MAX_SUBSCRIBER_FRAME_BYTES = 4096
@@ -75,6 +76,7 @@ class Server:
         store = service.store
         self.doorbell = store.doorbell() if isinstance(store, PostgresEventStore) else None
         self._next_catch_up = time.monotonic()
+        self.blobs = BlobServer(self.ctx, service.blob, self.faults.before_blob_read)
 
     def stop(self, *_: Any) -> None:
         self._stop = True
@@ -84,7 +86,9 @@ class Server:
         signal.signal(signal.SIGINT, self.stop)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.blobs.replies, zmq.POLLIN)
         bell: int | None = None
+        self.blobs.start()
         try:
             while not self._stop:
                 self._beat_if_due()
@@ -101,12 +105,16 @@ class Server:
                 ready = dict(poller.poll(min(timeout_ms, 250)))
                 if self.router in ready:
                     self._serve_batch()
+                if self.blobs.replies in ready:
+                    while self.blobs.replies.poll(0):
+                        self.replies.send(self.blobs.replies.recv_multipart())
                 if self.doorbell is not None and (
                         (bell in ready and self.doorbell.rang())
                         or time.monotonic() >= self._next_catch_up):
                     self._catch_up()
                 self.replies.flush()
         finally:
+            self.blobs.stop()
             if self.doorbell is not None:
                 self.doorbell.close()
             self.router.close(0)
@@ -170,10 +178,9 @@ class Server:
             log.exception("reading the shared log failed; retrying in %.0f s", CATCH_UP_S)
 
     def _receive(self, batch: list[tuple[list[bytes], Request, str]]) -> None:
-        """Append the requests already queued to `batch`, up to MAX_BATCH requests and
-        MAX_BATCH_BLOB_BYTES of blob reads; answer bad frames."""
-        blob_bytes = sum(req.args["length"] for _, req, _ in batch if req.cmd == "blob")
-        while len(batch) < MAX_BATCH and blob_bytes < MAX_BATCH_BLOB_BYTES:
+        """Append the requests already queued to `batch`, up to MAX_BATCH requests; hand blob
+        reads to the blob thread; answer bad frames."""
+        while len(batch) < MAX_BATCH:
             try:
                 raw = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -194,9 +201,11 @@ class Server:
                         and not actor.startswith("replica:")):
                     raise ProtocolError("forbidden", f"{actor} may not heartbeat: only replica "
                                         "keys (the key dir's replicas/) register replicas")
-                batch.append((envelope, req, actor))
                 if req.cmd == "blob":
-                    blob_bytes += req.args["length"]
+                    if (refused := self.blobs.submit(envelope, req)) is not None:
+                        self.replies.send(envelope + [refused])
+                else:
+                    batch.append((envelope, req, actor))
             except ProtocolError as exc:
                 self.replies.send(envelope + [error_reply_of(_safe_id(body), exc)])
             except Exception as exc:  # a decoder bug must cost one answer, never the service

@@ -424,7 +424,7 @@ class StateService:
                                    f"{state.seq}", "args.seq")
             return {"seq": args["seq"], "digest": self.digest_at(args["seq"])}
         if req.cmd == "blob":
-            return self._blob(args)
+            return self.blob(args)
         if req.cmd == "heartbeat":
             self.registry.heartbeat(args, actor)
             return {"head_seq": state.seq}
@@ -432,7 +432,7 @@ class StateService:
             return self.status()
         raise CommandError("unknown_command", f"unknown command {req.cmd!r}")
 
-    def _blob(self, args: dict[str, Any]) -> dict[str, Any]:
+    def blob(self, args: dict[str, Any]) -> dict[str, Any]:
         sha = args["sha256"]
         if not self.blobs.has(sha):
             raise CommandError("not_found", f"no blob {sha}", "args.sha256")

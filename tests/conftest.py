@@ -54,3 +54,15 @@ def pg_server() -> Iterator[PgServer]:
 def pg_url(pg_server: PgServer) -> str:
     """The URL of a new, empty database on the session's PostgreSQL server."""
     return pg_server.database()
+
+
+@pytest.fixture
+def two(tmp_path: Path, pg_url: str) -> Iterator[tuple[StateSvc, StateSvc]]:
+    """Two statesvc instances on one new PostgreSQL database (docs/postgres.md)."""
+    a = StateSvc(tmp_path / "a", extra_args=("--db", pg_url))
+    b = StateSvc(tmp_path / "b", extra_args=("--db", pg_url))
+    try:
+        yield a.start(), b.start()
+    finally:
+        a.stop()
+        b.stop()

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from shared.config import DEFAULT_CONTROL
-from shared.endpoints import click_address
+from shared.endpoints import click_addresses
 
 log = logging.getLogger("computed.gateway")
 
@@ -18,8 +18,9 @@ log = logging.getLogger("computed.gateway")
                                                         path_type=Path),
               help="The pool's base model dir: its tokenizer.json, tokenizer_config.json "
                    "(chat template) and config.json.")
-@click.option("--state", default=DEFAULT_CONTROL, show_default=True, callback=click_address,
-              help="statesvc's control address (registry, replicas and their status).")
+@click.option("--state", default=DEFAULT_CONTROL, show_default=True, callback=click_addresses,
+              help="statesvc's control address (registry, replicas and their status); "
+                   "several instances of one log as a,b.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="0: any free port (the READY line names it).")

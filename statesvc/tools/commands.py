@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from shared.config import DEFAULT_PUBLISH
-from shared.endpoints import click_address
+from shared.endpoints import click_addresses
 from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
 
 
@@ -21,12 +21,18 @@ from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, 
 @click.option("--run-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The --kill replica's run file, written by `computed serve` into its cache "
                    "dir [default: ./var/replicas/REPLICA_ID/run.json].")
+@click.option("--kill-statesvc", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, metavar="DATA_DIR",
+              help="With several instances of one log (--state a,b): SIGKILL the statesvc of "
+                   "this data dir (from its run.json), check that every live replica stays "
+                   "ACTIVE through the others, and restart it.")
 @click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
               help="CURVE: the live replicas' public key file when they run with --auth (env "
                    "LORAPLANE_REPLICA_SERVER_KEY); your --key must be in their operators/.")
 @click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
-              callback=click_address,
-              help="statesvc's diff address, for the drill's fresh replicas.")
+              callback=click_addresses,
+              help="statesvc's diff address, for the drill's fresh replicas (a,b: one per "
+                   "--state instance).")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="Base model dir [default: the --kill replica's run file's, "
                                  "else what the live replicas report].")
@@ -34,6 +40,7 @@ from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, 
 @click.pass_context
 @handles_errors
 def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
+          kill_statesvc: Path | None,
           replica_server_key: str | None, diffs: str, model: Path | None,
           as_json: bool) -> None:
     """Rebuild replicas from the log (from seq 0 and from the latest snapshot) and prove
@@ -57,7 +64,8 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
                             else None)
             report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
                            key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
-                           else None, replica_keys=replica_keys).run(kill, run_file=run_file)
+                           else None, replica_keys=replica_keys).run(
+                               kill, run_file=run_file, kill_statesvc=kill_statesvc)
         except DrillError as exc:
             err.print(f"[bold red]error[/] (drill): {shown(exc)}")
             sys.exit(3)

@@ -2,7 +2,9 @@
 
 A drill starts two fresh replicas beside the fleet, one replaying the whole
 log from seq 0 (no snapshot) and one from the latest snapshot and its tail,
-optionally SIGKILLs a live replica and restarts it, waits until every replica
+optionally SIGKILLs a live replica and restarts it (or, with several statesvc
+instances of one log, SIGKILLs one instance, shows every live replica ACTIVE
+through another, and restarts it), waits until every replica
 has applied the same seq, then compares each of them with statesvc's logical
 digest, runs a fixed greedy probe on the base model and on every live adapter
 (each probe of an adapter that a replica does not hold fills a slot there) and
@@ -30,6 +32,7 @@ from typing import Any, Callable
 
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
+from shared.endpoints import split_addresses
 from shared.fleet import Computed, Endpoints, alive
 from shared.keys import ClientKeys, client_keys
 from shared.replica_protocol import GENERATE, STATUS, generate_args
@@ -112,12 +115,21 @@ class Drill:
             time.sleep(0.1)
         return time.monotonic() - t0
 
-    def run(self, kill: str | None = None, *, run_file: Path | None = None) -> Report:
+    def run(self, kill: str | None = None, *, run_file: Path | None = None,
+            kill_statesvc: Path | None = None) -> Report:
         """The drill; with `kill`, SIGKILL that replica and restart it from its run file
-        (`run_file`, default ./var/replicas/ID/run.json), after checking it (runfile.read)."""
+        (`run_file`, default ./var/replicas/ID/run.json), after checking it (runfile.read);
+        with `kill_statesvc`, the same for the statesvc instance of that data dir."""
+        instance = self._instance(kill_statesvc) if kill_statesvc is not None else None
         statesvc = _call(self.state, "status", keys=self.keys)
         head = int(statesvc["head_seq"])
-        live = {r["id"]: r["address"] for r in statesvc["replicas"] if r["state"] != "STALE"}
+        live: dict[str, str] = {}
+        for address in split_addresses(self.state):  # each instance lists its own replicas
+            try:
+                listed = _call(address, "status", timeout=3.0, keys=self.keys)["replicas"]
+            except (Unavailable, RemoteError):
+                continue
+            live.update({r["id"]: r["address"] for r in listed if r["state"] != "STALE"})
         run, path = None, run_file or default_run_file(kill or "")
         if kill is not None:
             try:
@@ -145,6 +157,8 @@ class Drill:
                         round(time.monotonic() - t0, 3)
                 if run is not None:
                     self.report.timings["kill_to_agreement_s"] = self._kill_and_restart(run, path)
+                if instance is not None:
+                    self._kill_statesvc(*instance, live)
                 self._compare({**live, **fresh})
             finally:
                 for proc in self.procs:
@@ -177,24 +191,8 @@ class Drill:
 
     def _kill_and_restart(self, run: runfile.RunFile, path: Path) -> float:
         rid = run.replica_id
-        try:
-            runfile.check_running(run, path)  # again, right before the kill
-        except runfile.RunFileError as exc:
-            raise DrillError(str(exc)) from None
-        t0 = time.monotonic()
-        os.kill(run.pid, signal.SIGKILL)
-        self._wait(f"{rid} (pid {run.pid}) to die", lambda: not alive(run.pid))
-        log = Path(tempfile.gettempdir()) / f"loraplane-{rid}.log"
-        self.report.restarted = {"replica": rid, "run_file": str(path), "cwd": run.cwd,
-                                 "argv": list(run.argv), "log": str(log)}
-        try:
-            with log.open("ab") as err:
-                subprocess.Popen(list(run.argv), cwd=run.cwd, stdout=subprocess.DEVNULL,
-                                 stderr=err, start_new_session=True)
-        except OSError as exc:
-            raise DrillError(f"replica {rid} was killed but could not be restarted ({exc}); "
-                             f"restart it yourself: cd {shlex.quote(run.cwd)} && "
-                             f"{shlex.join(run.argv)}") from None
+        t0 = self._kill(run, path)
+        self._restart(run, path, "replica", rid)
         address = run.listen
 
         def agrees() -> bool:
@@ -209,6 +207,80 @@ class Drill:
 
         self._wait(f"{rid} to come back and agree", agrees)
         return round(time.monotonic() - t0, 3)
+
+    def _kill(self, run: runfile.RunFile, path: Path) -> float:
+        """SIGKILL the process of `run` once it is checked again; when it was killed."""
+        try:
+            runfile.check_running(run, path)  # again, right before the kill
+        except runfile.RunFileError as exc:
+            raise DrillError(str(exc)) from None
+        t0 = time.monotonic()
+        os.kill(run.pid, signal.SIGKILL)
+        self._wait(f"{run.replica_id} (pid {run.pid}) to die", lambda: not alive(run.pid))
+        return t0
+
+    def _restart(self, run: runfile.RunFile, path: Path, kind: str, name: str) -> None:
+        """Start the killed process again, exactly as its run file says."""
+        log = Path(tempfile.gettempdir()) / f"loraplane-{run.replica_id}.log"
+        self.report.restarted = {kind: name, "run_file": str(path), "cwd": run.cwd,
+                                 "argv": list(run.argv), "log": str(log)}
+        try:
+            with log.open("ab") as err:
+                subprocess.Popen(list(run.argv), cwd=run.cwd, stdout=subprocess.DEVNULL,
+                                 stderr=err, start_new_session=True)
+        except OSError as exc:
+            raise DrillError(f"{kind} {name} was killed but could not be restarted ({exc}); "
+                             f"restart it yourself: cd {shlex.quote(run.cwd)} && "
+                             f"{shlex.join(run.argv)}") from None
+
+    def _instance(self, data_dir: Path) -> tuple[runfile.RunFile, Path]:
+        """The run file of the statesvc instance serving `data_dir`, checked: it runs, and
+        --state names it and at least one other instance to carry on."""
+        path = data_dir / runfile.RUN_FILE
+        try:
+            run = runfile.read(path)
+            if run.replica_id != runfile.STATESVC_RUN_ID:
+                raise runfile.RunFileError(f"{path} is the run file of replica "
+                                           f"{run.replica_id}, not of a statesvc")
+            runfile.check_running(run, path)
+        except runfile.RunFileError as exc:
+            raise DrillError(str(exc)) from None
+        addresses = split_addresses(self.state)
+        if run.listen not in addresses or len(addresses) < 2:
+            raise DrillError(f"the statesvc of {data_dir} listens at {run.listen}; --state must "
+                             "name it and another instance of the same log (--state a,b), "
+                             f"not {self.state}")
+        return run, path
+
+    def _kill_statesvc(self, run: runfile.RunFile, path: Path, live: dict[str, str]) -> None:
+        """SIGKILL the instance; every live replica must be ACTIVE at the head through the
+        others (listed there by its heartbeats); then restart it and wait for its answer."""
+        others = ",".join(a for a in split_addresses(self.state) if a != run.listen)
+        t0 = self._kill(run, path)
+
+        def through_others() -> bool:
+            head = int(_call(others, "status", keys=self.keys)["head_seq"])
+            listed: dict[str, Any] = {}
+            for address in others.split(","):
+                try:
+                    listed.update({r["id"]: r for r in _call(
+                        address, "status", timeout=3.0, keys=self.keys)["replicas"]})
+                except (Unavailable, RemoteError):
+                    continue
+            for rid in live:
+                self.progress(f"{rid} via others", listed.get(rid, {}).get("applied_seq", 0),
+                              head)
+            return all(listed.get(rid, {}).get("state") == "ACTIVE"
+                       and listed[rid]["applied_seq"] >= head for rid in live)
+
+        self._wait("every live replica ACTIVE through the other instances", through_others)
+        self.report.timings["statesvc_kill_to_active_s"] = round(time.monotonic() - t0, 3)
+        for rid in live:
+            self._check(rid, "active without the killed statesvc", True, True,
+                        f"heartbeats ACTIVE at the head to {others}")
+        self._restart(run, path, "statesvc", run.listen)
+        self._wait(f"statesvc at {run.listen} to answer again",
+                   lambda: _status(run.listen, self.keys) is not None)
 
     def _settled(self, addresses: dict[str, str]) -> tuple[int, dict[str, dict[str, Any]]]:
         """Every replica's status at one common applied seq (the log may move meanwhile)."""

@@ -34,6 +34,16 @@ WAIT_S = 60.0  # a guard against hanging, never a pass/fail threshold
 EVENT_TYPE = {"load": "adapter.loaded", "unload": "adapter.unloaded"}
 
 
+def command(index: int, step: int, adapter_dirs: list[Path]) -> tuple[str, dict[str, Any]]:
+    """Client `index`'s command number `step`: load n0..n2, unload n0..n2, repeat."""
+    name = f"c{index}-n{step % NAMES_PER_CLIENT}"
+    args = {"event_id": new_event_id(), "name": name}
+    if (step // NAMES_PER_CLIENT) % 2 == 0:
+        path = adapter_dirs[(index + step) % len(adapter_dirs)]
+        return "load", {**args, "path": str(path)}
+    return "unload", args
+
+
 @dataclass
 class Acked:
     event_id: str
@@ -55,12 +65,7 @@ class Writer:
     error: BaseException | None = None
 
     def command(self, step: int) -> tuple[str, dict[str, Any]]:
-        name = f"c{self.index}-n{step % NAMES_PER_CLIENT}"
-        args = {"event_id": new_event_id(), "name": name}
-        if (step // NAMES_PER_CLIENT) % 2 == 0:
-            path = self.adapter_dirs[(self.index + step) % len(self.adapter_dirs)]
-            return "load", {**args, "path": str(path)}
-        return "unload", args
+        return command(self.index, step, self.adapter_dirs)
 
     def run(self) -> None:
         try:

@@ -23,17 +23,6 @@ from tests.pg import PgServer
 WRITERS, PAIRS = 4, 12  # clients, and load+unload pairs each: 1 + 4 * 24 events
 
 
-@pytest.fixture
-def two(tmp_path: Path, pg_url: str) -> Iterator[tuple[StateSvc, StateSvc]]:
-    a = StateSvc(tmp_path / "a", extra_args=("--db", pg_url))
-    b = StateSvc(tmp_path / "b", extra_args=("--db", pg_url))
-    try:
-        yield a.start(), b.start()
-    finally:
-        a.stop()
-        b.stop()
-
-
 def call(svc: StateSvc, cmd: str, **args: Any) -> Any:
     with ControlClient(svc.control) as c:
         return c.call(cmd, args)

@@ -26,7 +26,7 @@ from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLI
 from shared.fleet import BIN, Computed, StateSvc, free_port, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
-from statesvc.server import MAX_BATCH_BLOB_BYTES
+from statesvc.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
 
 pytestmark = pytest.mark.timeout(240)
@@ -241,8 +241,8 @@ def _vm(pid: int, field: str) -> int:
 def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
                                                 example: ExampleAssets) -> None:
     """A client asks for the same blob N times and reads nothing: statesvc's peak RSS grows by
-    what the limits allow (replies libzmq keeps and statesvc holds per connection, one batch's
-    blob reads), not by N replies."""
+    what the limits allow (replies libzmq keeps and statesvc holds per connection, the blob
+    thread's replies in flight), not by N replies."""
     assert statesvc.proc is not None
     pid = statesvc.proc.pid
     ctx = zmq.Context.instance()
@@ -265,8 +265,8 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
     try:
         for i in range(asks):
             greedy.send(encode_request(f"b{i}", "blob", {"sha256": sha}))
-        # a write after them, on the same connection: statesvc serves a connection's requests
-        # in order, so its diff says every blob request before it has been answered
+        # a write after them, on the same connection: statesvc reads a connection's requests
+        # in order, so its diff says every blob request before it was handed to the blob thread
         greedy.send(encode_request("last", "load", {
             "event_id": new_event_id(), "name": "last",
             "path": str(example.adapter_dirs["attn-qv-r8"])}))
@@ -275,15 +275,22 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
             topic, body = sub.recv_multipart()
             if topic == b"diff" and unpack(body)["name"] == "last":
                 break
-        with ControlClient(statesvc.control, timeout_s=20, retries=0) as c:
-            c.call("status")  # the batch that held the last request has sent its replies
+        with ControlClient(statesvc.control, timeout_s=120, retries=0) as c:
+            def read_once() -> bool:  # the blob thread is FIFO: then every earlier one was read
+                try:
+                    return bool(c.call("blob", {"sha256": sha}))
+                except RemoteError as exc:  # its queue is full of the greedy client's reads
+                    assert exc.code == "overloaded", exc
+                    return False
+
+            wait_for(read_once, timeout=300, what="a blob read behind the greedy ones")
         grew = _vm(pid, "VmHWM") - baseline
     finally:
         greedy.close(0)
         sub.close(0)
     allowed = ((MAX_UNREAD_REPLIES + 2) * reply_bytes  # in libzmq's queue, being written
                + MAX_HELD_REPLY_BYTES + reply_bytes  # held by the service for the connection
-               + 2 * (MAX_BATCH_BLOB_BYTES + MAX_BLOB_CHUNK)  # one batch: read, then packed
+               + 2 * IN_FLIGHT * MAX_BLOB_CHUNK  # the blob thread's replies: read, then packed
                + (32 << 20))  # the interpreter's own churn
     assert asks * reply_bytes > 3 * allowed  # what the test would see without the bound
     assert grew <= allowed, (f"statesvc's peak RSS grew {grew >> 20} MiB for {asks} unread "

@@ -1,0 +1,258 @@
+"""Durable events/s with the log on PostgreSQL, 1 and 2 statesvc instances, next to raw psycopg.
+
+Measurements, interleaved and repeated (median of `--repeats`), on one PostgreSQL server
+that the benchmark starts itself (initdb + pg_ctl into a temp dir, tests/pg.py: fsync=on,
+synchronous_commit=on, the defaults, so a commit is acknowledged once its WAL is flushed):
+
+* raw:       one psycopg connection, one `INSERT` + `COMMIT` per row into a table shaped
+             like `events`, with an adapter.loaded payload (the same durability settings).
+* N x C:     C client processes (4, 16) loading and unloading their own adapter names
+             through N statesvc instances (1, 2) on one database; client i writes through
+             instance i mod N. A reply means the event is committed.
+
+* propagation: `--loads` loads of distinct rank-16 adapters through one statesvc on
+             PostgreSQL to 1, 4 and 16 pool-only replicas (`--replicas`), as in
+             bench_replica's propagation (weights fetched out of the database): from the
+             load's ack to each replica's applied_at, p50 and p99 over every replica and load.
+
+Targets (PASS/MISS): every N x C configuration >= 0.5x raw, as for SQLite; propagation p99
+with the most replicas <= 3x the 1-replica p99. Where the PostgreSQL server binaries are
+missing it says so and exits 0 without results.
+
+    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
+    sample_payload
+from benchmarks.report import machine_info, median, show_and_publish
+from statesvc.tools.example import make_example
+from tests.pg import PgServer
+
+TARGET_RATIO = 0.5
+TARGET_FANOUT = 3.0  # propagation p99 to the most replicas over the p99 to one
+INSTANCES = (1, 2)
+CLIENTS = (4, 16)
+
+console = Console() if sys.stdout.isatty() else Console(width=100)
+
+
+@dataclass(frozen=True)
+class Settings:
+    repeats: int
+    events: int  # per service measurement, in all
+    raw_events: int
+    max_seconds: float
+    replica_counts: tuple[int, ...]
+    loads: int
+
+
+def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
+    import psycopg
+
+    payload = sample_payload()
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS raw_events (seq BIGINT PRIMARY KEY, "
+                     "event_id VARCHAR(36) NOT NULL UNIQUE, type VARCHAR(64) NOT NULL, "
+                     "payload JSON NOT NULL, recorded_at VARCHAR(32) NOT NULL, "
+                     "actor VARCHAR(128) NOT NULL)")
+        conn.commit()
+        row = conn.execute("SELECT coalesce(max(seq), 0) FROM raw_events").fetchone()
+        seq = int(row[0]) if row else 0
+        conn.commit()
+        done = 0
+        t0 = time.monotonic()
+        while done < events and time.monotonic() - t0 < max_seconds:
+            seq += 1
+            conn.execute("INSERT INTO raw_events VALUES (%s, %s, %s, %s, %s, %s)",
+                         (seq, str(uuid.uuid4()), "adapter.loaded", payload,
+                          "2026-11-29T15:03:00.000000+00:00", "local"))
+            conn.commit()
+            done += 1
+        elapsed = time.monotonic() - t0
+    return {"events": done, "seconds": elapsed, "events_per_s": done / elapsed}
+
+
+def measure_propagations(settings: Settings, server: PgServer,
+                         root: Path) -> list[dict[str, Any]]:
+    """bench_replica's propagation with the log on PostgreSQL, a new database each count."""
+    from benchmarks.bench_replica import SHAPE, adapter_specs, measure_propagation
+
+    specs = adapter_specs(settings.loads + 1)
+    example = make_example(root / "prop-example", seed=0, shape=SHAPE, adapters=specs)
+    files = [example.adapter_dirs[s.name] / "adapter_model.safetensors" for s in specs]
+    out: list[dict[str, Any]] = []
+    for n in settings.replica_counts:
+        p = measure_propagation(root, example.model_dir, files, n, settings.loads,
+                                statesvc_args=("--db", server.database()))
+        p.pop("samples_ms")
+        p["p99_over_one"] = round(p["from_ack_ms_p99"] / (out or [p])[0]["from_ack_ms_p99"], 3)
+        p["p50_over_one"] = round(p["from_ack_ms_p50"] / (out or [p])[0]["from_ack_ms_p50"], 3)
+        out.append(p)
+        console.print(f"[dim]{n} replica(s): from ack p50 {p['from_ack_ms_p50']} ms, "
+                      f"p99 {p['from_ack_ms_p99']} ms ({p['p99_over_one']}x 1 replica)[/dim]")
+    return out
+
+
+def key(instances: int, clients: int) -> str:
+    return f"{instances}x{clients}"
+
+
+def run(settings: Settings) -> dict[str, Any] | None:
+    why = PgServer.missing()
+    if why is not None:
+        console.print(f"[yellow]skipped: {why}[/yellow]")
+        return None
+    load_before = os.getloadavg()[0]
+    root = Path(tempfile.mkdtemp(prefix="loraplane-bench-pg-"))
+    server = PgServer()
+    services: list[Service] = []
+    configs = [key(n, c) for n in INSTANCES for c in CLIENTS]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ["raw", *configs]}
+    try:
+        server.start()
+        example = make_example(root / "example", seed=0)
+        paths = [str(p) for p in example.adapter_dirs.values()]
+        url = server.database()
+        raw_dsn = server.database().replace("+psycopg", "")
+        services = [Service(root / f"s{i}", extra_args=("--db", url)).start()
+                    for i in range(max(INSTANCES))]
+        init_pool(services[0], example.model_dir, max_loras=max(CLIENTS) * NAMES_PER_CLIENT)
+        console.print(f"[dim]temp dir {root}; PostgreSQL pid {server.pid}; warming up[/dim]")
+        measure_raw(raw_dsn, 200, settings.max_seconds)
+        measure_service(services[0], paths, 4, 4 * 16, settings.max_seconds,
+                        others=tuple(services[1:]))
+        for rep in range(settings.repeats):
+            for k in runs:
+                if k == "raw":
+                    r = measure_raw(raw_dsn, settings.raw_events, settings.max_seconds)
+                else:
+                    n, c = (int(x) for x in k.split("x"))
+                    r = measure_service(services[0], paths, c, settings.events,
+                                        settings.max_seconds, others=tuple(services[1:n]))
+                runs[k].append(r)
+                console.print(f"[dim]run {rep + 1}/{settings.repeats} {k:<6} "
+                              f"{r['events_per_s']:>8.0f} events/s ({r['events']} events in "
+                              f"{r['seconds']:.2f} s)[/dim]")
+        for svc in services:
+            svc.stop()
+        propagation = measure_propagations(settings, server, root)
+    finally:
+        for svc in services:
+            svc.stop()
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    ratios = {k: [r["events_per_s"] / raw["events_per_s"] for r, raw in zip(runs[k], runs["raw"])]
+              for k in configs}
+    targets = [{"name": f"{k.replace('x', ' statesvc, ')} clients / raw psycopg",
+                "target": f">= {TARGET_RATIO}x", "measured": round(median(ratios[k]), 3),
+                "met": median(ratios[k]) >= TARGET_RATIO} for k in configs]
+    most = propagation[-1]
+    targets.append({"name": f"propagation p99, {most['replicas']} replicas / 1 replica",
+                    "target": f"<= {TARGET_FANOUT}x", "measured": most["p99_over_one"],
+                    "met": most["p99_over_one"] <= TARGET_FANOUT})
+    return {
+        "benchmark": "pg",
+        "machine": {**machine_info(), "loadavg_1m_before": round(load_before, 2),
+                    "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+        "settings": {"repeats": settings.repeats, "events": settings.events,
+                     "replica_counts": list(settings.replica_counts), "loads": settings.loads,
+                     "raw_events": settings.raw_events, "max_seconds": settings.max_seconds,
+                     "instances": list(INSTANCES), "clients": list(CLIENTS)},
+        "median_events_per_s": {k: round(median([r["events_per_s"] for r in v]), 1)
+                                for k, v in runs.items()},
+        "ratio_to_raw": {k: round(median(v), 3) for k, v in ratios.items()},
+        "ratio_to_raw_per_repeat": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
+        "propagation": propagation,
+        "targets": targets,
+        "runs": runs,
+    }
+
+
+COLUMNS = ("measurement", "events/s", "x raw", "events/commit", "server CPU ms/event",
+           "p50 ms", "p99 ms", "resent")
+
+
+def render(result: dict[str, Any]) -> tuple[Table, str]:
+    med, ratio = result["median_events_per_s"], result["ratio_to_raw"]
+    table = Table(title=f"Durable events/s on PostgreSQL (median of "
+                        f"{result['settings']['repeats']})")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "measurement" else "right")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|"]
+    for k, runs in result["runs"].items():
+        if k == "raw":
+            cells = ["raw psycopg, INSERT + COMMIT", f"{med[k]:,.0f}", "1.00", "1.0", "", "", "",
+                     ""]
+        else:
+            n, c = k.split("x")
+            cells = [f"{n} statesvc, {c} clients", f"{med[k]:,.0f}", f"{ratio[k]:.2f}"]
+            for field, fmt in (("events_per_commit", "{:.1f}"),
+                               ("server_cpu_ms_per_event", "{:.2f}"),
+                               ("latency_ms_p50", "{:.2f}"), ("latency_ms_p99", "{:.2f}")):
+                cells.append(fmt.format(median([r[field] for r in runs])))
+            cells.append(str(sum(r.get("resent", 0) for r in runs)))
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| propagation | from ack p50 ms | p99 ms | p99 / 1 replica |",
+              "|---|---:|---:|---:|"]
+    for p in result["propagation"]:
+        lines.append(f"| {p['replicas']} replica(s), {p['loads']} loads | "
+                     f"{p['from_ack_ms_p50']:.1f} | {p['from_ack_ms_p99']:.1f} | "
+                     f"{p['p99_over_one']:.2f} |")
+    m = result["machine"]
+    lines += ["", "One PostgreSQL server started by the benchmark (fsync=on, "
+              "synchronous_commit=on); raw psycopg: one connection, one INSERT + COMMIT per "
+              "row. statesvc: each client process loads then unloads its own "
+              f"{NAMES_PER_CLIENT} names; with 2 instances client i writes through instance "
+              "i mod 2. server CPU: all instances together. resent: commands answered "
+              "storage_error (an instance that lost the append race 16 times in a row) and "
+              "resent with their event_id, over all repeats.", ""]
+    lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']:,} "
+              f"(target {t['target']})" for t in result["targets"]]
+    lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "
+                 f"before the run, {m['date']}. `python -m benchmarks.bench_pg` reproduces it.")
+    return table, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--events", type=int, default=3200,
+                    help="events per statesvc measurement, in all (whole rounds of 16 a client)")
+    ap.add_argument("--raw-events", type=int, default=5000)
+    ap.add_argument("--max-seconds", type=float, default=15.0)
+    ap.add_argument("--replicas", default="1,4,16", help="replica counts, comma-separated")
+    ap.add_argument("--loads", type=int, default=30, help="loads per propagation measurement")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one short repeat")
+    ap.add_argument("--no-write", action="store_true",
+                    help="print only: leave benchmarks/results and README.md alone")
+    a = ap.parse_args(argv)
+    counts = tuple(int(x) for x in a.replicas.split(","))
+    settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads)
+    if a.quick:
+        settings = Settings(1, 256, 200, 5.0, (1, 2), 4)
+    result = run(settings)
+    if result is None:
+        return 0
+    show_and_publish("pg", result, *render(result), quick=a.quick, no_write=a.no_write,
+                     console=console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
