@@ -39,7 +39,11 @@ def test_quick_suite_writes_figures_plots_and_the_readme_table(tmp_path: Path) -
 
     latest = json.loads((out / "latest.json").read_text())
     assert {"machine", "date", "figures"} <= set(latest)
-    assert {f["bench"] for f in latest["figures"]} == {b.name for b in BENCHES}
+    # the llama.cpp peer has figures only where its venv was built (a quick run never builds it)
+    peer = json.loads((out / "peer.json").read_text())
+    assert peer["peer"] in ("built", "not built"), peer
+    expected = {b.name for b in BENCHES} - (set() if peer["peer"] == "built" else {"peer"})
+    assert {f["bench"] for f in latest["figures"]} == expected
     for f in latest["figures"]:
         assert {"name", "value", "unit", "target", "meets"} <= set(f), f
         assert isinstance(f["value"], float) and f["value"] >= 0, f
