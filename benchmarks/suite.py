@@ -56,6 +56,8 @@ BENCHES = (
     Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
     Bench("residency", "benchmarks.bench_residency", ("--quick",)),
     Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
+    # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
+    Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
 )
 
 # `--isa avx2` (a forced AVX2+FMA build on any x86 CPU) keeps its results here, beside the
@@ -295,10 +297,31 @@ def gateway_figures(r: dict[str, Any]) -> list[Figure]:
                    spread=spread(added["p99"]), runs=runs)]
 
 
+def peer_figures(r: dict[str, Any]) -> list[Figure]:
+    """Ours over llama.cpp on the same batches (issue 20); none when the peer was not built."""
+    if r.get("peer") != "built":
+        return []
+    runs = r["settings"]["repeats"]
+    out = []
+    for key, cell in r["workloads"].items():
+        k, dtype = cell["adapters"], "bfloat16" if cell["dtype"] == "bf16" else "float32"
+        mix = "base model" if k == 0 else f"{k} distinct adapters"
+        goal = 1.0 if k == 0 else 3.0
+        if k == 0 and dtype == "float32":
+            out.append(figure("peer", "llama.cpp decode, base model, batch 32", cell["llamacpp"]["tokens_per_s"],
+                              "tokens/s", spread=cell["llamacpp"]["spread"], runs=runs))
+        out.append(figure("peer", f"decode, {mix}, {dtype}: ours / llama.cpp", cell["ours_over_llamacpp"], "x",
+                          target=f">= {goal:g}x", meets=cell["ours_over_llamacpp"] >= goal,
+                          spread=cell["ours_over_llamacpp_spread"], runs=runs))
+    out.append(figure("peer", "llama.cpp decode, 16 distinct adapters / its base model",
+                      r["llamacpp_adapters_over_base"], "x", spread=r["llamacpp_adapters_over_base_spread"], runs=runs))
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "pg": pg_figures, "replica": replica_figures,
     "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
-    "residency": residency_figures, "gateway": gateway_figures}
+    "residency": residency_figures, "gateway": gateway_figures, "peer": peer_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

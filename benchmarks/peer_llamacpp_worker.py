@@ -1,0 +1,147 @@
+"""llama.cpp's side of bench_peer_llamacpp: runs in the peer's environment (build/llamacpp-venv).
+
+Reads one JSON command a line on stdin, answers one JSON line on stdout; llama.cpp's
+own log goes to stderr. It drives llama.cpp through llama-cpp-python's low-level
+API (the C API one to one), never its high-level `Llama` class:
+
+* `setup`: a workload: the model file, and per group of rows its LoRA adapter file
+  (or none). Each group is one llama context (`llama_init_from_model`, the threads the
+  bench asks for, one sequence per row: `n_seq_max` = the group's rows, the KV cache split
+  per sequence) with its adapter set once (`llama_set_adapters_lora`, scale 1:
+  llama.cpp applies alpha / r itself). The prompts of the group's rows are prefilled in
+  one `llama_decode` (one llama_batch, a sequence id per row, logits of each row's last
+  token), and each row's first token is its argmax.
+* `round`: restart every row at the prompt's end (`llama_memory_seq_rm` from there on),
+  then `steps` greedy steps: per step and group, one llama_batch of one token per row
+  (its own sequence id and position), `llama_decode`, argmax of each row's logits.
+  Answers the seconds of the steps (perf_counter) and the tokens, [step][row].
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import llama_cpp as lc  # type: ignore[import-not-found]
+
+PER_SEQ_CTX = 256  # KV positions per sequence (prompt + the longest round, padded)
+
+
+class Group:
+    """One llama context: some rows of the batch, one adapter (or none)."""
+
+    def __init__(self, model: Any, rows: list[int], adapter: Any, prompts: np.ndarray, threads: int,
+                 n_vocab: int) -> None:
+        p = lc.llama_context_default_params()
+        p.n_ctx = PER_SEQ_CTX * len(rows)
+        p.n_seq_max = len(rows)
+        p.n_batch = max(512, len(rows) * prompts.shape[1])
+        p.n_ubatch = p.n_batch  # the prefill in one piece
+        p.n_threads = p.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(model, p)
+        if not self.ctx:
+            raise RuntimeError("llama_init_from_model failed")
+        if adapter is not None:
+            arr = (lc.llama_adapter_lora_p_ctypes * 1)(adapter)
+            scales = (ctypes.c_float * 1)(1.0)
+            if lc.llama_set_adapters_lora(self.ctx, arr, 1, scales) != 0:
+                raise RuntimeError("llama_set_adapters_lora failed")
+        self.rows, self.n_vocab, self.prompt = rows, n_vocab, prompts.shape[1]
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.batch = lc.llama_batch_init(max(len(rows) * self.prompt, 1), 0, 1)
+        toks = [(int(prompts[r, i]), i, j, i == self.prompt - 1) for j, r in enumerate(rows)
+                for i in range(self.prompt)]
+        self.first = self._decode(toks)
+
+    def _decode(self, toks: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """One llama_decode of (token, position, sequence, wants logits); argmax of each output."""
+        b = self.batch
+        b.n_tokens = len(toks)
+        for i, (tok, pos, seq, out) in enumerate(toks):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(out)
+            b.seq_id[i][0] = seq
+        rc = lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        n_out = sum(1 for t in toks if t[3])
+        logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab))
+        return logits.argmax(axis=1).astype(np.int64)
+
+    def restart(self) -> None:
+        lc.llama_memory_seq_rm(self.mem, -1, self.prompt, -1)
+
+    def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
+        return self._decode([(int(tokens[j]), pos, j, True) for j in range(len(self.rows))])
+
+
+class Workload:
+    def __init__(self, groups: list[Group], batch: int) -> None:
+        self.groups, self.batch = groups, batch
+
+    def round(self, steps: int) -> tuple[float, list[list[int]]]:
+        for g in self.groups:
+            g.restart()
+        current = [g.first for g in self.groups]
+        out = []
+        t0 = time.perf_counter()
+        for k in range(steps):
+            row = np.zeros(self.batch, np.int64)
+            for i, g in enumerate(self.groups):
+                current[i] = g.step(current[i], self.groups[0].prompt + k)
+                row[g.rows] = current[i]
+            out.append(row.tolist())
+        return time.perf_counter() - t0, out
+
+
+def main() -> int:
+    lc.llama_backend_init()
+    models: dict[str, Any] = {}
+    adapters: dict[str, Any] = {}
+    workloads: dict[str, Workload] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "info":
+                reply: dict[str, Any] = {"system_info": lc.llama_print_system_info().decode(),
+                                         "version": getattr(lc, "__version__", "?")}
+            elif cmd["op"] == "setup":
+                path = cmd["model"]
+                if path not in models:
+                    mp = lc.llama_model_default_params()
+                    models[path] = lc.llama_model_load_from_file(path.encode(), mp)
+                    if not models[path]:
+                        raise RuntimeError(f"llama_model_load_from_file failed on {path}")
+                model = models[path]
+                n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+                prompts = np.asarray(cmd["prompts"], np.int64)
+                groups = []
+                for rows, apath in cmd["groups"]:
+                    adapter = None
+                    if apath:
+                        if apath not in adapters:
+                            adapters[apath] = lc.llama_adapter_lora_init(model, apath.encode())
+                            if not adapters[apath]:
+                                raise RuntimeError(f"llama_adapter_lora_init failed on {apath}")
+                        adapter = adapters[apath]
+                    groups.append(Group(model, rows, adapter, prompts, cmd["threads"], n_vocab))
+                workloads[cmd["key"]] = Workload(groups, len(prompts))
+                reply = {"contexts": len(groups)}
+            elif cmd["op"] == "round":
+                seconds, tokens = workloads[cmd["key"]].round(cmd["steps"])
+                reply = {"seconds": seconds, "tokens": tokens}
+            elif cmd["op"] == "quit":
+                break
+            else:
+                raise ValueError(f"unknown op {cmd['op']!r}")
+        except Exception as e:  # the bench reports it; this process keeps answering
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
