@@ -50,6 +50,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# What `--isa avx2` sets beside our kernels' forced build, so that everything else in the
+# run (XLA's own ops, and torch under PEFT: ATen's kernels, oneDNN, MKL) also runs AVX2 code
+# and the ratios are those of an AVX2 machine, not of our AVX2 code against AVX-512 peers.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_XLA_FLAG = "--xla_cpu_max_isa=AVX2"
+
+
+def forced_isa_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the peers' and XLA's vector ISA capped at AVX2 (see AVX2_ENV)."""
+    flags = env.get("XLA_FLAGS", "")
+    if AVX2_XLA_FLAG not in flags:
+        flags = f"{flags} {AVX2_XLA_FLAG}".strip()
+    return {**env, **AVX2_ENV, "XLA_FLAGS": flags}
+
+
 def machine_info() -> dict[str, Any]:
     """What a reader needs to compare runs: the CPU and the vector instruction sets the native
     kernels are built for here, Python, OS and when it ran."""
@@ -61,7 +77,9 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version(),
             "implementation": sys.implementation.name,
             "platform": platform.platform(),
-            "machine": platform.machine()}
+            "machine": platform.machine(),
+            # set where a run capped everyone's ISA (`make bench ISA=avx2`)
+            "isa_caps": {k: os.environ[k] for k in (*AVX2_ENV, "XLA_FLAGS") if k in os.environ}}
 
 
 def median(values: list[float]) -> float:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import plots
-from benchmarks.report import (OUT_ENV, README, RESULTS_DIR, decode_rates, machine_info, median, spread,
-                               update_readme)
+from benchmarks.report import (OUT_ENV, README, RESULTS_DIR, decode_rates, forced_isa_env, machine_info,
+                               median, spread, update_readme)
 
 Figure = dict[str, Any]
 
@@ -445,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if a.isa:
         env["LORAPLANE_KERNEL_ISA"] = os.environ["LORAPLANE_KERNEL_ISA"] = a.isa  # also for built_isas() here
+    if forced:  # XLA's own ops and PEFT's torch run AVX2 code too: an AVX2 machine, all through
+        env = forced_isa_env(env)
     readme = README
     if out.resolve() != RESULTS_DIR.resolve():
         env[OUT_ENV] = str(out)
