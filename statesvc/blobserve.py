@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import zmq
 from sqlalchemy.exc import OperationalError
@@ -32,6 +32,27 @@ MAX_QUEUED = 1024
 # being sent, one being forwarded; a client that reads none is bounded by shared.router
 IN_FLIGHT = 4
 SEND_RETRY_MS = 200
+
+
+class ChunkSource(Protocol):
+    def has(self, sha: str) -> bool: ...
+
+    def size(self, sha: str) -> int: ...
+
+    def read_chunk(self, sha: str, offset: int, length: int) -> bytes: ...
+
+
+def read_chunk(blobs: ChunkSource, args: dict[str, Any]) -> dict[str, Any]:
+    """The `blob` command's answer: `length` bytes of blob `sha256` from `offset`."""
+    sha = args["sha256"]
+    if not blobs.has(sha):
+        raise CodedError("not_found", f"no blob {sha}", "args.sha256")
+    size = blobs.size(sha)
+    if args["offset"] > size:
+        raise CodedError("bad_request", f"offset {args['offset']} is beyond the blob's "
+                         f"{size} bytes", "args.offset")
+    data = blobs.read_chunk(sha, args["offset"], args["length"])
+    return {"sha256": sha, "offset": args["offset"], "size": size, "data": data}
 
 
 class BlobServer(threading.Thread):

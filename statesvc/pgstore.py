@@ -22,7 +22,8 @@ Blobs live in the database (statesvc/pgblobs.py), written in the events' transac
 from __future__ import annotations
 
 import time
-from typing import Any, Collection, Sequence
+from contextlib import contextmanager
+from typing import Any, Collection, Iterator, Sequence
 
 import psycopg
 from sqlalchemy import Engine, create_engine, exc, insert, make_url, select, text
@@ -30,7 +31,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from shared.events import Event
 from statesvc.models import BlobChunkRow, BlobRow, EventRow, SnapshotRow
-from statesvc.store import (APPEND_LOCK, HeadMoved, NewBlob, NewEvent, Snapshot, SqlReads,
+from statesvc.store import (APPEND_LOCK, TURN_LOCK, HeadMoved, NewBlob, NewEvent, Snapshot, SqlReads,
                             StoreError, upgrade_to_head, utc_now)
 
 CHUNK_BYTES = 1 << 20  # a blob's bytes, one row per MiB
@@ -103,6 +104,23 @@ class PostgresEventStore(SqlReads):
                     {"seq": s.seq, "state": s.state, "digest": s.digest, "created_at": now}
                     for s in snapshots])
         return [Event(e.seq, e.event_id, e.type, e.payload, now, e.actor) for e in events]
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """The instances' turn to write, a session advisory lock (waiters are granted it in
+        order): without it, one that lost an append race catches up while the winner decides
+        its next batch on a head already current, and can lose again and again."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": TURN_LOCK})
+            conn.commit()
+            try:
+                yield
+            finally:
+                try:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": TURN_LOCK})
+                    conn.commit()
+                except exc.DBAPIError:
+                    conn.invalidate()  # its session is gone, and the lock with it
 
     def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
         if not event_ids:

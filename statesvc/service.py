@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from shared.reducer import (State, admit_load, apply, canonical, logical_digest,
                             snapshot_bytes, verified_snapshot)
 from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
 from statesvc.blobs import BlobStore
+from statesvc.blobserve import read_chunk
 from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry
 from statesvc.store import EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, recovery_steps
@@ -192,16 +194,19 @@ class StateService:
         committed: list[Event] = []
         why = "other statesvc instances kept appending"
         for _ in range(HEAD_MOVED_RETRIES):
-            try:
-                committed += self.catch_up() if self.store.shared else []
-            except Exception as exc:  # the shared log could not be read: nothing was decided
-                log.warning("catching up with the log failed: %s", exc)
-                why = f"the log could not be read ({exc})"
-                break
-            try:
-                return self._handle(requests, committed, more), committed
-            except HeadMoved as moved:
-                log.info("another statesvc appended up to seq %d: deciding again", moved.head)
+            with ExitStack() as turn:
+                try:
+                    turn.enter_context(self.store.turn())
+                    committed += self.catch_up() if self.store.shared else []
+                except Exception as exc:  # the shared log could not be read: nothing decided
+                    log.warning("catching up with the log failed: %s", exc)
+                    why = f"the log could not be read ({exc})"
+                    break
+                try:
+                    return self._handle(requests, committed, more), committed
+                except HeadMoved as moved:
+                    log.info("another statesvc appended up to seq %d: deciding again",
+                             moved.head)
         return [Answer(error=CommandError("storage_error", f"{why}; retry with the same "
                                           "event_id")) for _ in requests], committed
 
@@ -433,15 +438,7 @@ class StateService:
         raise CommandError("unknown_command", f"unknown command {req.cmd!r}")
 
     def blob(self, args: dict[str, Any]) -> dict[str, Any]:
-        sha = args["sha256"]
-        if not self.blobs.has(sha):
-            raise CommandError("not_found", f"no blob {sha}", "args.sha256")
-        size = self.blobs.size(sha)
-        if args["offset"] > size:
-            raise CommandError("bad_request", f"offset {args['offset']} is beyond the blob's "
-                               f"{size} bytes", "args.offset")
-        data = self.blobs.read_chunk(sha, args["offset"], args["length"])
-        return {"sha256": sha, "offset": args["offset"], "size": size, "data": data}
+        return read_chunk(self.blobs, args)
 
     def status(self) -> dict[str, Any]:
         """Head, digest and every replica; costs what the registry's size costs (registry.py)."""

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sqlite3
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -97,6 +98,11 @@ class EventStore(Protocol):
     def latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None: ...
 
     def blob_hashes(self) -> set[str]: ...
+
+    def turn(self) -> AbstractContextManager[None]:
+        """Held while a batch is caught up, decided and appended: on a shared log the
+        instances take turns (FIFO), so one that lost an append race cannot lose it forever."""
+        ...
 
     # the head the store recorded after its last commit before this open (its high-water
     # mark), or None where it keeps none yet
@@ -186,7 +192,7 @@ def write_tx(engine: Engine) -> Any:
 
 
 # the PostgreSQL advisory lock keys: around every append and around migrations
-APPEND_LOCK, MIGRATE_LOCK = 0x6C6F7261, 0x6C6F7262
+APPEND_LOCK, MIGRATE_LOCK, TURN_LOCK = 0x6C6F7261, 0x6C6F7262, 0x6C6F7263
 
 
 def upgrade_to_head(engine: Engine) -> None:
@@ -254,6 +260,9 @@ class SqlReads:
 
 class SqliteEventStore(SqlReads):
     shared = False
+
+    def turn(self) -> AbstractContextManager[None]:
+        return nullcontext()  # one writer: its own thread
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         database = make_url(url).database
