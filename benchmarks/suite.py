@@ -470,9 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     previous.write_text(json.dumps(latest, indent=2) + "\n")
     update_readme("summary", summary_table(latest), readme=readme)
     if out.resolve() == (RESULTS_DIR / FORCED).resolve():  # the repository's table shows both runs
-        main_runs = json.loads((RESULTS_DIR / "latest.json").read_text()).get("runs", {}) \
+        main = json.loads((RESULTS_DIR / "latest.json").read_text()) \
             if (RESULTS_DIR / "latest.json").is_file() else {}
-        both = collect(RESULTS_DIR, main_runs)
+        both = collect(RESULTS_DIR, main.get("runs", {}))
+        if "machine" in main:  # the table's footer names the native run's machine and ISA
+            both["machine"], both["date"] = main["machine"], main["date"]
         both["quick"], both["plots"] = False, [str(p.relative_to(RESULTS_DIR)) for p in
                                                sorted((RESULTS_DIR / "plots").glob("*.png"))]
         (RESULTS_DIR / "latest.json").write_text(json.dumps(both, indent=2) + "\n")
