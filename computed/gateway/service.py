@@ -3,6 +3,7 @@ base model or an adapter, the prompt tokenized, a replica chosen (and another tr
 fails or is full before answering), and the output cut at stop tokens and stop strings."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -25,6 +26,13 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 # replica error codes that another replica may not have: try the next one
 RETRY_ELSEWHERE = {"overloaded": 429, "not_ready": 503}
 REPLICA_ERRORS = {"bad_request": 400, "prompt_too_long": 400, "unknown_adapter": 404}
+INLINE_PROMPT_CHARS = 4096  # longer text prompts are tokenized on a worker thread
+
+
+def prompt_chars(req: Completion | Chat) -> int:
+    if isinstance(req, Chat):
+        return sum(len(m["content"]) for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
 
 
 @dataclass(frozen=True)
@@ -92,13 +100,16 @@ class Gateway:
             raise bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return req.prompt
 
-    def run(self, req: Completion | Chat,
-            on_token: Callable[[int], None] | None = None) -> Output:
-        """Blocking: call from a worker thread. With `on_token` the replica streams and each
-        token is passed on as it arrives; a replica that fails before its first token is
-        replaced by the next candidate, one that fails after it raises MidStream."""
+    async def run(self, req: Completion | Chat,
+                  on_token: Callable[[int], None] | None = None) -> Output:
+        """On the event loop. With `on_token` the replica streams and each token is passed on
+        as it arrives; a replica that fails before its first token is replaced by the next
+        candidate, one that fails after it raises MidStream."""
         target = self.resolve(req.model)
-        ids = self.prompt_ids(req)
+        if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
+            ids = await asyncio.get_running_loop().run_in_executor(None, self.prompt_ids, req)
+        else:
+            ids = self.prompt_ids(req)
         if not ids:
             raise bad("the prompt has no tokens", "prompt")
         s = req.sampling
@@ -128,7 +139,7 @@ class Gateway:
                 on_token(token)
 
             try:
-                res = self.links.generate(replica.address, args,
+                res = await self.links.generate(replica.address, args,
                                           connect_timeout_s=CONNECT_TIMEOUT_S,
                                           timeout_s=self.request_timeout_s,
                                           on_token=None if on_token is None else relay)
