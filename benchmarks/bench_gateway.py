@@ -56,7 +56,6 @@ from shared.llama import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 
 BATCH, ADAPTERS = 32, 16
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -81,9 +80,15 @@ def cpu_name() -> str:
 
 
 def cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds so far (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """A process's CPU seconds so far, all its threads (their schedstat: nanoseconds, where
+    /proc/PID/stat counts 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def pct(values: list[float], q: float) -> float:

@@ -175,9 +175,15 @@ class ReplicaLinks:
         if on_token is not None:
             args = {**args, "stream": True}
         link.start(req_id, on_token)
+        frame = encode_request(req_id, GENERATE, args)
         sent = False
         try:
-            await link.send(encode_request(req_id, GENERATE, args), connect_timeout_s)
+            # one turn of the loop first: the other requests of a burst that arrived with
+            # this one get here too, and all go out together (a replica admits what has
+            # arrived into one batched prefill; a burst spread over the gateway's work on
+            # it would be prefilled in two)
+            await asyncio.sleep(0)
+            await link.send(frame, connect_timeout_s)
             sent = True
             assert link.done is not None
             try:
