@@ -185,6 +185,12 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None) -> dict[s
     }
 
 
+def worst_p50(r: dict[str, Any]) -> float:
+    """The largest added p50 of any round: the latency target holds only if it holds in
+    every round, since other load moves a round by more than the gateway does."""
+    return max(x["gateway"]["p50_ms"] - x["zmq"]["p50_ms"] for x in r["rounds_detail"])
+
+
 def report(res: dict[str, Any]) -> str:
     """The README's bench:gateway section."""
     lines = ["| model | ZeroMQ tok/s | gateway tok/s | gateway / ZeroMQ (spread) | added p50 | "
@@ -201,7 +207,8 @@ def report(res: dict[str, Any]) -> str:
             f"{r['ratio']:.2f}x ({lo:.2f}-{hi:.2f})"
             + (f"; >= 0.9x: {'PASS' if r['ratio'] >= 0.9 else 'MISS'}" if target else "")
             + f" | {r['added_p50_ms']:+.1f} ms"
-            + (f"; < 2 ms: {'PASS' if r['added_p50_ms'] < 2 else 'MISS'}" if target else "")
+            + (f"; < 2 ms in every round: {'PASS' if worst_p50(r) < 2 else 'MISS'}"
+               if target else "")
             + f" | {r['added_p99_ms']:+.1f} ms | {r['added_ttft_p50_ms']:+.1f} ms | "
             f"{cpu['gateway']['replica']:.3f}, {cpu['gateway']['gateway']:.3f} "
             f"(idle: {cpu['zmq']['gateway']:.3f}) | "

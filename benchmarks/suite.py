@@ -297,9 +297,11 @@ def gateway_figures(r: dict[str, Any]) -> list[Figure]:
                        s["ratio"], "x", target=">= 0.9x" if i == 0 else None,
                        meets=s["ratio"] >= 0.9 if i == 0 else None, spread=s["ratio_range"],
                        runs=runs),
+                # every round under the limit: other load moves a round by seconds, so a
+                # median under 2 ms can be noise (docs/benchmarks.md, the gateway's cost)
                 figure("gateway", f"gateway: added latency per request, p50{on}",
                        s["added_p50_ms"], "ms", target="< 2" if i == 0 else None,
-                       meets=s["added_p50_ms"] < 2 if i == 0 else None,
+                       meets=max(added["p50"]) < 2 if i == 0 else None,
                        spread=spread(added["p50"]), runs=runs),
                 figure("gateway", f"gateway: added latency per request, p99{on}",
                        s["added_p99_ms"], "ms", spread=spread(added["p99"]), runs=runs)]
