@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.report import publish
+from benchmarks.report import machine_info, publish
 from shared.client import ControlClient, new_event_id
 from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.llama import MODULES
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = a.shapes.split(",")
     if not set(shapes) <= set(known):
         p.error(f"--shapes takes {', '.join(known)}")
-    res: dict[str, Any] = {"cpu": cpu_name(), "shapes": {}}
+    res: dict[str, Any] = {"cpu": cpu_name(), "machine": machine_info(), "shapes": {}}
     for name in shapes:
         w = known[name]
         if a.tokens:
