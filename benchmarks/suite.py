@@ -283,18 +283,30 @@ def residency_figures(r: dict[str, Any]) -> list[Figure]:
                           runs=len(cold["many_s"])))
     return out
 def gateway_figures(r: dict[str, Any]) -> list[Figure]:
-    """The gateway with streaming over ZeroMQ straight to the replica (issue 17)."""
-    rows, runs = r["rounds_detail"], r["rounds"]
-    added = {q: [x["gateway"][f"{q}_ms"] - x["zmq"][f"{q}_ms"] for x in rows]
-             for q in ("p50", "p99")}
-    return [figure("gateway", "gateway + streaming / ZeroMQ, batch 32, 16 adapters", r["ratio"],
-                   "x", target=">= 0.9x", meets=r["ratio"] >= 0.9, spread=r["ratio_range"],
-                   runs=runs),
-            figure("gateway", "gateway: added latency per request, p50", r["added_p50_ms"], "ms",
-                   target="< 2", meets=r["added_p50_ms"] < 2, spread=spread(added["p50"]),
-                   runs=runs),
-            figure("gateway", "gateway: added latency per request, p99", r["added_p99_ms"], "ms",
-                   spread=spread(added["p99"]), runs=runs)]
+    """The gateway with streaming over ZeroMQ straight to the replica (issue 17): the targets
+    on the decode benchmark's model (`bench`), the tiny example model's figures for context
+    (the gateway's worst case)."""
+    out = []
+    shapes = r.get("shapes") or {"": r}  # results from before the two shapes: one, targeted
+    for shape, s in shapes.items():
+        i = 0 if shape in ("bench", "") else 1  # 0: the targets apply
+        rows, runs = s["rounds_detail"], s["rounds"]
+        added = {q: [x["gateway"][f"{q}_ms"] - x["zmq"][f"{q}_ms"] for x in rows]
+                 for q in ("p50", "p99")}
+        on = f" ({shape} model)" if shape else ""
+        out += [figure("gateway", f"gateway + streaming / ZeroMQ, batch 32, 16 adapters{on}",
+                       s["ratio"], "x", target=">= 0.9x" if i == 0 else None,
+                       meets=s["ratio"] >= 0.9 if i == 0 else None, spread=s["ratio_range"],
+                       runs=runs),
+                # every round under the limit: other load moves a round by seconds, so a
+                # median under 2 ms can be noise (docs/benchmarks.md, the gateway's cost)
+                figure("gateway", f"gateway: added latency per request, p50{on}",
+                       s["added_p50_ms"], "ms", target="< 2" if i == 0 else None,
+                       meets=max(added["p50"]) < 2 if i == 0 else None,
+                       spread=spread(added["p50"]), runs=runs),
+                figure("gateway", f"gateway: added latency per request, p99{on}",
+                       s["added_p99_ms"], "ms", spread=spread(added["p99"]), runs=runs)]
+    return out
 
 
 def peer_figures(r: dict[str, Any]) -> list[Figure]:
@@ -350,6 +362,8 @@ def shortfall(f: Figure) -> str:
         return f"{_num(f['value'])} instead of 0"
     if op == ">=":
         return f"{f['value'] / goal:.0%} of the target"
+    if f["value"] < goal and f["spread"]:  # a target that every run must meet
+        return f"the median is under it, runs up to {_num(f['spread'][1])}"
     return f"{f['value'] / goal:.1f}x the limit"
 
 

@@ -41,7 +41,7 @@ from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
 from shared.protocol import (PUBLISHED_HEARTBEAT, ProtocolError, encode_request, error_reply_of,
                              ok_reply, pack, request_id_of, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
-from shared.replica_protocol import (GENERATE, SLOT_ARGS, STATUS, decode_replica_request,
+from shared.replica_protocol import (CANCEL, CANCEL_ARGS, GENERATE, SLOT_ARGS, STATUS, decode_replica_request,
                                      token_frame)
 from shared.router import Replies, serving_router, split_request
 
@@ -365,14 +365,23 @@ class Daemon:
                 msg = unpack(body.bytes)
                 req_id = request_id_of(msg)
                 cmd, args = decode_replica_request(msg)
+                # the client: its CURVE identity with --auth; else the connection
+                client = user if user is not None else envelope[0]
                 if cmd == GENERATE:
                     if self.engine is None:
                         raise ProtocolError("not_ready", "inference is disabled on this replica")
-                    # the client: its CURVE identity with --auth; else the connection
-                    client = user if user is not None else envelope[0]
                     immediate = self.engine.submit(req_id or "", args, envelope, client=client)
                     if immediate is not None:
                         self._send([immediate])
+                    continue
+                if cmd == CANCEL:
+                    # only the client that sent a request may cancel it
+                    gone = None if self.engine is None else self.engine.cancel(
+                        validate(CANCEL_ARGS, args, "args")["id"], client)
+                    if gone is not None:
+                        self._send([gone])
+                    reply = ok_reply(req_id, {"cancelled": gone is not None})
+                    self.replies.send(envelope + [reply])
                     continue
                 reply = ok_reply(req_id, self._command(cmd, args, operator=operator))
             except ProtocolError as exc:

@@ -106,6 +106,7 @@ class Engine:
         self.cache = model.new_cache()
         self.warm = False
         self.tickets = 0
+        self.cancelled = 0
         # called with (request, index, token) for each token of a request that asked for
         # `stream` (the daemon sends it on at once); the final reply is the usual Done
         self.on_token: Callable[[Request, int, int], None] | None = None
@@ -151,6 +152,25 @@ class Engine:
         self.replica.want(args["adapter"])  # a missing adapter's fetch starts now, not at admit
         return None
 
+    def cancel(self, req_id: str, client: Hashable) -> Done | None:
+        """Drop `client`'s request `req_id`, waiting or running: its row and its slot lease
+        are free at once. The Done (error `cancelled`) is its last reply; None when `client`
+        has no such request (it finished, or it is another client's)."""
+        gone = GenerateError("cancelled", "cancelled by its client")
+        for i, req in enumerate(self.waiting):
+            if req.req_id == req_id and req.client == client:
+                del self.waiting[i]
+                self.replica.withdraw(req.ticket)
+                self.cancelled += 1
+                return Done(req.reply_to, req_id, error=gone)
+        for r in self.rows:
+            if r is not None and r.req.req_id == req_id and r.req.client == client:
+                self.rows[r.row] = None
+                r.grant.release()
+                self.cancelled += 1
+                return Done(r.req.reply_to, req_id, error=gone)
+        return None
+
     @property
     def busy(self) -> bool:
         return any(r is not None for r in self.rows) or bool(self.waiting)
@@ -159,7 +179,7 @@ class Engine:
         """What `status` reports of inference."""
         return {"warm": self.warm, "running": sum(r is not None for r in self.rows),
                 "waiting": len(self.waiting), "max_batch": self.model.max_batch,
-                "max_len": self.model.max_len}
+                "max_len": self.model.max_len, "cancelled": self.cancelled}
 
     # ---- one step ----------------------------------------------------------------
 

@@ -34,7 +34,7 @@ def pack(value: Any) -> bytes:
     return packed
 
 
-def _no_ext(code: int, data: bytes) -> Any:
+def no_ext(code: int, data: bytes) -> Any:
     raise ProtocolError("bad_frame", f"msgpack ext type {code} is not allowed")
 
 
@@ -60,7 +60,7 @@ def unpack(frame: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> Any:
                             f"{max_bytes}-byte limit")
     try:
         value = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
-                                ext_hook=_no_ext)
+                                ext_hook=no_ext)
     except ProtocolError:
         raise
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,

@@ -14,11 +14,13 @@ from shared.config import PROTOCOL_VERSION
 from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, str_len,
                              validate)
 
-STATUS, SLOT, GENERATE = "status", "slot", "generate"
-COMMANDS = (STATUS, SLOT, GENERATE)
+STATUS, SLOT, GENERATE, CANCEL = "status", "slot", "generate", "cancel"
+COMMANDS = (STATUS, SLOT, GENERATE, CANCEL)
 MAX_STOP_TOKENS = 64
 
 SLOT_ARGS: Schema = {"slot": Field(int, check=int_range(0, 1 << 20))}
+# `cancel`: the id of a `generate` this client sent (docs/protocol.md §13b)
+CANCEL_ARGS: Schema = {"id": Field(str, check=str_len(128))}
 
 # `generate`'s optional args as a replica fills them in (loractl's defaults too)
 GENERATE_DEFAULTS: dict[str, Any] = {
@@ -102,6 +104,7 @@ class InferenceStatus(TypedDict):
     waiting: int
     max_batch: int
     max_len: int
+    cancelled: int  # requests its clients cancelled since start (`cancel`)
 
 
 def decode_replica_request(msg: Any) -> tuple[str, dict[str, Any]]:

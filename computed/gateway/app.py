@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -22,8 +22,11 @@ from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
-from computed.gateway.streaming import Item, StreamText, events, usage
+from computed.gateway.streaming import Chunks, Item, StreamText, events, usage
 from shared.keys import ClientKeys
+
+log = logging.getLogger("computed.gateway")
+CLIENT_GONE = "499"  # the status label of a stream whose client went away (nginx's code)
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -49,7 +52,6 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
     gateway, as the gateway's own identity on statesvc)."""
     pending = threading.BoundedSemaphore(max_pending)
     metrics = Metrics(gw.router)
-    workers = ThreadPoolExecutor(max_pending, thread_name_prefix="stream")
 
     def record(label: str, endpoint: str, started: float, out: Output | ApiError) -> None:
         if isinstance(out, ApiError):
@@ -60,38 +62,49 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         metrics.generation_tokens.labels(label).inc(out.completion_tokens)
         metrics.latency.labels(label).observe(time.perf_counter() - started)
 
+    tasks: set[asyncio.Task[None]] = set()  # requests running: held until they end
+
     async def stream(req: Completion | Chat, stop_ids: set[int], label: str, endpoint: str,
                      started: float, head: dict[str, Any], chat: bool) -> Response:
-        """Run the request on a worker thread whose replica streams its tokens; answer with
-        an error status when it fails before the first token, else with the event stream."""
-        loop = asyncio.get_running_loop()
+        """Run the request as a task whose replica streams its tokens into a queue; answer
+        with an error status when it fails before the first token, else with the event
+        stream. A client that goes away mid-stream cancels the task (streaming.events)."""
         queue: asyncio.Queue[Item] = asyncio.Queue()
 
         def token(t: int) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ("token", t))
+            queue.put_nowait(("token", t))
 
-        def work() -> None:
+        async def work() -> None:
             result: Output | ApiError
             try:
-                result = gw.run(req, on_token=token)
+                result = await gw.run(req, on_token=token)
             except ApiError as exc:
                 result = exc
+            except asyncio.CancelledError:
+                metrics.requests.labels(label, endpoint, CLIENT_GONE).inc()
+                raise
             except Exception as exc:  # a bug: the stream must still end
+                log.exception("request failed")
                 result = ApiError(500, f"internal error: {type(exc).__name__}")
             finally:
                 pending.release()
                 metrics.pending.dec()
             record(label, endpoint, started, result)
-            loop.call_soon_threadsafe(queue.put_nowait, (
-                "error" if isinstance(result, ApiError) else "done", result))
+            queue.put_nowait(("error" if isinstance(result, ApiError) else "done", result))
 
-        loop.run_in_executor(workers, work)
-        first = await queue.get()
+        task = asyncio.create_task(work())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        try:
+            first = await queue.get()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
         if first[0] == "error":
             return error_response(first[1])
         text = StreamText(gw.codec, stop_ids, req.sampling.stop)
-        return StreamingResponse(events(text, queue, first, head, chat,
-                                        req.sampling.include_usage),
+        chunks = Chunks(head, chat, req.sampling.include_usage)
+        return StreamingResponse(events(text, queue, first, chunks, task),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -113,7 +126,7 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             if req.sampling.stream:
                 return await stream(req, stop_ids, label, endpoint, started, head, chat)
             try:
-                out = await run_in_threadpool(gw.run, req)
+                out = await gw.run(req)
             finally:
                 pending.release()
                 metrics.pending.dec()

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import sys
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -98,6 +102,22 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
                             log_level="warning",
                             access_log=False, lifespan="off")
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        profiled(lambda: uvicorn.Server(config).run(sockets=[sock]))
     finally:
         router.stop()
+
+
+def profiled(serve: Callable[[], None]) -> None:
+    """serve(), under cProfile when LORAPLANE_GATEWAY_PROFILE names the file for its stats
+    (benchmarks/bench_gateway.py --profile): SIGTERM then ends it by SystemExit, so the
+    stats are written (uvicorn re-raises the signal after its shutdown)."""
+    path = os.environ.get("LORAPLANE_GATEWAY_PROFILE")
+    if not path:
+        return serve()
+    import cProfile
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(serve)
+    finally:
+        prof.dump_stats(path)

@@ -78,6 +78,10 @@ class Router:
         self._stop = threading.Event()
         self._polled = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-poll", daemon=True)
+        # connections kept from poll to poll (a client drops its socket after a silence and
+        # connects again on its next call): a poll costs two round trips, not two handshakes
+        self._state_client = ControlClient(state, timeout_s=timeout_s, retries=0, keys=keys)
+        self._replica_clients: dict[str, ControlClient] = {}
 
     def start(self) -> Router:
         self._thread.start()
@@ -86,6 +90,8 @@ class Router:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        for c in [self._state_client, *self._replica_clients.values()]:
+            c.close()
 
     def wait_polled(self, timeout: float) -> bool:
         return self._polled.wait(timeout)
@@ -114,16 +120,17 @@ class Router:
 
     def _poll(self) -> FleetView:
         try:
-            with ControlClient(self.state, timeout_s=self.timeout_s, retries=0,
-                               keys=self.keys) as c:
-                status = c.call("status")
-                first, adapters = list_adapters(c)
+            status = self._state_client.call("status")
+            first, adapters = list_adapters(self._state_client)
         except (Unavailable, RemoteError) as exc:
             return FleetView(ok=False, error=f"statesvc at {self.state}: {exc}",
                              replicas=self.view.replicas, adapters=self.view.adapters,
                              pool=self.view.pool, head_seq=self.view.head_seq)
         views = []
         before = {v.address: v for v in self.view.replicas}
+        listed = {r.get("address") for r in status.get("replicas", [])}
+        for gone in set(self._replica_clients) - listed:
+            self._replica_clients.pop(gone).close()
         for r in status.get("replicas", []):
             if r.get("state") != "ACTIVE" or r.get("agrees") is not True:
                 continue
@@ -154,10 +161,12 @@ class Router:
                          replicas=tuple(sorted(views, key=lambda v: v.id)))
 
     def _replica_status(self, address: str) -> dict[str, Any] | None:
+        c = self._replica_clients.get(address)
+        if c is None:
+            c = self._replica_clients[address] = ControlClient(
+                address, timeout_s=self.timeout_s, retries=0, keys=self.replica_keys)
         try:
-            with ControlClient(address, timeout_s=self.timeout_s, retries=0,
-                               keys=self.replica_keys) as c:
-                res = c.call(STATUS)
+            res = c.call(STATUS)
             return res if isinstance(res, dict) else None
         except (Unavailable, RemoteError):
             return None

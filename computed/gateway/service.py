@@ -3,11 +3,12 @@ base model or an adapter, the prompt tokenized, a replica chosen (and another tr
 fails or is full before answering), and the output cut at stop tokens and stop strings."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -17,7 +18,7 @@ from computed.gateway.routing import Router
 from computed.gateway.replicas import ReplicaLinks
 from shared.client import RemoteError, Unavailable
 from shared.replica_protocol import MAX_STOP_TOKENS, generate_args
-from shared.text import TextCodec
+from shared.text import REPLACEMENT, TextCodec
 
 log = logging.getLogger("computed.gateway")
 CONNECT_TIMEOUT_S = 2.0  # a replica not reachable this long is skipped for another
@@ -25,6 +26,13 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 # replica error codes that another replica may not have: try the next one
 RETRY_ELSEWHERE = {"overloaded": 429, "not_ready": 503}
 REPLICA_ERRORS = {"bad_request": 400, "prompt_too_long": 400, "unknown_adapter": 404}
+INLINE_PROMPT_CHARS = 4096  # longer text prompts are tokenized on a worker thread
+
+
+def prompt_chars(req: Completion | Chat) -> int:
+    if isinstance(req, Chat):
+        return sum(len(m["content"]) for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,39 @@ class Output:
     text: str
     finish_reason: str  # "stop" or "length"
     replica: str
+
+
+class StopWatch:
+    """Watches a request's text for its stop strings as tokens come: `hit` is the number of
+    tokens up to the one that completed the first stop string found (None until then)."""
+
+    def __init__(self, codec: TextCodec, stops: Sequence[str]) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.stops = [st for st in stops if st]
+        self.longest = max((len(st) for st in self.stops), default=0)
+        self.checked = 0  # characters of the text before which no stop string can end
+        self.hit: int | None = None
+        self._future: asyncio.Future[None] | None = None
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        # the text as the whole answer's would be cut (Gateway._finish), a character still
+        # incomplete included
+        text = self.codec.decode(self.ids)
+        tail = text[max(0, self.checked - self.longest + 1):]
+        self.checked = len(text.rstrip(REPLACEMENT))  # an incomplete character may change
+        if any(st in tail for st in self.stops):
+            self.hit = len(self.ids)
+            if self._future is not None and not self._future.done():
+                self._future.set_result(None)
+
+    def hit_future(self) -> asyncio.Future[None]:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            if self.hit is not None:
+                self._future.set_result(None)
+        return self._future
 
 
 class MidStream(ApiError):
@@ -92,13 +133,16 @@ class Gateway:
             raise bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return req.prompt
 
-    def run(self, req: Completion | Chat,
-            on_token: Callable[[int], None] | None = None) -> Output:
-        """Blocking: call from a worker thread. With `on_token` the replica streams and each
-        token is passed on as it arrives; a replica that fails before its first token is
-        replaced by the next candidate, one that fails after it raises MidStream."""
+    async def run(self, req: Completion | Chat,
+                  on_token: Callable[[int], None] | None = None) -> Output:
+        """On the event loop. With `on_token` the replica streams and each token is passed on
+        as it arrives; a replica that fails before its first token is replaced by the next
+        candidate, one that fails after it raises MidStream."""
         target = self.resolve(req.model)
-        ids = self.prompt_ids(req)
+        if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
+            ids = await asyncio.get_running_loop().run_in_executor(None, self.prompt_ids, req)
+        else:
+            ids = self.prompt_ids(req)
         if not ids:
             raise bad("the prompt has no tokens", "prompt")
         s = req.sampling
@@ -119,19 +163,26 @@ class Gateway:
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                  stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
             self.router.sent(replica.address, target.adapter, 1)
-            streamed = 0
+            streamed = 0  # tokens the client has seen
+            watch = StopWatch(self.codec, s.stop) if s.stop else None
+            seen: list[int] = []  # the replica's tokens, to the one that completed a stop string
 
             def relay(token: int) -> None:
                 nonlocal streamed
-                streamed += 1
-                assert on_token is not None
-                on_token(token)
+                if watch is not None:
+                    if watch.hit is not None:
+                        return  # past a stop string: the request is being cancelled
+                    seen.append(token)
+                    watch.push(token)
+                if on_token is not None:
+                    streamed += 1
+                    on_token(token)
 
             try:
-                res = self.links.generate(replica.address, args,
-                                          connect_timeout_s=CONNECT_TIMEOUT_S,
-                                          timeout_s=self.request_timeout_s,
-                                          on_token=None if on_token is None else relay)
+                # stop strings need the tokens as they come, streamed to the client or not:
+                # the request is cancelled on its replica as soon as one is complete
+                res = await self._generate(replica.address, args, watch, seen,
+                                           relay if on_token is not None or watch else None)
             except Unavailable as exc:
                 self.router.failed(replica.address)
                 if streamed:
@@ -151,6 +202,26 @@ class Gateway:
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
             return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id)
+
+    async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
+                        seen: list[int], relay: Callable[[int], None] | None
+                        ) -> dict[str, Any]:
+        """The replica's result; with `watch`, ended early (the request cancelled there) once
+        a stop string is complete, its output then the tokens seen so far."""
+        call = self.links.generate(address, args, connect_timeout_s=CONNECT_TIMEOUT_S,
+                                   timeout_s=self.request_timeout_s, on_token=relay)
+        if watch is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            either: set[asyncio.Future[Any]] = {task, watch.hit_future()}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if watch.hit is None or task.done():
+                return await task
+        finally:
+            if not task.done():
+                task.cancel()  # the replica is told to drop the request (ReplicaLinks)
+        return {"output_ids": list(seen)}
 
     def stop_ids(self, s: Sampling) -> set[int]:
         """The tokens that end the output: `stop_token_ids`, and eos unless `ignore_eos`."""

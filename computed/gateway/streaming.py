@@ -1,19 +1,20 @@
 """Server-sent events for `stream: true`: the replica streams its tokens (docs/protocol.md
-§13b), a worker thread passes each one to the event loop, and each becomes one `data:` chunk
-at once, its text decoded incrementally (whole characters only) and held back while it may
-be the start of a stop string."""
+§13b), the request's task on the event loop passes each one on, and each becomes one
+`data:` chunk at once, its text decoded incrementally (whole characters only) and held back
+while it may be the start of a stop string."""
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+import uuid
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 from computed.gateway.requests import ApiError
 from computed.gateway.service import Output
 from shared.text import IncrementalDecoder, TextCodec
 
-# what the worker thread hands the event loop: ("token", id), ("done", Output) or
+# what the request hands its event stream: ("token", id), ("done", Output) or
 # ("error", ApiError)
 Item = tuple[str, Any]
 
@@ -59,12 +60,36 @@ def usage(out: Output) -> dict[str, int]:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
-def chunker(head: dict[str, Any], chat: bool, include_usage: bool
-            ) -> Callable[[str | None, str | None, bool], str]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
+class Chunks:
+    """The `data:` events of one stream, as bytes. A token's chunk differs from the next only
+    by its text, so it is a template filled with the text's JSON string: one json.dumps of a
+    short string per token instead of a whole body (the bytes are the same)."""
 
-    def chunk(text: str | None, finish: str | None, role: bool) -> str:
-        if chat:
+    def __init__(self, head: dict[str, Any], chat: bool, include_usage: bool) -> None:
+        self.head, self.chat, self.include_usage = head, chat, include_usage
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        hole = json.dumps(_HOLE)
+        parts = self._event(_HOLE, None, False).split(hole.encode())
+        # a model name holding the hole's 32 random hex digits would need the slow way
+        self.template = (parts[0], parts[1]) if len(parts) == 2 else None
+
+    def token(self, text: str) -> bytes:
+        if self.template is None:
+            return self._event(text, None, False)
+        return b"%s%s%s" % (self.template[0], json.dumps(text).encode(), self.template[1])
+
+    def first(self) -> bytes:
+        """A chat stream's opening chunk: the assistant's role."""
+        return self._event("", None, True)
+
+    def finish(self, text: str | None, reason: str) -> bytes:
+        return self._event(text, reason, False)
+
+    def usage(self, out: Output) -> bytes:
+        return _data({**self.head, "object": self.obj, "choices": [], "usage": usage(out)})
+
+    def _event(self, text: str | None, finish: str | None, role: bool) -> bytes:
+        if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
@@ -72,45 +97,56 @@ def chunker(head: dict[str, Any], chat: bool, include_usage: bool
         else:
             choice = {"index": 0, "text": text or ""}
         choice.update(logprobs=None, finish_reason=finish)
-        body = {**head, "object": obj, "choices": [choice]}
-        if include_usage:
+        body = {**self.head, "object": self.obj, "choices": [choice]}
+        if self.include_usage:
             body["usage"] = None
-        return f"data: {json.dumps(body)}\n\n"
-    return chunk
+        return _data(body)
+
+
+_HOLE = uuid.uuid4().hex
+DONE = b"data: [DONE]\n\n"
+
+
+def _data(body: dict[str, Any]) -> bytes:
+    return b"data: %s\n\n" % json.dumps(body).encode()
 
 
 async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
-                 head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: a chunk per token as tokens come (what has queued meanwhile goes out in
-    one write), then the finish chunk, the usage chunk when asked and `[DONE]`; a replica
-    that fails mid-stream ends it with an `error` event in OpenAI's shape."""
-    chunk = chunker(head, chat, include_usage)
-    out: list[str] = [chunk("", None, True)] if chat else []
+                 chunks: Chunks, task: asyncio.Task[None]) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per token as tokens come (the chunks of tokens that queued
+    meanwhile go out in one write), then the finish chunk, the usage chunk when asked and
+    `[DONE]`; a replica that fails mid-stream ends it with an `error` event in OpenAI's
+    shape. If the client goes away first (the body is cancelled), so does `task`, the
+    request, which tells its replica to stop."""
+    out: list[bytes] = [chunks.first()] if chunks.chat else []
     item: Item | None = first
-    while True:
-        while item is not None:
-            kind, value = item
-            if kind == "token":
-                if value not in text.stop_ids:
-                    out.append(chunk(text.push(value), None, False))
-            elif kind == "done":
-                o: Output = value
-                rest = text.rest(o.text)
-                out.append(chunk(rest or (None if chat else ""), o.finish_reason, False))
-                if include_usage:
-                    obj = "chat.completion.chunk" if chat else "text_completion"
-                    last = {**head, "object": obj, "choices": [], "usage": usage(o)}
-                    out.append(f"data: {json.dumps(last)}\n\n")
-                out.append("data: [DONE]\n\n")
-                yield "".join(out)
-                return
-            else:
-                err: ApiError = value
-                out.append(f"data: {json.dumps(err.body())}\n\n")
-                yield "".join(out)
-                return
-            item = queue.get_nowait() if not queue.empty() else None
-        if out:
-            yield "".join(out)
-            out = []
-        item = await queue.get()
+    try:
+        while True:
+            while item is not None:
+                kind, value = item
+                if kind == "token":
+                    if value not in text.stop_ids:
+                        out.append(chunks.token(text.push(value)))
+                elif kind == "done":
+                    o: Output = value
+                    rest = text.rest(o.text)
+                    out.append(chunks.finish(rest or (None if chunks.chat else ""),
+                                             o.finish_reason))
+                    if chunks.include_usage:
+                        out.append(chunks.usage(o))
+                    out.append(DONE)
+                    yield b"".join(out)
+                    return
+                else:
+                    err: ApiError = value
+                    out.append(_data(err.body()))
+                    yield b"".join(out)
+                    return
+                item = queue.get_nowait() if not queue.empty() else None
+            if out:
+                yield b"".join(out)
+                out = []
+            item = await queue.get()
+    finally:
+        if not task.done():
+            task.cancel()

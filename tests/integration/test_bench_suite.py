@@ -82,5 +82,9 @@ def test_verdicts_say_how_far_a_missed_target_is() -> None:
     assert shortfall(high) == "6.0x the limit"
     assert shortfall(rate) == "80% of the target"
     assert "instead of 0" in shortfall(compiles)
+    # a limit every run must meet, whose median is under it
+    noisy = figure("x", "added p50", -82.5, "ms", target="< 2", meets=False,
+                   spread=[-2932.4, 1582.9])
+    assert shortfall(noisy) == "the median is under it, runs up to 1,583"
     assert verdict(figure("x", "ok", 1.0, "x", target=">= 0.5x", meets=True)) == "PASS"
     assert verdict(figure("x", "info", 1.0, "x")) == ""

@@ -132,17 +132,26 @@ def test_stop_strings_cut_the_text(setup: Setup) -> None:
                                            extra_body={"ignore_eos": True}).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 2]
     assert stop
+    # the request ends on its replica (cancelled) at the token that completes the stop
+    # string: usage counts the tokens to that one, streamed or not
+    ref = setup.ref.greedy(None, setup.tok(prompt).input_ids, NEW)
+    kept = next(k for k in range(1, NEW + 1)
+                if stop in setup.tok.decode(ref[:k], skip_special_tokens=True))
     for stream in (False, True):
-        res = setup.client.completions.create(model=setup.base, prompt=prompt,
-                                              max_tokens=NEW, temperature=0, stop=[stop],
-                                              extra_body={"ignore_eos": True}, stream=stream)
+        res = setup.client.completions.create(
+            model=setup.base, prompt=prompt, max_tokens=NEW, temperature=0, stop=[stop],
+            extra_body={"ignore_eos": True}, stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}))
         if stream:
             chunks = list(res)
-            text = "".join(c.choices[0].text for c in chunks)
-            finish = chunks[-1].choices[0].finish_reason
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = chunks[-2].choices[0].finish_reason
+            usage = chunks[-1].usage
         else:
             text, finish = res.choices[0].text, res.choices[0].finish_reason
+            usage = res.usage
         assert (text, finish) == (full[:full.index(stop)], "stop")
+        assert usage is not None and usage.completion_tokens == kept < NEW, (stream, usage)
 
 
 def test_errors_are_openai_shaped(setup: Setup) -> None:

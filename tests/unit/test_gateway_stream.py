@@ -57,3 +57,25 @@ def test_text_that_may_begin_a_stop_string_is_held_back(example: ExampleAssets) 
         assert "time" not in got  # never released before it is known not to be "time,"
     assert got == "Once upon a "
     assert st.rest("Once upon a ") == ""
+
+
+def test_a_stop_string_is_caught_on_the_token_that_completes_it(example: ExampleAssets) -> None:
+    """service.StopWatch: how many tokens a request keeps before it is cancelled on its
+    replica (the first whose text holds a whole stop string), found from the text's tail."""
+    from computed.gateway.service import StopWatch
+
+    codec = TextCodec.load(example.model_dir)
+    rng = random.Random(1)
+    for text in ("Once upon a time, a time", "abababab aab", "Grüße aus München"):
+        ids = codec.encode(text)
+        for _ in range(40):
+            a = rng.randrange(len(text) - 1)
+            stops = [text[a:a + rng.randint(1, 5)], "zzz-never"]
+            watch = StopWatch(codec, stops)
+            for t in ids:
+                watch.push(t)
+                if watch.hit is not None:
+                    break
+            first = next(k for k in range(1, len(ids) + 1)
+                         if any(s in codec.decode(ids[:k]) for s in stops))
+            assert watch.hit == first, (text, stops)

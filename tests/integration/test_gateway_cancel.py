@@ -1,0 +1,131 @@
+"""Cancelling a request: the replica's `cancel` (docs/protocol.md §13b) frees the request's row
+at once and touches nothing else, and an HTTP client that leaves a stream makes the gateway
+cancel its request on the replica. Real statesvc, one replica whose steps are slowed (a
+test-only fault switch, so a request is still running when it is cancelled) and a real
+gateway, all subprocesses."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.faults import SLOW_STEP_ENV
+from shared.fleet import Computed, Gateway, wait_for
+from shared.protocol import encode_request, unpack
+from shared.replica_protocol import generate_args
+from statesvc.tools.example import ExampleAssets
+from tests.helpers import Fleet
+
+pytestmark = pytest.mark.timeout(300)
+N = 200  # new tokens: 10 s at the replica's slowed 50 ms a step, far longer than any test
+
+
+class Setup:
+    def __init__(self, fleet: Fleet, replica: Computed, gateway: Gateway) -> None:
+        self.fleet, self.replica, self.gateway = fleet, replica, gateway
+
+    def inference(self) -> dict[str, Any]:
+        return dict(self.replica.status()["inference"])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("cancel")
+    fleet = Fleet(tmp, example)
+    gateway = Gateway(example.model_dir, fleet.statesvc, log_file=tmp / "gateway.log")
+    try:
+        fleet.statesvc.start()
+        fleet.init()
+        fleet.load("chat", "attn-qv-r8")
+        replica = fleet.replica("r1", env={SLOW_STEP_ENV: "0.05"})
+        wait_for(lambda: fleet.converged(replica), what="replica at head")
+        gateway.start()
+        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
+                 what="gateway healthy")
+        yield Setup(fleet, replica, gateway)
+    finally:
+        gateway.stop()
+        fleet.stop()
+
+
+def dealer(address: str) -> zmq.Socket[Any]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 120_000)
+    sock.connect(address)
+    return sock
+
+
+def test_cancel_frees_the_row_and_only_the_sender_may(setup: Setup) -> None:
+    head = setup.fleet.head()
+    before = setup.inference()["cancelled"]
+    owner, stranger = dealer(setup.replica.listen), dealer(setup.replica.listen)
+    try:
+        owner.send(encode_request("g1", "generate", generate_args(
+            [5, 6, 7], adapter="chat", max_new_tokens=N, stream=True)))
+        first = unpack(owner.recv())
+        assert first["token"]["index"] == 0
+        assert setup.inference()["running"] == 1
+        # another connection cannot cancel it: the request runs on
+        stranger.send(encode_request("c0", "cancel", {"id": "g1"}))
+        assert unpack(stranger.recv()) == {"v": 1, "id": "c0", "ok": True,
+                                           "result": {"cancelled": False}}
+        owner.send(encode_request("c1", "cancel", {"id": "g1"}))
+        frames = []
+        while not frames or frames[-1]["id"] != "c1":
+            frames.append(unpack(owner.recv()))
+        tokens, (final, reply) = frames[:-2], frames[-2:]
+        assert all("token" in f for f in tokens) and len(tokens) < N - 1
+        assert final["id"] == "g1" and not final["ok"]
+        assert final["error"]["code"] == "cancelled"
+        assert reply["result"] == {"cancelled": True}
+        inference = setup.inference()
+        assert inference["running"] == 0 and inference["waiting"] == 0
+        assert inference["cancelled"] == before + 1
+        # a cancel for what is gone, and a bad one, change nothing
+        owner.send(encode_request("c2", "cancel", {"id": "g1"}))
+        assert unpack(owner.recv())["result"] == {"cancelled": False}
+        owner.send(encode_request("c3", "cancel", {"id": 7}))
+        bad = unpack(owner.recv())
+        assert not bad["ok"] and bad["error"]["code"] == "bad_request", bad
+        # the freed row serves the next request whole
+        owner.send(encode_request("g2", "generate", generate_args([5, 6, 7], max_new_tokens=4)))
+        assert len(unpack(owner.recv())["result"]["output_ids"]) == 4
+    finally:
+        owner.close(0)
+        stranger.close(0)
+    assert setup.fleet.head() == head  # the log is untouched
+    assert setup.inference()["cancelled"] == before + 1
+
+
+def gone_count(gateway: Gateway) -> float:
+    text = httpx.get(gateway.url + "/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "loraplane_gateway_requests_total"
+               and s.labels["status"] == "499")
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_request(setup: Setup) -> None:
+    head = setup.fleet.head()
+    before = setup.inference()["cancelled"]
+    gone = gone_count(setup.gateway)
+    body = {"model": "chat", "prompt": [5, 6, 7], "max_tokens": N, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=setup.gateway.url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as res:
+            assert res.status_code == 200
+            lines = res.iter_lines()
+            assert next(lines).startswith("data: {")  # the first token's chunk
+        # leaving the block closed the connection mid-stream
+    wait_for(lambda: setup.inference()["cancelled"] == before + 1,
+             what="the replica to cancel the request")
+    assert setup.inference()["running"] == 0
+    wait_for(lambda: gone_count(setup.gateway) == gone + 1, what="the gateway to count it")
+    assert setup.fleet.head() == head
+    # the gateway serves on
+    res = httpx.post(setup.gateway.url + "/v1/completions", timeout=120, json={
+        **body, "stream": False, "max_tokens": 3})
+    assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 3
