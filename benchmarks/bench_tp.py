@@ -8,7 +8,8 @@ Per N in 1, 2 and 4, each in its own process on N forced host devices
   computed/model/sharding.py `expected_param_bytes`, `expected_pool_bytes`), and whether the two
   match exactly;
 * decode throughput of a 32-row batch over 16 distinct adapters (two rows each), LlamaRunner.decode
-  in a loop after a warm-up round, relative to N = 1 in the same run. N = 1 runs the XLA backend
+  in a loop after the runner's warm-up and a warm-up round, relative to N = 1 round by round: the
+  three processes stay up and take turns, one round each, the order rotating. N = 1 runs the XLA backend
   (what N > 1 runs, on one device), not the native kernels, so the ratio is the cost of the mesh.
 
 On forced CPU devices the N "devices" share the same cores, so the ratio measures the overhead of
@@ -45,8 +46,9 @@ ADAPTERS, BATCH, RANK, PROMPT = 16, 32, 8, 8
 DEGREES = (1, 2, 4)
 
 
-def worker(n: int, root: Path, steps: int, repeats: int) -> dict[str, Any]:
-    """In a process with n devices: the bytes and the decode rounds of one degree."""
+def worker(n: int, root: Path, steps: int, repeats: int) -> None:
+    """In a process with n devices: its bytes per device (one JSON line once warm), then one
+    round of decode steps per line read from stdin, each answered with its seconds."""
     import jax
 
     from computed.backend import XlaBackend
@@ -76,22 +78,38 @@ def worker(n: int, root: Path, steps: int, repeats: int) -> dict[str, Any]:
     runner.warmup(pool.shapes(), cache)  # every attention bucket and LoRA window: nothing compiles below
     logits, cache = runner.prefill(pool.arrays, cache, prompts, list(range(BATCH)), slots.tolist())
     tokens, pos, active = logits.argmax(-1).astype(np.int32), np.full(BATCH, PROMPT, np.int32), np.ones(BATCH, bool)
-    seconds = []
-    for _ in range(repeats + 1):  # the first round warms up
+    weights, pool_bytes = sharding.device_bytes(params), sharding.device_bytes(pool.arrays)
+    formula = {"weights": sharding.expected_param_bytes(params, n), "pool": sharding.expected_pool_bytes(spec, n, 4)}
+    say({"n": n, "devices": len(weights),
+         "weights_bytes_per_device": sorted(set(weights.values())),
+         "pool_bytes_per_device": sorted(set(pool_bytes.values())),
+         "weights_formula": formula["weights"], "pool_formula": formula["pool"],
+         "weights_total": sum(a.nbytes for a in jax.tree.leaves(params)),
+         "pool_total": sum(a.nbytes for a in jax.tree.leaves(pool.arrays)),
+         "exact": set(weights.values()) == {formula["weights"]} and set(pool_bytes.values()) == {formula["pool"]}})
+    for line in sys.stdin:  # one round of `steps` decode steps per line, until stdin closes
         start = time.perf_counter()
         for _ in range(steps):
             logits, cache = runner.decode(pool.arrays, cache, tokens, pos, slots, active)
             tokens, pos = logits.argmax(-1).astype(np.int32), pos + 1
-        seconds.append(time.perf_counter() - start)
-    weights, pool_bytes = sharding.device_bytes(params), sharding.device_bytes(pool.arrays)
-    formula = {"weights": sharding.expected_param_bytes(params, n), "pool": sharding.expected_pool_bytes(spec, n, 4)}
-    return {"n": n, "devices": len(weights),
-            "weights_bytes_per_device": sorted(set(weights.values())), "pool_bytes_per_device": sorted(set(pool_bytes.values())),
-            "weights_formula": formula["weights"], "pool_formula": formula["pool"],
-            "weights_total": sum(a.nbytes for a in jax.tree.leaves(params)),
-            "pool_total": sum(a.nbytes for a in jax.tree.leaves(pool.arrays)),
-            "exact": set(weights.values()) == {formula["weights"]} and set(pool_bytes.values()) == {formula["pool"]},
-            "seconds": seconds[1:], "tokens_per_s": [BATCH * steps / s for s in seconds[1:]]}
+        say({"seconds": time.perf_counter() - start})
+
+
+def say(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def ask(proc: subprocess.Popen[str], line: str | None) -> dict[str, Any]:
+    """Send a worker `line` (None: nothing) and read its JSON answer."""
+    assert proc.stdin is not None and proc.stdout is not None
+    if line is not None:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+    answer = proc.stdout.readline()
+    if not answer:
+        raise SystemExit(f"a worker exited with {proc.wait()} (its stderr is above)")
+    out: dict[str, Any] = json.loads(answer)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,18 +120,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         make_example(Path(tmp), shape=shape, adapters=adapters)
-        for n in DEGREES:
+        procs = {}
+        for n in DEGREES:  # started one after another: their warm-ups do not compete
             env = {**os.environ, "XLA_FLAGS": " ".join(
                 [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}"]).strip()}
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_tp", "--worker", str(n), tmp,
-                                   "--steps", str(steps), "--repeats", str(repeats)],
-                                  env=env, capture_output=True, text=True, check=False)
-            if proc.returncode:
-                raise SystemExit(f"N = {n} failed:\n{proc.stderr[-3000:]}")
-            per_n[str(n)] = json.loads(proc.stdout.strip().splitlines()[-1])
-    one = median(per_n["1"]["tokens_per_s"])
+            procs[n] = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_tp", "--worker", str(n), tmp,
+                                         "--steps", str(steps), "--repeats", str(repeats)],
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            per_n[str(n)] = {**ask(procs[n], None), "seconds": []}
+        try:
+            for r in range(repeats + 1):  # round by round, the order rotating; the first warms up
+                for n in DEGREES[r % len(DEGREES):] + DEGREES[:r % len(DEGREES)]:
+                    seconds = ask(procs[n], "round")["seconds"]
+                    if r:
+                        per_n[str(n)]["seconds"].append(seconds)
+        finally:
+            for proc in procs.values():
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(timeout=60)
     for cell in per_n.values():
-        cell["over_one"] = median(cell["tokens_per_s"]) / one
+        cell["tokens_per_s"] = [BATCH * steps / t for t in cell["seconds"]]
+        # per round, beside N = 1's rate in the same round
+        ratios = [a / b for a, b in zip(cell["tokens_per_s"], per_n["1"]["tokens_per_s"])]
+        cell["over_one"], cell["over_one_spread"] = median(ratios), spread(ratios)
     return {"machine": machine_info(), "model": shape.__dict__,
             "load_average": {"before": load_before, "after": os.getloadavg()[0]},
             "settings": {"steps": steps, "repeats": repeats, "batch": BATCH, "adapters": ADAPTERS, "rank": RANK,
@@ -128,7 +158,8 @@ def report(r: dict[str, Any]) -> str:
     lines = [f"Tensor-parallel replicas on {m.get('cpu', 'this CPU')} ({m.get('nproc', '?')} CPUs), "
              f"N forced host devices sharing those cores: the ratio is the mesh's overhead, not a speed-up. "
              f"Decode of {s['batch']} rows over {s['adapters']} adapters (rank {s['rank']}, every module), "
-             f"{s['steps']} steps x {s['repeats']} rounds, medians; N = 1 is the XLA backend on one device; "
+             f"{s['steps']} steps x {s['repeats']} rounds, the three N interleaved round by round, medians "
+             f"(ratios per round); N = 1 is the XLA backend on one device; "
              f"load average {r['load_average']['before']:.1f} before, {r['load_average']['after']:.1f} after.", "",
              "| N | weights / device (formula) | pool / device (formula) | exact | decode tokens/s | / N = 1 |",
              "|---|---|---|---|---|---|"]
@@ -137,7 +168,7 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"| {k} | {c['weights_bytes_per_device'][0]:,} ({c['weights_formula']:,}) "
                      f"| {c['pool_bytes_per_device'][0]:,} ({c['pool_formula']:,}) | {c['exact']} "
                      f"| {median(rate):,.0f} (spread {', '.join(f'{v:,.0f}' for v in spread(rate))}) "
-                     f"| {c['over_one']:.2f}x |")
+                     f"| {c['over_one']:.2f}x ({'-'.join(f'{v:.2f}' for v in c['over_one_spread'])}) |")
     return "\n".join(lines)
 
 
@@ -149,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     output_flags(ap, "tp", "a smoke run: a tiny model, one round")
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(int(args.worker[0]), Path(args.worker[1]), args.steps, args.repeats)))
+        worker(int(args.worker[0]), Path(args.worker[1]), args.steps, args.repeats)
         return 0
     return run_and_publish("tp", args, run, report)
 

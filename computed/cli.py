@@ -157,6 +157,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         client.close()
     log.info("stopped")
 
+
 def _tensor_parallel(model: Path, n: int, log: logging.Logger) -> Any:
     """Check `--tensor-parallel n` against the model and the devices before anything loads (a
     UsageError naming the numbers), and return the pool's layout on the mesh."""

@@ -30,6 +30,11 @@ zero-copy) across a write: while a view is alive, XLA cannot reuse the buffer
 and the write silently copies the whole array instead; `read_slot` and
 `digest` copy or drop their views for that reason.
 
+Sharded pools. A tensor-parallel replica passes `shardings` (computed/model/sharding.py): the
+arrays are made in place on its mesh, and the write and the clear are jitted with in and out
+shardings equal, so each device writes its own part of the slot, still in place and compiled
+once; digests read the same bytes in the same order as an unsharded pool's.
+
 In-flight protection (leases with pending writes). An inference request takes
 `acquire(slot)` when it is admitted and releases the lease when it finishes.
 `write_slot`/`clear_slot` on a slot without readers apply at once and return
