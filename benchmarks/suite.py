@@ -56,6 +56,7 @@ BENCHES = (
     Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
     Bench("residency", "benchmarks.bench_residency", ("--quick",)),
     Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
+    Bench("tp", "benchmarks.bench_tp", ("--quick",)),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
 )
@@ -330,10 +331,25 @@ def peer_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def tp_figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 19: bytes per device against the formula, decode beside N = 1 (forced CPU devices)."""
+    out = []
+    for k, c in r["results"].items():
+        if k == "1":
+            continue
+        worst = max(max(c[f"{w}_bytes_per_device"]) / c[f"{w}_formula"] for w in ("weights", "pool"))
+        out.append(figure("tp", f"tensor-parallel {k}: bytes per device / formula (weights and pool)",
+                          worst, "x", target="1.0x", meets=c["exact"]))
+        out.append(figure("tp", f"tensor-parallel {k} on forced CPU devices: decode, 16 adapters / N = 1",
+                          c["over_one"], "x", spread=c["over_one_spread"], runs=len(c["tokens_per_s"])))
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "pg": pg_figures, "replica": replica_figures,
     "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
-    "residency": residency_figures, "gateway": gateway_figures, "peer": peer_figures}
+    "residency": residency_figures, "gateway": gateway_figures, "peer": peer_figures,
+    "tp": tp_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -74,6 +75,10 @@ def main() -> None:
               show_default=True,
               help="Host tier: parsed adapter weights ready for a slot write, LRU within this "
                    "many MiB (0: none; every miss reads, verifies and parses its blob).")
+@click.option("--tensor-parallel", type=click.IntRange(1), default=1, show_default=True,
+              help="Devices the replica's model, KV cache and LoRA pool are split over (a "
+                   "one-axis mesh of the first N local devices; N > 1 runs the XLA backend). "
+                   "N must divide the model's KV heads and intermediate size.")
 @click.option("--prefetch", is_flag=True,
               help="Parse each newly loaded adapter into the host tier when its event is "
                    "applied, before any request asks for it.")
@@ -82,7 +87,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
           client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
-          prefetch: bool) -> None:
+          tensor_parallel: int, prefetch: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.replica import ModelMismatch, Replica
@@ -114,10 +119,11 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         keys = client_keys(key, server_key)
     except KeyError_ as exc:
         raise click.UsageError(str(exc)) from None
+    pool_layout = _tensor_parallel(model, tensor_parallel, log) if tensor_parallel > 1 else None
     client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
                       faults=Faults.from_env(), host_cache_mb=host_cache_mb,
-                      prefetch=prefetch)
+                      prefetch=prefetch, pool_layout=pool_layout)
     engine = None
     if inference:
         from computed.engine import Engine
@@ -125,7 +131,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         from computed.model.loader import load_model
         from computed.model.runner import LlamaRunner
         try:
-            config, params = load_model(model, dtype)
+            config, params = load_model(model, dtype, tensor_parallel=tensor_parallel)
         except ModelLoadError as exc:
             raise click.ClickException(str(exc)) from None
         length = max_len or min(config.max_position_embeddings, 4096)
@@ -150,5 +156,30 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     finally:
         client.close()
     log.info("stopped")
+
+
+def _tensor_parallel(model: Path, n: int, log: logging.Logger) -> Any:
+    """Check `--tensor-parallel n` against the model and the devices before anything loads (a
+    UsageError naming the numbers), and return the pool's layout on the mesh."""
+    import json
+
+    import jax
+
+    from computed.model import sharding
+    from computed.model.config import LlamaConfig, ModelLoadError
+    from computed.pool import PoolSpec
+    try:
+        config = LlamaConfig.from_hf(json.loads((model / "config.json").read_text()))
+        sharding.check(config, n, len(jax.local_devices()))
+    except (ModelLoadError, sharding.TensorParallelError, OSError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    mesh = sharding.make_mesh(n)
+    log.info("tensor-parallel %d over %s: the XLA backend on the mesh (the native CPU kernels "
+             "are single-device)", n, ", ".join(str(d) for d in mesh.devices.flat))
+
+    def layout(spec: PoolSpec) -> Any:
+        return sharding.pool_shardings(spec, mesh)
+    return layout
+
 
 main.add_command(gateway)

@@ -30,6 +30,11 @@ zero-copy) across a write: while a view is alive, XLA cannot reuse the buffer
 and the write silently copies the whole array instead; `read_slot` and
 `digest` copy or drop their views for that reason.
 
+Sharded pools. A tensor-parallel replica passes `shardings` (computed/model/sharding.py): the
+arrays are made in place on its mesh, and the write and the clear are jitted with in and out
+shardings equal, so each device writes its own part of the slot, still in place and compiled
+once; digests read the same bytes in the same order as an unsharded pool's.
+
 In-flight protection (leases with pending writes). An inference request takes
 `acquire(slot)` when it is admitted and releases the lease when it finishes.
 `write_slot`/`clear_slot` on a slot without readers apply at once and return
@@ -63,6 +68,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shared.config import POOL_DTYPES
 from shared.llama import MODULES
@@ -208,12 +214,43 @@ def storage_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(jnp.dtype(dtype))
 
 
-class MemoryPool:
-    """Owner of the device pool: the only mutable state, changed by its methods."""
+def _without_slot_axis(sharding: NamedSharding) -> NamedSharding:
+    """A pool array's sharding for one slot's update (its slot axis, axis 1, dropped)."""
+    spec = tuple(sharding.spec)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:1], *spec[2:]))
 
-    def __init__(self, spec: PoolSpec) -> None:
+
+def _sharded_ops(shardings: LoraPool) -> tuple[Callable[..., LoraPool], Callable[..., LoraPool]]:
+    """`_write` and `_clear` for a pool laid out by `shardings`: each device writes its own part
+    of the slot in place (in and out shardings equal, the pool donated); the host arrays of the
+    update go to each device as its part only."""
+    mesh = next(iter(jax.tree.leaves(shardings))).mesh
+    whole = NamedSharding(mesh, PartitionSpec())
+    A = {m: _without_slot_axis(cast(NamedSharding, s)) for m, s in shardings.A.items()}
+    B = {m: _without_slot_axis(cast(NamedSharding, s)) for m, s in shardings.B.items()}
+    write = jax.jit(_write.__wrapped__, donate_argnums=0, out_shardings=shardings,  # type: ignore[attr-defined]
+                    in_shardings=(shardings, whole, A, B, whole, whole))
+    clear = jax.jit(_clear.__wrapped__, donate_argnums=0, out_shardings=shardings,  # type: ignore[attr-defined]
+                    in_shardings=(shardings, whole))
+    return write, clear
+
+
+class MemoryPool:
+    """Owner of the device pool: the only mutable state, changed by its methods.
+
+    `shardings` (a LoraPool of `NamedSharding`s, computed/model/sharding.py `pool_shardings`)
+    lays the arrays out on a mesh (a tensor-parallel replica); by default they lie on one device."""
+
+    def __init__(self, spec: PoolSpec, *, shardings: LoraPool | None = None) -> None:
         self.spec = spec
-        self._arrays: LoraPool = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.shapes())
+        self.shardings = shardings
+        self._write: Callable[..., LoraPool]
+        self._clear: Callable[..., LoraPool]
+        self._write, self._clear = (_write, _clear) if shardings is None else _sharded_ops(shardings)
+        def zeros() -> LoraPool:
+            return cast(LoraPool, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.shapes()))
+        # a sharded pool is made in place, never whole on one device
+        self._arrays: LoraPool = zeros() if shardings is None else jax.jit(zeros, out_shardings=shardings)()
         self._lock = threading.RLock()
         self._readers = [0] * spec.slots
         self._pending: dict[int, _Op] = {}
@@ -226,14 +263,16 @@ class MemoryPool:
         spec, dtype = self.spec, storage_dtype(self.spec.dtype)
         lead = (spec.num_layers, spec.slots)
 
-        def abstract(shape: tuple[int, ...], of: Any) -> jax.Array:
+        def abstract(shape: tuple[int, ...], of: Any, sharding: NamedSharding | None = None) -> jax.Array:
             # jit's lower() takes a ShapeDtypeStruct wherever it takes an array
-            return cast(jax.Array, jax.ShapeDtypeStruct(shape, of))
+            return cast(jax.Array, jax.ShapeDtypeStruct(shape, of, sharding=sharding))
+        def on(get: Callable[[LoraPool], Any]) -> NamedSharding | None:
+            return None if self.shardings is None else cast(NamedSharding, get(self.shardings))
         return LoraPool(
-            A={m: abstract(lead + (spec.max_rank, i), dtype) for m, (i, _) in self._dims()},
-            B={m: abstract(lead + (o, spec.max_rank), dtype) for m, (_, o) in self._dims()},
-            scaling=abstract((spec.slots,), jnp.float32),
-            rank=abstract((spec.slots,), jnp.int32),
+            A={m: abstract(lead + (spec.max_rank, i), dtype, on(lambda s: s.A[m])) for m, (i, _) in self._dims()},
+            B={m: abstract(lead + (o, spec.max_rank), dtype, on(lambda s: s.B[m])) for m, (_, o) in self._dims()},
+            scaling=abstract((spec.slots,), jnp.float32, on(lambda s: s.scaling)),
+            rank=abstract((spec.slots,), jnp.int32, on(lambda s: s.rank)),
         )
 
     def _dims(self) -> list[tuple[str, tuple[int, int]]]:
@@ -271,12 +310,12 @@ class MemoryPool:
         self._check_slot(slot)
         A, B = self._padded(weights)
         args = (np.int32(slot), A, B, np.float32(weights.scaling), np.int32(weights.rank))
-        return self._submit(slot, (_write, args))
+        return self._submit(slot, (self._write, args))
 
     def clear_slot(self, slot: int) -> bool:
         """Zero `slot`; True if applied now, False if deferred (see the module docstring)."""
         self._check_slot(slot)
-        return self._submit(slot, (_clear, (np.int32(slot),)))
+        return self._submit(slot, (self._clear, (np.int32(slot),)))
 
     def busy(self, slot: int) -> bool:
         """True while `slot` has readers or a write that waits for them."""

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +74,10 @@ def pool_spec(pool: PoolConfigured) -> PoolSpec:
 class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
                  from_zero: bool = False, faults: Faults = NO_FAULTS,
-                 host_cache_mb: int = DEFAULT_HOST_CACHE_MB, prefetch: bool = False) -> None:
+                 host_cache_mb: int = DEFAULT_HOST_CACHE_MB, prefetch: bool = False,
+                 pool_layout: Callable[[PoolSpec], LoraPool] | None = None) -> None:
         self.model = model
+        self.pool_layout = pool_layout  # the pool's shardings on a mesh (`--tensor-parallel`)
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
         self.faults = faults  # test-only (shared/faults.py): off unless switched on
         self.syncing_seq = 0  # how far a catch-up has read the log
@@ -305,7 +308,8 @@ class Replica:
             self._check_model(new.pool)
         pool, res = self.pool, self.residency
         if pool is None and new.pool is not None:
-            pool = MemoryPool(pool_spec(new.pool))
+            spec = pool_spec(new.pool)
+            pool = MemoryPool(spec, shardings=None if self.pool_layout is None else self.pool_layout(spec))
             res = Residency(pool.spec.slots, busy=pool.busy)
         fills = [] if res is None else self._wanted(new, res)
         weights = {a.name: slot_weights(self.blobs.get(a.sha256), a) for a, _ in fills}

@@ -1,7 +1,8 @@
 """The compute backends, and the one choice of them a model makes when it loads (`select`).
 
 `base.Backend` is what the forward pass asks; `xla.XlaBackend` runs on any JAX device,
-`native.NativeBackend` on the CPU kernels (computed/backend/kernels). See computed/backend/base.py.
+`native.NativeBackend` on the CPU kernels (computed/backend/kernels), `tp.TensorParallelBackend`
+XLA on a mesh of devices (`--tensor-parallel N`). See computed/backend/base.py.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from computed.backend import native
 from computed.backend.base import Backend
 from computed.backend.native import NativeBackend
+from computed.backend.tp import TensorParallelBackend
 from computed.backend.xla import XlaBackend
 
 
@@ -25,4 +27,4 @@ def select(dtype: str | jnp.dtype) -> Backend:
     return NativeBackend()
 
 
-__all__ = ["Backend", "NativeBackend", "XlaBackend", "select"]
+__all__ = ["Backend", "NativeBackend", "TensorParallelBackend", "XlaBackend", "select"]

@@ -13,7 +13,7 @@ another instance). Every backend gives the same results to float32 rounding.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -68,6 +68,30 @@ class Backend(ABC):
                    layer: int) -> list[jax.Array]:
         """The LoRA terms `[N, out]` of `modules`, which all read `x [N, in]`, each row with its own slot
         (`batch` from `prepare`), from the pool's whole `[layers, slots, ...]` arrays at `layer`."""
+
+    def project(self, x: jax.Array, modules: Sequence[str], weights: Sequence[jax.Array | PackedWeight],
+                biases: Mapping[str, jax.Array], pool: LoraPool | None, batch: Any,
+                layer: int) -> list[jax.Array]:
+        """`x W (+ bias) (+ LoRA)` for each of `modules` (weights in that order), which all read
+        `x [..., in]`: their products share a `matmuls` call, their LoRA terms (for the modules the
+        pool has) a `lora_terms` call, each row with its own slot (`batch` from `prepare`)."""
+        deltas: dict[str, jax.Array] = {}
+        present = [] if pool is None else [m for m in modules if m in pool.A]  # all layers: see lora._take
+        if pool is not None and present:
+            ys = self.lora_terms(x.reshape(-1, x.shape[-1]), pool, present, batch, layer)
+            deltas = {m: y.reshape(*x.shape[:-1], -1) for m, y in zip(present, ys)}
+        out = []
+        for m, y in zip(modules, self.matmuls(x, weights)):
+            if m in biases:
+                y = y + biases[m]
+            d = deltas.get(m)
+            out.append(y if d is None else (y + d).astype(x.dtype))
+        return out
+
+    def shard_cache(self, cache: KVCache) -> KVCache:
+        """`cache` laid out as this backend's decode reads it (a tensor-parallel backend splits it
+        over its mesh); in or out of jit."""
+        return cache
 
     @abstractmethod
     def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,

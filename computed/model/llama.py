@@ -14,7 +14,7 @@ reproduces of transformers 5.24's `modeling_llama.py`:
 
 The projections and the lm_head are `x W`, by the backend (computed/backend): XLA's dot, or the
 native dense kernel over weights packed at load. Modules that read the same x share a call.
-LoRA is added to q, k, v, o, gate, up and down wherever the pool has the module:
+LoRA is added to q, k, v, o, gate, up and down wherever the pool has the module (the backend's `project`):
 `y = x W (+ bias) + scaling[s] * B[s] (A[s] x)`, as PEFT does; slot -1 is the base model and adds
 nothing. Rows that mix slots take the backend's terms (its `prepare` groups their tokens by slot).
 
@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from computed import lora
 from computed.backend.base import Backend
 from computed.model import attention, kv_cache
 from computed.model.config import LlamaConfig, inv_freq
@@ -81,32 +80,17 @@ def rope(x: jax.Array, tables: RopeTables) -> jax.Array:
 
 
 class _Projections:
-    """How one forward pass computes `x W (+ bias) (+ LoRA)`: the backend's products, and LoRA for
-    each token's own slot (`batch`, the backend's `prepare`)."""
+    """How one forward pass computes `x W (+ bias) (+ LoRA)`: the backend's `project`, with LoRA
+    for each token's own slot (`batch`, the backend's `prepare`)."""
 
     def __init__(self, backend: Backend, pool: LoraPool | None, batch: Any = None) -> None:
         self.backend, self.pool, self.batch = backend, pool, batch
 
-    def _lora(self, x: jax.Array, layer: int, modules: tuple[str, ...]) -> dict[str, jax.Array]:
-        """The LoRA terms of `modules`, which all read `x`, for those the pool has."""
-        pool = self.pool
-        present = [] if pool is None else [m for m in modules if m in pool.A]  # all layers: see lora._take
-        if pool is None or not present:
-            return {}
-        ys = self.backend.lora_terms(x.reshape(-1, x.shape[-1]), pool, present, self.batch, layer)
-        return {m: y.reshape(*x.shape[:-1], -1) for m, y in zip(present, ys)}
-
     def __call__(self, x: jax.Array, layer: LayerParams, index: int, modules: tuple[str, ...]) -> list[jax.Array]:
         """`x W (+ bias) (+ LoRA)` for each of `modules`, which all read `x` (their products share a
         call of the dense kernel, their LoRA terms one of the LoRA kernel)."""
-        deltas = self._lora(x, index, modules)
-        out = []
-        for m, y in zip(modules, self.backend.matmuls(x, [layer.weights[m] for m in modules])):
-            if m in layer.biases:
-                y = y + layer.biases[m]
-            d = deltas.get(m)
-            out.append(y if d is None else (y + d).astype(x.dtype))
-        return out
+        return self.backend.project(x, modules, [layer.weights[m] for m in modules], layer.biases,
+                                    self.pool, self.batch, index)
 
 
 def _qkv(x: jax.Array, tables: RopeTables, layer: LayerParams, index: int, project: _Projections,
@@ -179,7 +163,7 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
     h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend)
     last = h[jnp.arange(n), lengths - 1]  # [n, hidden]
-    return _logits(params, last), cache
+    return _logits(params, last), params.backend.shard_cache(cache)
 
 
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
@@ -197,7 +181,7 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
 
     batch = None if lora_pool is None else backend.prepare(slots, lora_pool.scaling.shape[0], window)
     h = _decoder(params, tokens, positions, _Projections(backend, lora_pool, batch), attend, tables)
-    return _logits(params, h), cache
+    return _logits(params, h), backend.shard_cache(cache)
 
 
 def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.Array,

@@ -14,13 +14,14 @@ import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from computed.backend import Backend, select
+from computed.backend import Backend, TensorParallelBackend, select
+from computed.model import sharding
 from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
 from computed.model.params import LayerParams, LlamaParams, PackedWeight, pack, unpack
 from shared.checkpoint import shard_paths
@@ -55,10 +56,15 @@ def _open_shards(model_dir: Path) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
             m.close()
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", *,
-               backend: Backend | None = None) -> tuple[LlamaConfig, LlamaParams]:
+def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backend | None = None,
+               tensor_parallel: int = 1) -> tuple[LlamaConfig, LlamaParams]:
     """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`, laid out for
-    `backend` (None: `computed.backend.select(dtype)`, the one this machine runs best)."""
+    `backend` (None: `computed.backend.select(dtype)`, the one this machine runs best).
+
+    `tensor_parallel` N > 1: on a mesh of the first N local devices, by the tensor-parallel
+    backend (computed/backend/tp.py; `backend` must be None), placed as
+    computed/model/sharding.py says; `sharding.TensorParallelError` (before any weight is read)
+    where N does not divide the KV heads or the intermediate size, or exceeds the devices."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model_dir = Path(model_dir)
@@ -73,6 +79,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
     except ModelLoadError as exc:  # the text `pool init` gives (shared/fingerprint.py)
         raise ModelLoadError(f"{model_dir}/{exc}") from None
     jdt = jnp.dtype(dtype)
+    if tensor_parallel > 1:
+        if backend is not None:
+            raise ValueError("tensor_parallel > 1 runs the tensor-parallel backend: pass no backend")
+        sharding.check(config, tensor_parallel, len(jax.local_devices()))
+        backend = TensorParallelBackend(mesh=sharding.make_mesh(tensor_parallel))
 
     with _open_shards(model_dir) as tensors:
         try:
@@ -83,6 +94,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
         if backend is None:
             backend = select(dtype)
         panel = backend.panel
+        # on a mesh the weights stay on the host until `shard_params` sends each device its part
+        to_device: Any = (lambda a: a) if tensor_parallel > 1 else jnp.asarray
 
         def host(name: str) -> np.ndarray:
             buf, header, info = tensors[name]  # present, in this shape: check_tensors
@@ -92,13 +105,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
                 raise ModelLoadError(f"{model_dir}: {exc}") from None
 
         def get(name: str) -> jax.Array:
-            return jnp.asarray(host(name))
+            return cast(jax.Array, to_device(host(name)))
 
         def weight(name: str) -> jax.Array | PackedWeight:
             """A projection as the backend multiplies it: packed as it is read (no second copy of the
             model, however briefly), or transposed to [in, out] for XLA."""
             w = host(name).T
-            return pack(w, panel) if panel else jnp.asarray(np.ascontiguousarray(w))
+            return pack(w, panel) if panel else to_device(np.ascontiguousarray(w))
 
         layers = []
         for i in range(config.num_layers):
@@ -122,7 +135,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
             # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
             lm_head=None if config.tie_word_embeddings else weight("lm_head.weight"),
         )
-    return config, with_layout(params, backend)
+    params = with_layout(params, backend)
+    if isinstance(backend, TensorParallelBackend):
+        assert backend.mesh is not None
+        params = sharding.shard_params(params, backend.mesh)
+    return config, params
 
 
 def with_layout(params: LlamaParams, backend: Backend) -> LlamaParams:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from computed import lora
 from computed.backend import select
@@ -189,8 +190,9 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     one per prefill shape (prompts, prompt length), and one per attention length (only one with the attention kernel) and
     LoRA window of the backend. Only the shapes and dtypes of `lora_pool` and `cache` are used
     (nothing is read or donated), so a replica can warm up while diffs keep writing its pool."""
-    def shapes(tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    def shapes(tree: Any) -> Any:  # a mesh's layout kept: what a tensor-parallel replica calls with
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if isinstance(
+            getattr(a, "sharding", None), NamedSharding) else None), tree)
 
     backend = params.backend
     backend.check_cache(cache)
@@ -261,8 +263,9 @@ class LlamaRunner:
         """A zeroed KV cache for this runner; K's layout as the backend attends, or by `blocked`."""
         if blocked is None:
             blocked = self.params.backend.blocked
-        return kv_cache.zeros(self.config, self.max_batch, self.max_len,
-                              self.params.backend.cache_dtype(self.params.dtype), blocked=blocked)
+        backend = self.params.backend
+        return backend.shard_cache(kv_cache.zeros(self.config, self.max_batch, self.max_len,
+                                                  backend.cache_dtype(self.params.dtype), blocked=blocked))
 
     def prefill(self, pool: LoraPool | None, cache: KVCache, prompts: Sequence[Sequence[int] | np.ndarray],
                 rows: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> tuple[np.ndarray, KVCache]:

@@ -1,0 +1,149 @@
+"""Tensor-parallel replicas (`--tensor-parallel N`) on 2 and 4 forced host devices give the 1-device
+replica's and transformers + PEFT's outputs, hold 1/N of every split array, write slots in place,
+and keep the pool digest and the drill's meaning.
+
+Each N runs in its own process (tests/parity/tp_worker.py), since JAX fixes the device count
+when it starts (XLA_FLAGS=--xla_force_host_platform_device_count=N). The checkpoint is the
+parity tests' second one (4 KV heads, intermediate size 96, tied embeddings, llama3 RoPE, an
+rsLoRA adapter on every module and one on attention): N = 2 and 4 divide it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from computed.cli import main as computed_main
+from computed.model import sharding
+from computed.model.config import LlamaConfig
+from shared.fleet import wait_for
+from statesvc.tools.example import ExampleAssets, make_example
+from tests.helpers import Fleet
+from tests.parity.test_model_parity import OTHER_ADAPTERS, OTHER_SHAPE, RTOL, Reference, close
+from tests.parity.tp_worker import ADAPTERS, NEW_TOKENS
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::FutureWarning")]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def forced(n: int) -> dict[str, str]:
+    """The environment of a process that sees n host devices."""
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> ExampleAssets:
+    assert tuple(a.name for a in OTHER_ADAPTERS) == ADAPTERS
+    return make_example(tmp_path_factory.mktemp("tp"), seed=3, shape=OTHER_SHAPE, adapters=OTHER_ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def runs(assets: ExampleAssets, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict[str, Any], Any]]:
+    """The worker's results for N = 1, 2 and 4."""
+    out_dir = tmp_path_factory.mktemp("tp-runs")
+    results = {}
+    for n in (1, 2, 4):
+        out = out_dir / f"n{n}"
+        proc = subprocess.run([sys.executable, "-m", "tests.parity.tp_worker", str(n), str(assets.root), str(out)],
+                              env=forced(n), cwd=ROOT, capture_output=True, text=True, timeout=500)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[n] = (json.loads(out.with_suffix(".json").read_text()), np.load(out.with_suffix(".npz")))
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(assets: ExampleAssets) -> Reference:
+    return Reference(assets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_outputs_equal_one_device_and_peft(runs: dict[int, tuple[dict[str, Any], Any]],
+                                                   reference: Reference, n: int) -> None:
+    info, got = runs[n]
+    _, one = runs[1]
+    mixed: list[str | None] = info["mixed"]
+    # forward over every position, a batch mixing the base model and both adapters
+    close(got["forward"], one["forward"])
+    close(got["forward"], reference.logits(got["tokens"], mixed))
+    # greedy through the KV cache: one batch of every request, and each request alone
+    assert (got["mixed_tokens"] == one["mixed_tokens"]).all()
+    assert (got["single_tokens"] == one["single_tokens"]).all()
+    from tests.parity.tp_worker import prompts
+    for i, (prompt, adapter) in enumerate(zip(prompts(OTHER_SHAPE.vocab_size), mixed)):
+        want_tokens, want_logits = reference.greedy(prompt, adapter)
+        assert got["mixed_tokens"][:, i].tolist() == want_tokens, f"row {i} ({adapter})"
+        assert got["single_tokens"][i].tolist() == want_tokens, f"request {i} ({adapter}) alone"
+        for step in range(NEW_TOKENS):  # the last position's logits, step by step
+            close(got["mixed_logits"][step, i], want_logits[step])
+            close(got["single_logits"][i, step], want_logits[step])
+            close(got["mixed_logits"][step, i], one["mixed_logits"][step, i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_device_holds_its_part_and_slot_writes_stay_in_place(runs: dict[int, tuple[dict[str, Any], Any]],
+                                                                 n: int) -> None:
+    info, _ = runs[n]
+    assert info["bad_shards"] == []  # every weight, pool and cache array: 1/n per device or whole
+    sizes = info["bytes"]
+    assert len(sizes["weights"]) == n and set(sizes["weights"].values()) == {sizes["weights_formula"]}
+    assert len(sizes["pool"]) == n and set(sizes["pool"].values()) == {sizes["pool_formula"]}
+    assert info["write"] == {"compiles": 0, "in_place": True, "others_unchanged": True}
+    assert info["compiles_after_warmup"] == 0  # the warm-up compiled every shape serving runs, on the mesh
+    assert info["pool_digest"] == runs[1][0]["pool_digest"]  # same contents, same digest
+
+
+def test_serve_refuses_a_degree_the_model_or_machine_cannot_take(example: ExampleAssets,
+                                                                 assets: ExampleAssets, tmp_path: Path) -> None:
+    """Before loading anything, naming the numbers (the example model has 2 KV heads)."""
+    def serve(model: Path, n: int) -> Any:
+        return CliRunner().invoke(computed_main, ["serve", "--model", str(model), "--tensor-parallel", str(n),
+                                                  "--cache-dir", str(tmp_path / "c")])
+    res = serve(example.model_dir, 4)
+    assert res.exit_code == 2 and "--tensor-parallel 4 does not divide the model's 2 KV heads" in res.output
+    res = serve(assets.model_dir, 3)
+    assert res.exit_code == 2 and "does not divide the model's 4 KV heads" in res.output
+    res = serve(assets.model_dir, 2)  # this process sees one device
+    assert res.exit_code == 2 and "needs 2 devices and JAX sees 1" in res.output
+    config = LlamaConfig.from_hf(json.loads((assets.model_dir / "config.json").read_text()))
+    with pytest.raises(sharding.TensorParallelError, match="does not divide the model's intermediate_size 90"):
+        sharding.check(dataclasses.replace(config, intermediate_size=90), 4, devices=4)
+
+
+@pytest.mark.slow
+def test_a_four_device_replica_agrees_with_a_one_device_one_in_the_drill(assets: ExampleAssets,
+                                                                        tmp_path: Path) -> None:
+    from shared.fleet import loractl
+    fleet = Fleet(tmp_path, assets)
+    fleet.statesvc.start()
+    try:
+        fleet.init(max_loras=3, max_rank=16)
+        fleet.cmd("load", name="every", path=str(assets.adapter_dirs["rslora-all-r8"]))
+        fleet.cmd("load", name="attn", path=str(assets.adapter_dirs["attn-r4"]))
+        one = fleet.replica("one", args=("--max-batch", "4", "--max-len", "32"))
+        four = fleet.replica("four", args=("--max-batch", "4", "--max-len", "32", "--tensor-parallel", "4"),
+                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        wait_for(lambda: fleet.converged(one, four), timeout=240, what="both replicas at the head")
+        s1, s4 = one.status(), four.status()
+        assert s1["pool_digest"] == s4["pool_digest"] and s1["logical_digest"] == s4["logical_digest"]
+        res = loractl(fleet.statesvc, "drill", "--diffs", fleet.statesvc.publish, "--json",
+                      check=False, timeout=400)
+        report = json.loads(res.stdout) if res.stdout else {}
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert report["ok"] is True and all(c["ok"] for c in report["checks"])
+        checks = {(c["replica"], c["check"]) for c in report["checks"]}
+        # the drill compared both live replicas, their probe outputs included, with its fresh ones
+        assert {("one", "probe:every"), ("four", "probe:every"), ("four", "probe:attn"),
+                ("four", "probe:(base)"), ("four", "logical_digest")} <= checks
+    finally:
+        fleet.stop()
