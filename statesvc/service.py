@@ -187,6 +187,11 @@ class StateService:
         another instance appended first; the others' events are returned too, in seq order."""
         requests = list(requests)
         committed: list[Event] = []
+        if all(req.cmd == "heartbeat" for req, _ in requests):
+            # the registry alone: no turn, no catch-up (no database round trip), so a fleet's
+            # heartbeats cost a shared log nothing; the head they are told is the one read
+            # at the last batch or CATCH_UP_S tick (statesvc/server.py)
+            return self._handle(requests, committed, None), committed
         why = "other statesvc instances kept appending"
         for _ in range(HEAD_MOVED_RETRIES):
             with ExitStack() as turn:

@@ -58,3 +58,16 @@ def test_lost_mid_batch_keeps_what_was_committed(svc: StateService, example: Exa
     assert [a.result["seq"] for a in again] == [3, 4, 3, 2]  # each recorded once
     assert [e.type for e in svc.store.read(0, 10)] == [
         "pool.configured", "adapter.loaded", "adapter.loaded", "adapter.unloaded"]
+
+
+def test_heartbeats_need_no_database(svc: StateService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of heartbeats takes no turn and reads no log: a fleet's heartbeats cost a
+    shared log nothing, and are registered while the database is away."""
+    beat = request("heartbeat", id="r1", address="tcp://127.0.0.1:7200", state="ACTIVE",
+                   applied_seq=1, logical_digest="0" * 64, pool_digest="0" * 64)
+    with monkeypatch.context() as m:
+        for method in ("turn", "read", "by_event_ids", "head"):
+            m.setattr(svc.store, method, lost)
+        [answer], _ = svc.handle([(beat, "local")])
+    assert answer.error is None and answer.result == {"head_seq": 1}
+    assert [r["id"] for r in call(svc, "status")["replicas"]] == ["r1"]
