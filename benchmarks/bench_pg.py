@@ -87,9 +87,38 @@ def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
     return {"events": done, "seconds": elapsed, "events_per_s": done / elapsed}
 
 
+ROLES = ("replicas", "statesvc", "postgres", "bench")
+
+
+def cpu_by_role(tag: str, pg_root: str) -> dict[str, float]:
+    """CPU seconds used so far by the processes of one propagation measurement (`tag` in
+    their command lines), PostgreSQL's (started with `-k pg_root`, and its backends), and
+    this process."""
+    out = dict.fromkeys(ROLES, 0.0)
+    own = os.times()
+    out["bench"] = own.user + own.system
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = ("replicas" if tag in cmd and "computed serve" in cmd else
+                "statesvc" if tag in cmd and "statesvc serve" in cmd else
+                "postgres" if pg_root in cmd or cmd.startswith("postgres:") else None)
+        if role is not None:
+            out[role] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def measure_propagations(settings: Settings, server: PgServer,
                          root: Path) -> list[dict[str, Any]]:
-    """bench_replica's propagation with the log on PostgreSQL, a new database each count."""
+    """bench_replica's propagation with the log on PostgreSQL, a new database each count,
+    with the CPU each role used per load (and unload) while the loads ran: with more
+    replicas than cores, their own work queues behind each other."""
     from benchmarks.bench_replica import SHAPE, adapter_specs, measure_propagation
 
     specs = adapter_specs(settings.loads + 1)
@@ -97,14 +126,24 @@ def measure_propagations(settings: Settings, server: PgServer,
     files = [example.adapter_dirs[s.name] / "adapter_model.safetensors" for s in specs]
     out: list[dict[str, Any]] = []
     for n in settings.replica_counts:
+        marks: dict[str, tuple[dict[str, float], float]] = {}
+
+        def phase(what: str, tag: str = f"prop-{n}/") -> None:
+            marks[what] = (cpu_by_role(tag, str(server.root)), os.getloadavg()[0])
+
         p = measure_propagation(root, example.model_dir, files, n, settings.loads,
-                                statesvc_args=("--db", server.database()))
+                                statesvc_args=("--db", server.database()), phase=phase)
         p.pop("samples_ms")
         p["p99_over_one"] = round(p["from_ack_ms_p99"] / (out or [p])[0]["from_ack_ms_p99"], 3)
         p["p50_over_one"] = round(p["from_ack_ms_p50"] / (out or [p])[0]["from_ack_ms_p50"], 3)
+        (c0, l0), (c1, l1) = marks["loads"], marks["done"]
+        p["cpu_ms_per_load"] = {r: round((c1[r] - c0[r]) / settings.loads * 1000, 1)
+                                for r in ROLES}
+        p["loadavg_1m"] = [round(l0, 2), round(l1, 2)]
         out.append(p)
         console.print(f"[dim]{n} replica(s): from ack p50 {p['from_ack_ms_p50']} ms, "
-                      f"p99 {p['from_ack_ms_p99']} ms ({p['p99_over_one']}x 1 replica)[/dim]")
+                      f"p99 {p['from_ack_ms_p99']} ms ({p['p99_over_one']}x 1 replica); CPU "
+                      f"ms per load {p['cpu_ms_per_load']}; load {p['loadavg_1m']}[/dim]")
     return out
 
 
@@ -208,12 +247,16 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
             cells.append(str(sum(r.get("resent", 0) for r in runs)))
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| propagation | from ack p50 ms | p99 ms | p99 / 1 replica |",
-              "|---|---:|---:|---:|"]
+    lines += ["", "| propagation | from ack p50 ms | p99 ms | p99 / 1 replica | CPU ms a "
+              "load: replicas | statesvc | postgres | bench | load average |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in result["propagation"]:
+        cpu = p.get("cpu_ms_per_load", {})
         lines.append(f"| {p['replicas']} replica(s), {p['loads']} loads | "
                      f"{p['from_ack_ms_p50']:.1f} | {p['from_ack_ms_p99']:.1f} | "
-                     f"{p['p99_over_one']:.2f} |")
+                     f"{p['p99_over_one']:.2f} | "
+                     + " | ".join(f"{cpu.get(r, 0):.0f}" for r in ROLES)
+                     + f" | {'-'.join(map(str, p.get('loadavg_1m', [])))} |")
     m = result["machine"]
     lines += ["", "One PostgreSQL server started by the benchmark (fsync=on, "
               "synchronous_commit=on); raw psycopg: one connection, one INSERT + COMMIT per "
@@ -221,7 +264,10 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"{NAMES_PER_CLIENT} names; with 2 instances client i writes through instance "
               "i mod 2. server CPU: all instances together. resent: commands answered "
               "storage_error (an instance that lost the append race 16 times in a row) and "
-              "resent with their event_id, over all repeats.", ""]
+              "resent with their event_id, over all repeats. CPU ms a load: CPU time "
+              "each role used while the loads ran, over the loads (each load is followed "
+              "by its unload): with more replicas than cores, the replicas' own work "
+              "(fetch, sha256, parse, slot write) queues behind each other's.", ""]
     lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']:,} "
               f"(target {t['target']})" for t in result["targets"]]
     lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "

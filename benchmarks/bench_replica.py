@@ -330,8 +330,10 @@ def wait_applied(clients: list[ControlClient], seq: int) -> list[dict[str, Any]]
 
 
 def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], n: int,
-                        loads: int, *, statesvc_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`statesvc_args`: e.g. --db URL (benchmarks/bench_pg.py), one database per call."""
+                        loads: int, *, statesvc_args: tuple[str, ...] = (),
+                        phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """`statesvc_args`: e.g. --db URL (benchmarks/bench_pg.py), one database per call;
+    `phase("loads")` and `phase("done")` bracket the measured loads (CPU accounting)."""
     base = root / f"prop-{n}"
     base.mkdir(parents=True)
     svc = StateSvc(base / "data", extra_args=statesvc_args)
@@ -358,6 +360,7 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
             from_ack: list[list[float]] = [[] for _ in replicas]
             unload_from_ack: list[float] = []
             acks = []
+            phase("loads")
             for i in range(loads):
                 t_send = time.time()
                 seq = cmd("load", name=f"p{i}", path=str(adapter_files[i].parent))["seq"]
@@ -370,6 +373,7 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
                 seq = cmd("unload", name=f"p{i}")["seq"]
                 t_ack = time.time()
                 unload_from_ack += [st["applied_at"] - t_ack for st in wait_applied(clients, seq)]
+            phase("done")
             fetches = [st["blob_fetches"] for st in wait_applied(clients, seq)]
     except BaseException:
         for r in replicas:

@@ -161,6 +161,7 @@ class Computed(_Process):
     replica_id: str | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    wrapper: tuple[str, ...] = ()  # a command that execs computed (`ip netns exec NS` ...)
     log_file: Path | None = None  # default: computed-CACHE.log beside the cache dir
     proc: subprocess.Popen[Any] | None = None
     ready: str = ""
@@ -172,7 +173,8 @@ class Computed(_Process):
     def start(self) -> Computed:
         self.cache_dir.parent.mkdir(parents=True, exist_ok=True)
         self.proc, self.ready = start_ready(
-            [str(BIN / "computed"), "serve", "--model", str(self.model_dir), "--state",
+            [*self.wrapper, str(BIN / "computed"), "serve", "--model", str(self.model_dir),
+             "--state",
              self.state.control, "--diffs", self.state.publish, "--listen", self.listen,
              "--cache-dir", str(self.cache_dir),
              *(["--replica-id", self.replica_id] if self.replica_id else []),

@@ -3,10 +3,19 @@
 The bytes are written by the event store in the transaction of the event that first names
 them (`NewBlob.data`), in CHUNK_BYTES rows of `blob_chunks`: no blob exists without its event,
 so there is nothing to sweep, and no instance can delete what another is about to commit.
+
+Every replica of a fleet fetches each new blob right after its load, so the same chunks are
+read N times within a second: the store keeps the sizes of the blobs it has seen and the
+most recently read chunk rows (up to CACHE_BYTES) in memory, and the second to Nth replica
+cost no database round trip. Blobs are content-addressed and immutable (a repair rewrites
+the same bytes and drops the cached rows); `verify` always reads the database.
 """
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from collections import OrderedDict
 from typing import Callable
 
 from sqlalchemy import Engine, delete, insert, select
@@ -16,17 +25,71 @@ from statesvc.models import BlobChunkRow, BlobRow
 from statesvc.pgstore import CHUNK_BYTES, chunk_rows
 
 
+CACHE_BYTES = 64 << 20  # chunk rows kept in memory per instance, most recently read
+CACHE_TTL_S = 30.0  # a cached row is read again after this (a repair elsewhere shows)
+
+
 class LogBlobStore:
     """The blob store's interface (statesvc/blobs.py) over the `blobs` and `blob_chunks`
     tables."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, cache_bytes: int = CACHE_BYTES) -> None:
         self.engine = engine
+        self.cache_bytes = cache_bytes
+        # the command thread (load) and the blob thread (blobserve.py) share the caches
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}  # 64 bytes of key a blob: never evicted
+        # LRU chunk rows, each with the monotonic time it expires at
+        self._rows: OrderedDict[tuple[str, int], tuple[bytes, float]] = OrderedDict()
+        self._cached = 0
 
     def has(self, sha256: str) -> bool:
-        q = select(BlobRow.sha256).where(BlobRow.sha256 == sha256)
+        return self._size(sha256) is not None
+
+    def _size(self, sha256: str) -> int | None:
+        with self._lock:
+            if sha256 in self._sizes:
+                return self._sizes[sha256]
         with self.engine.begin() as conn:
-            return conn.execute(q).first() is not None
+            size = conn.execute(select(BlobRow.size).where(BlobRow.sha256 == sha256)
+                                ).scalar_one_or_none()
+        if size is not None:
+            with self._lock:
+                self._sizes[sha256] = int(size)
+        return None if size is None else int(size)
+
+    def _chunk_rows(self, sha256: str, first: int, last: int) -> list[bytes]:
+        """Rows first..last of a blob: from the cache, the rest in one query."""
+        now = time.monotonic()
+        with self._lock:
+            got: dict[int, bytes | None] = {}
+            for i in range(first, last + 1):
+                hit = self._rows.get((sha256, i))
+                got[i] = hit[0] if hit is not None and hit[1] > now else None
+                if got[i] is not None:
+                    self._rows.move_to_end((sha256, i))
+        missing = [i for i, row in got.items() if row is None]
+        if missing:
+            q = (select(BlobChunkRow.idx, BlobChunkRow.data)
+                 .where(BlobChunkRow.sha256 == sha256, BlobChunkRow.idx.in_(missing)))
+            with self.engine.begin() as conn:
+                read = {int(i): bytes(d) for i, d in conn.execute(q)}
+            got.update(read)
+            with self._lock:
+                for i, row in sorted(read.items()):
+                    old = self._rows.pop((sha256, i), None)
+                    self._cached -= 0 if old is None else len(old[0])
+                    if len(row) <= self.cache_bytes:
+                        self._rows[(sha256, i)] = (row, now + CACHE_TTL_S)
+                        self._cached += len(row)
+                while self._cached > self.cache_bytes:
+                    self._cached -= len(self._rows.popitem(last=False)[1][0])
+        return [row for _, row in sorted(got.items()) if row is not None]
+
+    def _forget(self, sha256: str) -> None:
+        with self._lock:
+            for key in [k for k in self._rows if k[0] == sha256]:
+                self._cached -= len(self._rows.pop(key)[0])
 
     def put(self, data: bytes | bytearray, sha256: str | None = None, *, overwrite: bool = False,
             progress: Callable[[], None] = lambda: None) -> tuple[str, bool]:
@@ -38,23 +101,21 @@ class LogBlobStore:
         with self.engine.begin() as conn:
             conn.execute(delete(BlobChunkRow).where(BlobChunkRow.sha256 == sha256))
             conn.execute(insert(BlobChunkRow), chunk_rows(sha256, data))
+        self._forget(sha256)
         return sha256, True
 
     def size(self, sha256: str) -> int:
-        with self.engine.begin() as conn:
-            return int(conn.execute(select(BlobRow.size).where(BlobRow.sha256 == sha256))
-                       .scalar_one())
+        size = self._size(sha256)
+        if size is None:
+            raise KeyError(f"no blob {sha256}")
+        return size
 
     def read_chunk(self, sha256: str, offset: int, length: int = MAX_BLOB_CHUNK) -> bytes:
-        length = min(length, MAX_BLOB_CHUNK)
+        length = min(length, MAX_BLOB_CHUNK, max(0, self.size(sha256) - offset))
         if length <= 0:
             return b""
         first, last = offset // CHUNK_BYTES, (offset + length - 1) // CHUNK_BYTES
-        q = (select(BlobChunkRow.data).where(BlobChunkRow.sha256 == sha256,
-                                             BlobChunkRow.idx.between(first, last))
-             .order_by(BlobChunkRow.idx))
-        with self.engine.begin() as conn:
-            data = b"".join(bytes(d) for d in conn.execute(q).scalars())
+        data = b"".join(self._chunk_rows(sha256, first, last))
         start = offset - first * CHUNK_BYTES
         return data[start:start + length]
 

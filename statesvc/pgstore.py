@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any, Collection, Iterator, Sequence
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from sqlalchemy import Engine, create_engine, exc, insert, make_url, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -37,6 +38,12 @@ from statesvc.store import (APPEND_LOCK, TURN_LOCK, HeadMoved, NewBlob, NewEvent
 CHUNK_BYTES = 1 << 20  # a blob's bytes, one row per MiB
 CHANNEL = "loraplane_events"  # NOTIFY'd by every append, with its last seq
 CONNECT_TIMEOUT_S = 5
+# a connection whose peer went silent (a cut link, a host gone: no RST) fails within about
+# 10 s instead of waiting forever: data unacknowledged for TCP_USER_TIMEOUT, or an idle
+# connection's keepalive probes unanswered. Then the command is answered storage_error, and
+# the pool's pre-ping (itself bounded so) replaces the connection.
+TCP_OPTIONS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+               "keepalives_count": 3, "tcp_user_timeout": 10_000}
 RECONNECT_S = 5.0  # the doorbell tries to reconnect this often while PostgreSQL is away
 
 
@@ -49,7 +56,7 @@ def chunk_rows(sha256: str, data: bytes | bytearray) -> list[dict[str, Any]]:
 def pg_engine(url: str) -> Engine:
     # a database that stops answering costs a command seconds, never the service's loop forever
     return create_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
-                         connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+                         connect_args={"connect_timeout": CONNECT_TIMEOUT_S, **TCP_OPTIONS})
 
 
 class PostgresEventStore(SqlReads):
@@ -152,7 +159,8 @@ class Doorbell:
         if (self.conn is None or self.conn.closed) and time.monotonic() >= self._retry_at:
             self._retry_at = time.monotonic() + RECONNECT_S
             try:
-                self.conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=2)
+                self.conn = psycopg.connect(make_conninfo(self.dsn, **TCP_OPTIONS),
+                                            autocommit=True, connect_timeout=2)
                 self.conn.execute(f"LISTEN {CHANNEL}")
             except psycopg.Error:
                 self.conn = None

@@ -148,8 +148,16 @@ class Server:
         self._receive(batch)
         if not batch:
             return
-        answers, committed = self.service.handle([(req, actor) for _, req, actor in batch],
-                                                 more=more)
+        try:
+            answers, committed = self.service.handle(
+                [(req, actor) for _, req, actor in batch], more=more)
+        except Exception as exc:  # a bug: every request of the batch answered, and serve on
+            log.exception("internal error handling a batch")
+            for envelope, req, _ in batch:
+                self.replies.send(envelope + [error_reply(
+                    req.id, "internal_error", f"internal error ({type(exc).__name__}); the "
+                    "outcome is unknown: retry with the same event_id; please report it")])
+            return
         self._publish(committed)
         for (envelope, req, _), ans in zip(batch, answers):
             if ans.error is not None:

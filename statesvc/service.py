@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -22,18 +21,18 @@ from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICA
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, EventError,
                            PoolConfigured, Replaced, encode_body, log_id_of)
-from shared.fingerprint import ModelError, read_model
-from shared.llama import MODULES
 from shared.protocol import Request
 from shared.reducer import (State, admit_load, apply, canonical, logical_digest, require_pool,
                             snapshot_bytes, verified_snapshot)
 from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
 from statesvc.blobs import BlobStore
 from statesvc.blobserve import read_chunk
+from statesvc.decisions import CommandError, pool_init, storage_error, unload
 from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry
-from statesvc.store import EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, recovery_steps
-from statesvc.views import describe_pool, list_page, pool_view, result_of
+from statesvc.store import (UNAVAILABLE, EventStore, HeadMoved, NewBlob, NewEvent, Snapshot,
+                            recovery_steps)
+from statesvc.views import list_page, result_of
 
 log = logging.getLogger("statesvc")
 
@@ -44,10 +43,6 @@ RECENT_HEADS = 256  # heads whose digests `status` compares replicas with
 HEAD_MOVED_RETRIES = 16  # a shared log: times a batch is decided again before it gives up
 _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
-
-
-class CommandError(CodedError):
-    """A command the service refuses; the answer carries its code, message and field."""
 
 
 @dataclass
@@ -192,6 +187,11 @@ class StateService:
         another instance appended first; the others' events are returned too, in seq order."""
         requests = list(requests)
         committed: list[Event] = []
+        if all(req.cmd == "heartbeat" for req, _ in requests):
+            # the registry alone: no turn, no catch-up (no database round trip), so a fleet's
+            # heartbeats cost a shared log nothing; the head they are told is the one read
+            # at the last batch or CATCH_UP_S tick (statesvc/server.py)
+            return self._handle(requests, committed, None), committed
         why = "other statesvc instances kept appending"
         for _ in range(HEAD_MOVED_RETRIES):
             with ExitStack() as turn:
@@ -207,41 +207,50 @@ class StateService:
                 except HeadMoved as moved:
                     log.info("another statesvc appended up to seq %d: deciding again",
                              moved.head)
-        return [Answer(error=CommandError("storage_error", f"{why}; retry with the same "
-                                          "event_id")) for _ in requests], committed
+        return [Answer(error=storage_error(why)) for _ in requests], committed
 
     def _handle(self, requests: list[tuple[Request, str]], committed: list[Event],
                 more: Callable[[], list[tuple[Request, str]]] | None) -> list[Answer]:
         answers = [Answer() for _ in requests]
         known: dict[str, tuple[str, dict[str, Any]]] = {}
-        self._recorded(requests, known)  # event_ids already recorded: one lookup per arrival
         batch = _Batch(self.state, by_event_id=known)
         i = 0
-        while i < len(requests) or (more is not None and batch.events
-                                    and self._extend(requests, answers, known, more)):
-            req, actor = requests[i]
-            try:
-                if req.cmd in _EVENT_OF_CMD:
-                    self._write(batch, i, req, actor, answers)
-                else:
-                    if batch.events:
-                        committed += self._commit(batch, answers)
-                        batch = _Batch(self.state, by_event_id=known)
-                    answers[i].result = self._with_log_id(req.cmd, self._read(req, actor))
-            except HeadMoved:  # nothing written: `handle` catches up and decides again
-                raise
-            except CommandError as exc:
-                answers[i].error = exc
-            except CodedError as exc:  # the reducer's, the adapter checks', the blob store's
-                answers[i].error = CommandError(exc.code, str(exc), exc.field)
-            except Exception as exc:  # a bug must cost one answer, never the service
-                log.exception("internal error on %s", req.cmd)
-                answers[i].error = CommandError("internal_error", f"internal error "
-                                                f"({type(exc).__name__}: {exc}); nothing was "
-                                                "recorded for this command; please report it")
-            i += 1
-        if batch.events:
-            committed += self._commit(batch, answers)
+        try:
+            self._recorded(requests, known)  # event_ids already recorded: one lookup per arrival
+            while i < len(requests) or (more is not None and batch.events
+                                        and self._extend(requests, answers, known, more)):
+                req, actor = requests[i]
+                try:
+                    if req.cmd in _EVENT_OF_CMD:
+                        self._write(batch, i, req, actor, answers)
+                    else:
+                        if batch.events:
+                            committed += self._commit(batch, answers)
+                            batch = _Batch(self.state, by_event_id=known)
+                        answers[i].result = self._with_log_id(req.cmd, self._read(req, actor))
+                except (HeadMoved, *UNAVAILABLE):  # nothing of this batch written: below
+                    raise
+                except CommandError as exc:
+                    answers[i].error = exc
+                except CodedError as exc:  # the reducer's, the adapter checks', the blob store's
+                    answers[i].error = CommandError(exc.code, str(exc), exc.field)
+                except Exception as exc:  # a bug must cost one answer, never the service
+                    log.exception("internal error on %s", req.cmd)
+                    answers[i].error = CommandError("internal_error", f"internal error "
+                                                    f"({type(exc).__name__}: {exc}); nothing "
+                                                    "was recorded for this command; please "
+                                                    "report it")
+                i += 1
+            if batch.events:
+                committed += self._commit(batch, answers)
+        except UNAVAILABLE as lost:  # the database went away while deciding: retryable
+            # the writes decided since the last commit and every request not reached yet: none
+            # was recorded by this batch; the answers before them (reads, earlier commits) hold
+            log.warning("the log could not be read while deciding a batch: %s", lost)
+            for j in [*batch.writers, *range(i, len(requests))]:
+                if answers[j].error is None:
+                    answers[j].result = None
+                    answers[j].error = storage_error(f"the log could not be read ({lost})")
         return answers
 
     def _recorded(self, requests: list[tuple[Request, str]],
@@ -258,9 +267,9 @@ class StateService:
         extra = more()
         if not extra:
             return False
-        self._recorded(extra, known)
-        requests += extra
+        requests += extra  # taken off the socket: answered whatever `_recorded` meets
         answers += [Answer() for _ in extra]
+        self._recorded(extra, known)
         return True
 
     def _commit(self, batch: _Batch, answers: list[Answer]) -> list[Event]:
@@ -269,17 +278,21 @@ class StateService:
                                        snapshots=batch.snapshots)
         except HeadMoved:
             raise
-        except Exception as exc:  # the disk or the database failed: nothing was recorded
+        except Exception as exc:  # the disk or the database failed
             log.exception("append failed")
             for sha in batch.new_blob_files:
                 if sha not in self.store.blob_hashes():
                     self.blobs.remove(sha)
             for event_id in batch.decided_ids:
                 del batch.by_event_id[event_id]
+            # a connection lost during COMMIT leaves its outcome unknown: the state stays as
+            # it was, and the retry finds the event in the log (by event_id) if it committed
+            outcome = ("it may have been recorded if the connection was lost while committing"
+                       if self.store.shared else "nothing was recorded")
             for i in (i for i in batch.writers if answers[i].error is None):
                 answers[i].result = None
-                answers[i].error = CommandError("storage_error", f"the event could not be "
-                                                f"stored ({exc}); nothing was recorded, retry")
+                answers[i].error = storage_error(f"the event could not be stored ({exc}); "
+                                                  f"{outcome}")
             return []
         self.state = batch.state
         if self.log_id is None and events and events[0].seq == 1:  # the genesis names the log
@@ -308,8 +321,8 @@ class StateService:
                                f"{args['expect_head']}; re-read the state and retry",
                                "args.expect_head")
         seq = state.seq + 1
-        decided = {"pool.init": self._pool_init, "load": self._load,
-                   "unload": self._unload}[req.cmd](state, seq, args)
+        decided = (self._load(state, seq, args) if req.cmd == "load" else
+                   pool_init(state, args) if req.cmd == "pool.init" else unload(state, args))
         if isinstance(decided, dict):  # nothing changes: the state already is what was asked
             answers[i].result = decided
             return
@@ -333,27 +346,6 @@ class StateService:
                                             logical_digest(new_state)))
 
     # ---- commands ------------------------------------------------------------
-
-    def _pool_init(self, state: State, seq: int,
-                   args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
-        path = absolute_path(args["model"], "args.model")
-        try:
-            model = read_model(path)
-        except ModelError as exc:
-            raise CommandError("invalid_model", str(exc), "args.model") from None
-        targets = MODULES if args["targets"] == "all" else tuple(
-            m for m in MODULES if m in args["targets"])
-        body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
-                              model.module_dims, args["max_loras"], args["max_rank"], targets,
-                              args["dtype"], log_id=str(uuid.uuid4()),
-                              max_adapters=args["max_adapters"])
-        if state.pool is not None:
-            if pool_view(state.pool) == pool_view(body):
-                return {"seq": 1, "created": False, **pool_view(state.pool)}
-            raise CommandError("already_configured", "the pool is already configured "
-                               f"({describe_pool(state.pool)}) and its settings are immutable; "
-                               "to change them start a new state service with a new --data-dir")
-        return body, None
 
     def _load(self, state: State, seq: int,
               args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | bytearray | None]:
@@ -388,18 +380,6 @@ class StateService:
                              cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
                              args["pin"], replaces)
         return body, cand.weights
-
-    def _unload(self, state: State, seq: int,
-                args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
-        require_pool(state)
-        cur = state.adapters.get(args["name"])
-        if cur is None:
-            raise CommandError("not_found", f"adapter {args['name']!r} is not loaded; "
-                               "`loractl list` shows the loaded adapters", "args.name")
-        if cur.pinned and not args["force"]:
-            raise CommandError("pinned", f"adapter {cur.name!r} is pinned; pass --force to "
-                               "unload it anyway")
-        return AdapterUnloaded(cur.name, cur.version), None
 
     # ---- reads ---------------------------------------------------------------
 

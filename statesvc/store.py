@@ -81,6 +81,11 @@ class HeadMoved(RuntimeError):
         self.head = head
 
 
+# a lost or refused connection (PostgreSQL restarting, a network cut), or a database that
+# cannot be read now (SQLite: locked, an I/O error): retryable, never a bug
+UNAVAILABLE = (exc.OperationalError, exc.InterfaceError)
+
+
 class EventStore(Protocol):
     # True where other statesvc instances may append to the same log (PostgreSQL): `append`
     # then raises HeadMoved when the first event's seq is not the head's next

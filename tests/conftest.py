@@ -6,7 +6,9 @@ from typing import Iterator
 import pytest
 
 from shared.fleet import StateSvc
+from statesvc.service import StateService
 from statesvc.tools.example import ExampleAssets, make_example
+from statesvc.tools.inproc import init_pool, open_service
 from tests.helpers import Fleet
 from tests.pg import PgServer
 
@@ -15,6 +17,15 @@ from tests.pg import PgServer
 def example(tmp_path_factory: pytest.TempPathFactory) -> ExampleAssets:
     """The example checkpoint and adapters, written once per test session."""
     return make_example(tmp_path_factory.mktemp("example"), seed=0)
+
+
+@pytest.fixture
+def svc(tmp_path: Path, example: ExampleAssets) -> Iterator[StateService]:
+    """The state service in-process over SQLite in tmp_path, the example's pool configured."""
+    service = open_service(tmp_path / "data")
+    init_pool(service, example.model_dir)
+    yield service
+    service.store.close()
 
 
 @pytest.fixture

@@ -38,8 +38,13 @@ def _binary(name: str) -> str | None:
 class PgServer:
     """One PostgreSQL cluster in a temporary directory; `database()` makes a fresh database."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", trust: str | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
+        """`host`: the address it listens on; `trust`: a network (CIDR) whose clients it lets
+        in without a password besides loopback's; `wrapper`: a command that execs pg_ctl (a
+        network namespace's `ip netns exec NS`)."""
         self.initdb, self.pg_ctl = _binary("initdb"), _binary("pg_ctl")
+        self.host, self.trust, self.wrapper = host, trust, wrapper
         self.port = free_port()
         self.root = Path(tempfile.mkdtemp(prefix="loraplane-pg-"))
         self.data = self.root / "data"
@@ -64,10 +69,11 @@ class PgServer:
         return self.url_of("postgres")
 
     def url_of(self, database: str) -> str:
-        return f"postgresql+psycopg://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql+psycopg://{SUPERUSER}@{self.host}:{self.port}/{database}"
 
     def _run(self, *argv: str) -> None:
-        res = subprocess.run([*self._as, *argv], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([*self.wrapper, *self._as, *argv], capture_output=True, text=True,
+                             timeout=120)
         if res.returncode != 0:
             log = self.log.read_text()[-2000:] if self.log.exists() else ""
             raise RuntimeError(f"{' '.join(argv[:2])} failed ({res.returncode}): "
@@ -79,10 +85,13 @@ class PgServer:
         if not self.data.exists():
             self._run(self.initdb, "-D", str(self.data), "-U", SUPERUSER, "--auth=trust",
                       "--encoding=UTF8", "--locale=C", "--no-instructions")
+            if self.trust is not None:
+                with open(self.data / "pg_hba.conf", "a") as hba:
+                    hba.write(f"host all all {self.trust} trust\n")
             atexit.register(self.stop)  # a session that dies leaves no server behind
         self._run(self.pg_ctl, "start", "-w", "-t", "60", "-D", str(self.data), "-l",
                   str(self.log), "-o", f"-p {self.port} -k {self.root} "
-                  "-c listen_addresses=127.0.0.1 -c max_connections=200")
+                  f"-c listen_addresses={self.host} -c max_connections=200")
         self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
         return self
 

@@ -9,7 +9,8 @@ from typing import Any
 from shared.client import new_event_id
 from shared.protocol import COMMANDS, WRITE_COMMANDS, Request, validate
 from statesvc.blobs import BlobStore
-from statesvc.service import CommandError, StateService
+from statesvc.decisions import CommandError
+from statesvc.service import StateService
 from statesvc.pgblobs import LogBlobStore
 from statesvc.pgstore import PostgresEventStore
 from statesvc.store import open_store, sqlite_url

@@ -84,11 +84,6 @@ def server() -> Iterator[PgServer]:
         pg.stop()
 
 
-# Known flake, under investigation: about one run in eight (load or not), one writer's command
-# goes unanswered by both instances after PostgreSQL's immediate restart, so the writer gives
-# up. Every other check of this test held in those runs; it still runs and reports XPASS.
-@pytest.mark.xfail(strict=False, reason="an unload can go unanswered after PostgreSQL's "
-                   "immediate restart (about 1 run in 8); under investigation")
 def test_kill_one_instance_and_restart_postgresql_mid_burst(
         server: PgServer, example: ExampleAssets, tmp_path: Path) -> None:
     url = server.database()

@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -46,14 +46,6 @@ def new_pool(c: ControlClient, model_dir: Path, **overrides: Any) -> None:
 def load(c: ControlClient, name: str, path: Path, **overrides: Any) -> Any:
     return c.call("load", {"event_id": new_event_id(), "name": name, "path": str(path),
                            **overrides})
-
-
-@pytest.fixture
-def svc(tmp_path: Path, example: ExampleAssets) -> Iterator[StateService]:
-    service = open_service(tmp_path / "data")
-    init_pool(service, example.model_dir)
-    yield service
-    service.store.close()
 
 
 def refused(svc: StateService, path: Path | str) -> CommandError:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, exc, text
 from sqlalchemy.exc import IntegrityError
 
 from statesvc.pgblobs import LogBlobStore
@@ -155,4 +155,23 @@ class TestPostgresEventStore(EventStoreContract):
         assert got == data and other.read_chunk(sha, len(data)) == b""
         assert other.all() == {sha} and not other.has("cd" * 32)
         other.engine.dispose()
+        store.close()
+
+    def test_blob_rows_read_again_come_from_memory(self, tmp_path: Path) -> None:
+        """Every replica fetches a new blob right after its load: the second read of a row
+        costs no query (LRU within cache_bytes); an evicted row is read from the database."""
+        store = self.make_store(tmp_path)
+        data = bytes(range(256)) * (CHUNK_BYTES // 256 * 3)  # three rows
+        sha = hashlib.sha256(data).hexdigest()
+        store.append([ev(1)], blobs=[NewBlob(sha, len(data), 1, data)])
+        blobs = LogBlobStore(PostgresEventStore(self.url).engine, cache_bytes=2 * CHUNK_BYTES)
+        assert blobs.read_chunk(sha, 0, len(data)) == data  # rows 1 and 2 stay
+        db, blobs.engine = blobs.engine, create_engine("postgresql+psycopg://x@127.0.0.1:1/x")
+        assert blobs.has(sha) and blobs.size(sha) == len(data)  # no database: from memory
+        assert blobs.read_chunk(sha, CHUNK_BYTES + 5, len(data)) == data[CHUNK_BYTES + 5:]
+        with pytest.raises(exc.OperationalError):
+            blobs.read_chunk(sha, 0, 10)  # row 0 was evicted
+        blobs.engine = db
+        assert blobs.read_chunk(sha, 0, 10) == data[:10]
+        db.dispose()
         store.close()

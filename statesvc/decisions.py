@@ -1,0 +1,60 @@
+"""What `pool.init` and `unload` decide against the state (pure: no store, no files but the
+model's config), and the errors a command is refused with. `load`, which reads adapter files
+and the blob store, is decided by the service (statesvc/service.py)."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from shared.errors import CodedError
+from shared.events import AdapterUnloaded, Body, PoolConfigured
+from shared.fingerprint import ModelError, read_model
+from shared.llama import MODULES
+from shared.reducer import State, require_pool
+from statesvc.adapters import absolute_path
+from statesvc.views import describe_pool, pool_view
+
+
+class CommandError(CodedError):
+    """A command the service refuses; the answer carries its code, message and field."""
+
+
+def storage_error(why: str) -> CommandError:
+    """Retryable: a write resent with its event_id is recorded once, whatever happened."""
+    return CommandError("storage_error", f"{why}; retry with the same event_id (recorded "
+                        "at most once)")
+
+
+def pool_init(state: State, args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
+    """`pool.init`: the PoolConfigured event, or the unchanged pool's answer."""
+    path = absolute_path(args["model"], "args.model")
+    try:
+        model = read_model(path)
+    except ModelError as exc:
+        raise CommandError("invalid_model", str(exc), "args.model") from None
+    targets = MODULES if args["targets"] == "all" else tuple(
+        m for m in MODULES if m in args["targets"])
+    body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
+                          model.module_dims, args["max_loras"], args["max_rank"], targets,
+                          args["dtype"], log_id=str(uuid.uuid4()),
+                          max_adapters=args["max_adapters"])
+    if state.pool is not None:
+        if pool_view(state.pool) == pool_view(body):
+            return {"seq": 1, "created": False, **pool_view(state.pool)}
+        raise CommandError("already_configured", "the pool is already configured "
+                           f"({describe_pool(state.pool)}) and its settings are immutable; "
+                           "to change them start a new state service with a new --data-dir")
+    return body, None
+
+
+def unload(state: State, args: dict[str, Any]) -> tuple[Body, None]:
+    """`unload`: the AdapterUnloaded event."""
+    require_pool(state)
+    cur = state.adapters.get(args["name"])
+    if cur is None:
+        raise CommandError("not_found", f"adapter {args['name']!r} is not loaded; "
+                           "`loractl list` shows the loaded adapters", "args.name")
+    if cur.pinned and not args["force"]:
+        raise CommandError("pinned", f"adapter {cur.name!r} is pinned; pass --force to "
+                           "unload it anyway")
+    return AdapterUnloaded(cur.name, cur.version), None
