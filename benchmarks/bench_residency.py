@@ -249,9 +249,10 @@ def report(r: dict[str, Any]) -> str:
              "added TTFT p50 / p99 over floor, host hit | added TTFT p50 / p99 over floor, miss | "
              "the same, miss, before (no wait for a fetch) | "
              "added TTFT p50 / p99 of resident requests (control) | "
+             "p99 shift host hit / miss / resident | "
              "literal TTFT p99 over floor, host hit / miss (closed loop) | floors host / miss | "
              "host hit rate | evictions / 1,000 req |",
-             "|---:|---|---|---|---|---|---|---|---:|---:|"]
+             "|---:|---|---|---|---|---|---|---|---|---:|---:|"]
     for st in r["streams"]:
         o, f = st["open"], st["floors_ms"]
 
@@ -270,7 +271,9 @@ def report(r: dict[str, Any]) -> str:
                      f"({st['zipf_tokens_per_s']:.0f} / {st['resident_tokens_per_s']:.0f}; "
                      f"{runs}) | {added('host')} | {added('miss')} | "
                      f"{added('miss', 'added_no_wait')} | "
-                     f"{_ms(o['added_resident'])} | {literal('host')} / {literal('miss')} | "
+                     f"{_ms(o['added_resident'])} | "
+                     f"{' / '.join(_p99(o.get('shift', {}).get(t, {})) for t in shifted)} | "
+                     f"{literal('host')} / {literal('miss')} | "
                      f"{f['host']:.2f} / {f['miss']:.1f} ms | "
                      f"{st['host_hit_rate']:.0%} | {st['evictions_per_1000']:.0f} |")
     rss, cold = r["rss"], r["cold"]
@@ -297,6 +300,13 @@ def report(r: dict[str, Any]) -> str:
               f"average {r['load_average']['before']:.1f} before, "
               f"{r['load_average']['after']:.1f} after; {r['seconds']:.0f} s."]
     return "\n".join(lines)
+
+
+shifted = ("host", "miss", "resident")
+
+
+def _p99(c: dict[str, Any]) -> str:
+    return f"{c['p99']:.0f} ms" if "p99" in c else "-"
 
 
 def _ms(c: dict[str, Any]) -> str:

@@ -15,7 +15,9 @@ each pair with a Zipf draw of its own:
   *added* TTFT = its TTFT in the Zipf run - the same request's TTFT in the all-resident run:
   what non-residency adds to its time to first token. TTFT is measured from the scheduled
   arrival. The requests that were resident in both runs give the same difference as a
-  control: how far two runs of one schedule differ when nothing is filled. A third run of the
+  control: how far two runs of one schedule differ when nothing is filled. Beside it the
+  *shift*: p50 and p99 of those requests' TTFTs in the Zipf run minus p50 and p99 of the same
+  requests' TTFTs in the all-resident run (where the tail moved). A third run of the
   Zipf stream on the same schedule has the engine's wait for a queued miss's fetch switched
   off (`Engine(fetch_wait=0)`: such a request waits for the next step): "before" beside
   "after" (computed/engine.py's `_admit`).
@@ -170,6 +172,12 @@ def pct(xs: list[float]) -> dict[str, Any]:
     return out
 
 
+def shift(zipf: list[float], resident: list[float]) -> dict[str, Any]:
+    """p50 and p99 of `zipf` minus those of `resident` (ms)."""
+    a, b = pct(zipf), pct(resident)
+    return {"n": a["n"], **({q: a[q] - b[q] for q in ("p50", "p99")} if "p50" in a else {})}
+
+
 def over(cell: dict[str, Any], floor: float) -> dict[str, Any]:
     """`cell` with its p50 and p99 over `floor` (ms)."""
     if "p50" in cell and floor:
@@ -194,6 +202,7 @@ def run_streams(engine: Engine, replica: Replica, order: list[str], rounds: int,
     added: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}
     opened: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}
     before: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}  # fetch_wait 0
+    paired: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}  # their R TTFT
     fetch_wait = engine.fetch_wait
     moved = {k: 0 for k in counters(replica)}
     distinct: list[int] = []
@@ -237,6 +246,7 @@ def run_streams(engine: Engine, replica: Replica, order: list[str], rounds: int,
              (trio if k % 2 == 0 else trio[::-1])}
         for rid, t in o["zipf"]["tier"].items():
             opened[t].append(o["zipf"]["ttft_ms"][rid])
+            paired[t].append(o["resident"]["ttft_ms"][rid])
             added[t].append(o["zipf"]["ttft_ms"][rid] - o["resident"]["ttft_ms"][rid])
         for rid, t in o["zipf-no-wait"]["tier"].items():
             before[t].append(o["zipf-no-wait"]["ttft_ms"][rid] - o["resident"]["ttft_ms"][rid])
@@ -258,6 +268,11 @@ def run_streams(engine: Engine, replica: Replica, order: list[str], rounds: int,
                  "ttft_resident": pct(opened["resident"]),
                  "added_resident": pct(added["resident"]),
                  "added": {t: over(pct(added[t]), floors.get(t, 0.0)) for t in TIERS},
+                 # p50 and p99 of the Zipf run's TTFTs - of the same requests' in the
+                 # all-resident run: the shift of the distribution, less noisy at the tail than
+                 # the p99 of per-request differences (where runs drift apart by whole steps)
+                 "shift": {t: over(shift(opened[t], paired[t]), floors.get(t, 0.0))
+                           for t in (*TIERS, "resident")},
                  "fetch_wait": fetch_wait,
                  "added_no_wait": {t: over(pct(before[t]), floors.get(t, 0.0)) for t in TIERS}}}
     for t in TIERS:
