@@ -8,30 +8,37 @@ blob store); a `statesvc serve` subprocess serves it, and an in-process `Replica
 fill worker and host tier, `--host-cache-mb`) and `Engine` over the bench model serve the
 requests: `Engine.step` in a loop, as the daemon runs it.
 
-The stream: `--requests` requests, each for adapter i with probability proportional to
-1 / i^s, s = `--zipf` (default 1.1; the ranks are a random permutation of the registry),
-prompt 16 tokens, 8 new tokens, greedy, at most 32 in flight (a new one is sent as each one
-finishes: batch 32). "All resident" is the same stream with each request's adapter replaced by
-one of the `slots` adapters made resident before it starts (rank mod slots), so it never
-misses. Both run on the same replica, one after the other, for 16 and for 32 slots (a log
-each: the slots are in the genesis).
+The streams (benchmarks/residency_streams.py says how each is run and measured), on 16 and
+32 slots (a log each: the slots are in the genesis): `--requests` requests, each for adapter
+i with probability proportional to 1 / i^s, s = `--zipf` (default 1.1; the ranks are a random
+permutation of the registry), prompt 16 tokens, 8 new tokens, greedy; "all resident" is the
+same stream with each request's adapter replaced by one of the `slots` most popular ones. Per
+slot count, `--rounds` alternated pairs (Zipf / all resident), each round a Zipf draw of its
+own, first closed loop (at most 32 in flight), then open loop (a fixed schedule at `--load` x
+the all-resident capacity just measured, the same schedule and order for both).
 
 Figures, side by side in one run:
-* throughput (tokens/s) of the Zipf stream / of the all-resident stream: target >= 0.8x;
-* time to first token (queue + prefill) of the requests whose adapter was not resident when
-  they were sent, p50 and p99, per tier (host-tier hit / miss), over that tier's floor: the
-  same fills measured on an idle replica (host hit: the slot write; miss: blob read from
-  statesvc + sha256 + parse + slot write): target p99 <= 2x;
+* throughput (tokens/s) of the closed-loop Zipf stream / the all-resident one, the median of
+  the rounds' ratios: target >= 0.8x;
+* added time to first token (open loop): per request whose adapter was not resident when it
+  was sent, its TTFT in the Zipf run - its TTFT in the all-resident run, p50 and p99 per tier
+  (host-tier hit / miss), over that tier's floor (the same fills measured on an idle replica;
+  host hit: the slot write; miss: blob read from statesvc + sha256 + parse + slot write):
+  target p99 <= 2x. Beside it the literal figure, TTFT (queue + prefill) of those requests
+  over the floor in the closed-loop stream (the issue's wording, same target), and the open
+  loop's TTFT;
 * host-tier hit rate and evictions per 1,000 requests;
 * RSS of a `computed serve --no-inference` replica with 1,000 registered / with 10 (same
-  slots, same host cache): target <= 1.05x;
+  slots, same host cache, and the same slots filled: 8 slots, which both fill at replay),
+  the median of `--repeats` alternated pairs: target <= 1.05x;
 * a cold replica's time to ACTIVE with 10,000 registered tiny adapters / with 10 (rank 1 on
   q_proj; one file registered under each name, so the registry grows and the blob store
   does not): from starting `computed serve --no-inference` on an empty cache dir to its
   status saying ACTIVE at the head: target <= 2x. Beside it, the in-process bootstrap alone
   (snapshot fetched and verified, events after it, pool written), without a target.
 
-    .venv/bin/python -m benchmarks.bench_residency [--adapters 1000] [--requests 384] [--quick]
+    .venv/bin/python -m benchmarks.bench_residency [--adapters 1000] [--requests 384]
+        [--rounds 3] [--load 0.5] [--quick]
 """
 from __future__ import annotations
 
@@ -48,22 +55,21 @@ import numpy as np
 from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
 from benchmarks.bench_replica import proc_kb
 from benchmarks.report import machine_info, median, output_flags, run_and_publish
-from computed.engine import Done, Engine
+from benchmarks.residency_streams import BATCH, NEW_TOKENS, PROMPT, run_streams
+from computed.engine import Engine
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from computed.replica import Replica
 from shared.client import ControlClient
 from shared.fingerprint import read_model
 from shared.fleet import Computed, StateSvc, wait_for
-from shared.replica_protocol import generate_args
 from statesvc.tools.example import AdapterSpec, write_adapter, write_model
 from statesvc.tools.inproc import init_pool, open_service, request
 
 RANK, TARGETS = 8, ("q_proj", "v_proj")
-PROMPT, NEW_TOKENS, BATCH = 16, 8, 32
 SLOT_COUNTS = (16, 32)
+RSS_SLOTS = 8  # fewer than the 10 registered: both replicas fill every slot (equal fill)
 TARGETS_X = {"throughput": 0.8, "ttft_p99": 2.0, "rss": 1.05, "cold": 2.0}
-CALIBRATE = 12  # adapters filled on an idle replica for each tier's floor
 
 
 def write_adapters(root: Path, shape: Any, n: int, spec: AdapterSpec | None = None
@@ -93,131 +99,27 @@ def build_log(data_dir: Path, model_dir: Path, loads: list[tuple[str, Path]], sl
         service.store.close()
 
 
-def zipf_stream(names: list[str], n: int, s: float, rng: np.random.Generator) -> list[int]:
-    """`n` ranks (0 = most popular) drawn with p(rank i) proportional to 1 / (i + 1)^s."""
-    p = 1.0 / np.arange(1, len(names) + 1) ** s
-    return [int(r) for r in rng.choice(len(names), size=n, p=p / p.sum())]
-
-
-def tier_of(replica: Replica, name: str) -> str:
-    a = replica.state.adapters[name]
-    assert replica.residency is not None
-    if replica.residency.slot_of(a.name, a.version) is not None:
-        return "resident"
-    return "host" if (a.name, a.version) in replica.fills.host else "miss"
-
-
-def drive(engine: Engine, replica: Replica, adapters: list[str], prompts: np.ndarray
-          ) -> dict[str, Any]:
-    """Send `adapters` (one request each) with at most BATCH in flight; returns tokens/s and
-    each request's tier at sending and time to first token."""
-    sent, tier, done_at = 0, {}, {}
-    ttft: dict[str, float] = {}
-    inflight = 0
-    t0 = time.perf_counter()
-    while sent < len(adapters) or inflight:
-        while sent < len(adapters) and inflight < BATCH:
-            rid = str(sent)
-            tier[rid] = tier_of(replica, adapters[sent])
-            args = generate_args(prompts[sent % len(prompts)].tolist(), adapter=adapters[sent],
-                                 max_new_tokens=NEW_TOKENS)
-            immediate = engine.submit(rid, args, rid)
-            assert immediate is None, immediate
-            sent, inflight = sent + 1, inflight + 1
-        if not any(r is not None for r in engine.rows):
-            time.sleep(0.001)  # only waiters: the fill worker runs (as the daemon's poll)
-        out: list[Done] = engine.step()
-        for d in out:
-            assert d.result is not None, d.error
-            inflight -= 1
-            ttft[d.req_id] = d.result["timings"]["queue_ms"] + d.result["timings"]["prefill_ms"]
-            done_at[d.req_id] = time.perf_counter()
-    seconds = time.perf_counter() - t0
-    return {"tokens_per_s": len(adapters) * NEW_TOKENS / seconds, "seconds": seconds,
-            "tier": tier, "ttft_ms": ttft}
-
-
 def serve_stream(tmp: Path, model_dir: Path, dirs: dict[str, Path], slots: int,
                  args: argparse.Namespace, runner: LlamaRunner) -> dict[str, Any]:
+    """The streams on `slots` slots (benchmarks/residency_streams.py), on a log of their own
+    (the slots are in the genesis) served by a `statesvc serve` subprocess."""
     data = tmp / f"log-{slots}"
     build_log(data, model_dir, list(dirs.items()), slots)
     svc = StateSvc(data).start()
-    names = list(dirs)
     rng = np.random.default_rng(slots)
-    order = list(rng.permutation(names))  # rank -> name
-    ranks = zipf_stream(order, args.requests, args.zipf, rng)
+    order = list(rng.permutation(list(dirs)))  # rank -> name
     prompts = rng.integers(3, runner.vocab_size, (64, PROMPT)).astype(np.int32)
     try:
         with ControlClient(svc.control, timeout_s=60) as client:
             replica = Replica(read_model(model_dir), client, tmp / f"replica-{slots}",
                               host_cache_mb=args.host_cache_mb)
             replica.bootstrap()
-            engine = Engine(runner, replica, queue_limit=4 * BATCH, min_seq_wait_s=120)
+            engine = Engine(runner, replica, queue_limit=8 * BATCH, min_seq_wait_s=120)
             engine.warmup()
-            floors = calibrate(engine, replica, order[-CALIBRATE - 1:-1], prompts)
-            # the same start for both streams: the `slots` most popular adapters resident
-            hot = order[:slots]
-            drive(engine, replica, hot, prompts)
-            resident = drive(engine, replica, [order[r % slots] for r in ranks], prompts)
-            before = dict(replica.fills.stats(), **_res(replica))
-            for t in replica.fills.times.values():
-                t.clear()
-            zipf = drive(engine, replica, [order[r] for r in ranks], prompts)
-            after = dict(replica.fills.stats(), **_res(replica))
+            return run_streams(engine, replica, order, args.rounds, args.requests, args.zipf,
+                               args.load, prompts, rng)
     finally:
         svc.stop()
-    out: dict[str, Any] = {"slots": slots, "floors_ms": floors,
-                           "resident_tokens_per_s": resident["tokens_per_s"],
-                           "zipf_tokens_per_s": zipf["tokens_per_s"],
-                           "throughput_ratio": zipf["tokens_per_s"] / resident["tokens_per_s"],
-                           "distinct_adapters": len(set(ranks)),
-                           "fill_ms": after["fill_ms"]}
-    hits = after["host_hits"] - before["host_hits"]
-    misses = after["host_misses"] - before["host_misses"]
-    out["host_hit_rate"] = hits / max(1, hits + misses)
-    out["slot_misses"] = after["misses"] - before["misses"]
-    out["evictions_per_1000"] = 1000 * (after["evictions"] - before["evictions"]) / args.requests
-    out["host_evictions"] = after["host_evictions"] - before["host_evictions"]
-    hits_ttft = [zipf["ttft_ms"][rid] for rid, k in zipf["tier"].items() if k == "resident"]
-    out["ttft_resident"] = {"n": len(hits_ttft), **({q: float(np.percentile(hits_ttft, p))
-                            for q, p in (("p50", 50), ("p99", 99))} if hits_ttft else {})}
-    for t in ("host", "miss"):
-        xs = [zipf["ttft_ms"][rid] for rid, k in zipf["tier"].items() if k == t]
-        cell: dict[str, Any] = {"n": len(xs)}
-        if xs and floors[t]:
-            cell.update({q: float(np.percentile(xs, p)) for q, p in (("p50", 50), ("p99", 99))})
-            cell.update({f"{q}_over_floor": cell[q] / floors[t] for q in ("p50", "p99")})
-            if hits_ttft:  # what the fill adds to a resident request's TTFT, over the floor
-                cell.update({f"{q}_extra_over_floor": max(0.0, cell[q] - out["ttft_resident"][q])
-                             / floors[t] for q in ("p50", "p99")})
-        out[f"ttft_{t}"] = cell
-    return out
-
-
-def _res(replica: Replica) -> dict[str, int]:
-    res = replica.residency
-    assert res is not None
-    return {"hits": res.hits, "misses": res.misses, "evictions": res.evictions}
-
-
-def calibrate(engine: Engine, replica: Replica, names: list[str], prompts: np.ndarray
-              ) -> dict[str, float]:
-    """Each tier's floor on an idle replica: fills of `names` one request at a time, first from
-    statesvc (a miss), then, after other adapters took their slots, from the host tier."""
-    for t in replica.fills.times.values():
-        t.clear()
-    for name in names:
-        drive(engine, replica, [name], prompts)
-    assert replica.pool is not None
-    drive(engine, replica, [a for a in replica.state.adapters if a not in names]
-          [:replica.pool.spec.slots], prompts)  # evict them from the slots
-    for name in names:
-        drive(engine, replica, [name], prompts)
-    floors = {t: float(np.median(list(v))) * 1e3 if v else 0.0
-              for t, v in replica.fills.times.items()}
-    for t in replica.fills.times.values():
-        t.clear()
-    return floors
 
 
 def rss_of(tmp: Path, model_dir: Path, data: Path, host_cache_mb: int) -> int:
@@ -301,13 +203,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             streams.append(serve_stream(tmp, model_dir, dirs, slots, args, runner))
             print(streams[-1], flush=True)
         print("RSS, 10 and all registered ...", flush=True)
-        few = list(dirs.items())[:10]
-        build_log(tmp / "rss-few", model_dir, few, args.slots[0])
-        rss: dict[str, Any] = {"few": 10, "many": args.adapters, "few_kb_runs": [],
-                               "many_kb_runs": []}
+        build_log(tmp / "rss-few", model_dir, list(dirs.items())[:10], RSS_SLOTS)
+        build_log(tmp / "rss-many", model_dir, list(dirs.items()), RSS_SLOTS)
+        rss: dict[str, Any] = {"few": 10, "many": args.adapters, "slots": RSS_SLOTS,
+                               "few_kb_runs": [], "many_kb_runs": []}
         for _ in range(args.repeats):  # alternated: each pair sees the same load
             rss["few_kb_runs"].append(rss_of(tmp, model_dir, tmp / "rss-few", args.host_cache_mb))
-            rss["many_kb_runs"].append(rss_of(tmp, model_dir, tmp / f"log-{args.slots[0]}",
+            rss["many_kb_runs"].append(rss_of(tmp, model_dir, tmp / "rss-many",
                                               args.host_cache_mb))
         rss["few_kb"], rss["many_kb"] = (median(rss["few_kb_runs"]),
                                          median(rss["many_kb_runs"]))
@@ -332,6 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"machine": machine_info(), "model": shape.__dict__,
             "settings": {"adapters": args.adapters, "requests": args.requests, "zipf": args.zipf,
                          "slots": list(args.slots), "host_cache_mb": args.host_cache_mb,
+                         "rounds": args.rounds, "load": args.load,
                          "tiny": args.tiny, "repeats": args.repeats, "rank": RANK,
                          "targets": list(TARGETS), "prompt": PROMPT, "new_tokens": NEW_TOKENS,
                          "batch": BATCH},
@@ -342,23 +245,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> str:
     s, m = r["settings"], r["machine"]
-    lines = ["| slots | Zipf / all resident (tokens/s) | TTFT host hit p50 / p99 over floor | "
-             "TTFT miss p50 / p99 over floor | TTFT resident p50 / p99 | floors host / miss | "
-             "host hit rate | evictions / 1,000 req |", "|---:|---|---|---|---|---|---:|---:|"]
+    lines = ["| slots | Zipf / all resident, closed loop (tokens/s; rounds) | "
+             "added TTFT p50 / p99 over floor, host hit | added TTFT p50 / p99 over floor, miss | "
+             "the same, miss, before (no wait for a fetch) | "
+             "added TTFT p50 / p99 of resident requests (control) | "
+             "p99 shift host hit / miss / resident | "
+             "literal TTFT p99 over floor, host hit / miss (closed loop) | floors host / miss | "
+             "host hit rate | evictions / 1,000 req |",
+             "|---:|---|---|---|---|---|---|---|---|---:|---:|"]
     for st in r["streams"]:
-        def cell(t: str) -> str:
-            c = st[f"ttft_{t}"]
+        o, f = st["open"], st["floors_ms"]
+
+        def added(t: str, key: str = "added") -> str:
+            c = o[key][t]
             if "p99_over_floor" not in c:
                 return f"n={c['n']}"
-            extra = "" if "p99_extra_over_floor" not in c else (
-                f"; beyond resident TTFT {c['p50_extra_over_floor']:.1f}x / "
-                f"{c['p99_extra_over_floor']:.1f}x")
-            return (f"{c['p50_over_floor']:.0f}x / {c['p99_over_floor']:.0f}x "
-                    f"({c['p50']:.0f} / {c['p99']:.0f} ms, n={c['n']}{extra})")
-        f = st["floors_ms"]
+            return (f"{c['p50_over_floor']:.1f}x / {c['p99_over_floor']:.1f}x "
+                    f"({c['p50']:.1f} / {c['p99']:.1f} ms, n={c['n']})")
+
+        def literal(t: str) -> str:
+            c = st[f"ttft_{t}"]
+            return f"{c['p99_over_floor']:.0f}x" if "p99_over_floor" in c else "-"
+        runs = ", ".join(f"{x:.2f}" for x in st["throughput_ratio_runs"])
         lines.append(f"| {st['slots']} | {st['throughput_ratio']:.2f}x "
-                     f"({st['zipf_tokens_per_s']:.0f} / {st['resident_tokens_per_s']:.0f}) | "
-                     f"{cell('host')} | {cell('miss')} | {_ms(st['ttft_resident'])} | "
+                     f"({st['zipf_tokens_per_s']:.0f} / {st['resident_tokens_per_s']:.0f}; "
+                     f"{runs}) | {added('host')} | {added('miss')} | "
+                     f"{added('miss', 'added_no_wait')} | "
+                     f"{_ms(o['added_resident'])} | "
+                     f"{' / '.join(_p99(o.get('shift', {}).get(t, {})) for t in shifted)} | "
+                     f"{literal('host')} / {literal('miss')} | "
                      f"{f['host']:.2f} / {f['miss']:.1f} ms | "
                      f"{st['host_hit_rate']:.0%} | {st['evictions_per_1000']:.0f} |")
     rss, cold = r["rss"], r["cold"]
@@ -376,15 +291,26 @@ def report(r: dict[str, Any]) -> str:
               f"{s['adapters']:,} rank-{s['rank']} adapters ({'+'.join(s['targets'])}, "
               f"bfloat16 files) on the decode benchmark's model, batch {s['batch']}, "
               f"{s['requests']} requests of {s['prompt']} prompt + {s['new_tokens']} new tokens, "
-              f"Zipf exponent {s['zipf']}, host tier {s['host_cache_mb']} MiB, one run "
+              f"Zipf exponent {s['zipf']}, host tier {s['host_cache_mb']} MiB, "
+              f"{s['rounds']} alternated pairs per slot count, closed loop then open loop at "
+              f"{s['load']:g}x the all-resident capacity (added TTFT: a request's TTFT in the "
+              f"Zipf run - in the all-resident run, same schedule and order); RSS at "
+              f"{rss['slots']} slots, both filled; one run "
               f"(`python -m benchmarks.bench_residency`); on {m['cpu']}, {m['nproc']} CPUs; load "
               f"average {r['load_average']['before']:.1f} before, "
               f"{r['load_average']['after']:.1f} after; {r['seconds']:.0f} s."]
     return "\n".join(lines)
 
 
+shifted = ("host", "miss", "resident")
+
+
+def _p99(c: dict[str, Any]) -> str:
+    return f"{c['p99']:.0f} ms" if "p99" in c else "-"
+
+
 def _ms(c: dict[str, Any]) -> str:
-    return f"{c['p50']:.0f} / {c['p99']:.0f} ms" if "p50" in c else "-"
+    return f"{c['p50']:.1f} / {c['p99']:.1f} ms" if "p50" in c else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,13 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=384, help="requests per stream")
     ap.add_argument("--zipf", type=float, default=1.1, help="the Zipf exponent s")
     ap.add_argument("--host-cache-mb", type=int, default=256, help="the replica's host tier")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated stream pairs per slot count")
+    ap.add_argument("--load", type=float, default=0.5,
+                    help="the open-loop arrival rate, a fraction of the all-resident capacity")
     ap.add_argument("--tiny", type=int, default=10_000, help="tiny adapters for the cold start")
     ap.add_argument("--repeats", type=int, default=3, help="cold starts per registry size")
     output_flags(ap, "residency", "a tiny model and registry, for a smoke run")
     args = ap.parse_args(argv)
     args.slots = SLOT_COUNTS
     if args.quick:
-        args.adapters, args.requests, args.tiny, args.repeats = 48, 64, 200, 1
+        args.adapters, args.requests, args.tiny, args.repeats, args.rounds = 48, 64, 200, 1, 1
         args.slots = (8, 16)
     return run_and_publish("residency", args, run, report)
 

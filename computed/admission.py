@@ -11,6 +11,7 @@ anything of the engine.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,8 +21,8 @@ from shared.errors import CodedError
 
 # what the engine needs of the pool comes through here: its arrays' type (the forward pass's
 # input) and the refusal of a slot being rewritten
-__all__ = ["AdmissionPort", "GenerateError", "Grant", "LoraPool", "NoSlot", "NotReady",
-           "SlotDraining"]
+__all__ = ["AdmissionPort", "Fetching", "GenerateError", "Grant", "LoraPool", "NoSlot",
+           "NotReady", "SlotDraining"]
 
 
 class GenerateError(CodedError):
@@ -39,6 +40,16 @@ class NotReady(GenerateError):
 class NoSlot(SlotDraining):
     """No slot can hold the request's adapter now (all leased, pinned or reserved): it waits
     in the queue and is admitted when a lease ends (docs/residency.md)."""
+
+
+class Fetching(SlotDraining):
+    """The adapter's weights are being fetched and parsed (computed/fills.py): the request
+    waits in the queue. `wait(timeout_s)` blocks until that fetch ends (True) or the timeout
+    passes (False): the engine may wait a little for it rather than a whole decode step."""
+
+    def __init__(self, message: str, wait: Callable[[float], bool] | None = None) -> None:
+        super().__init__(message)
+        self.wait = wait
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from computed.admission import (AdmissionPort, GenerateError, Grant, LoraPool, NotReady,
-                                SlotDraining)
+from computed.admission import (AdmissionPort, Fetching, GenerateError, Grant, LoraPool,
+                                NotReady, SlotDraining)
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
@@ -94,7 +94,8 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 class Engine:
     def __init__(self, model: Model, replica: AdmissionPort, *, queue_limit: int = 256,
-                 min_seq_wait_s: float = 10.0, client_limit: int = 64) -> None:
+                 min_seq_wait_s: float = 10.0, client_limit: int = 64,
+                 fetch_wait: float = 0.5) -> None:
         self.model = model
         self.replica = replica
         self.queue_limit = queue_limit
@@ -107,6 +108,10 @@ class Engine:
         self.warm = False
         self.tickets = 0
         self.cancelled = 0
+        # a step may wait for a queued miss's fetch up to `fetch_wait` x the last decode
+        # step's time (`_admit`; 0: never)
+        self.fetch_wait, self.decode_s = fetch_wait, 0.0
+        self._fetch: Fetching | None = None  # a request of this pass waits for its fetch
         # called with (request, index, token) for each token of a request that asked for
         # `stream` (the daemon sends it on at once); the final reply is the usual Done
         self.on_token: Callable[[Request, int, int], None] | None = None
@@ -203,9 +208,11 @@ class Engine:
         for r in active:
             tokens[r.row], positions[r.row], slots[r.row], mask[r.row] = \
                 r.next_token, r.position, r.grant.slot, True
+        t0 = time.perf_counter()
         with self.replica.reading() as arrays:
             logits, self.cache = m.decode(arrays, self.cache, tokens, positions, slots, mask)
         logits = np.asarray(logits)
+        self.decode_s = time.perf_counter() - t0
         for r in active:
             r.position += 1
             self._emit(r, logits[r.row], done)
@@ -241,9 +248,16 @@ class Engine:
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
         """Admit the waiting requests in order and prefill those admitted together; those that
         must wait stay in the queue, where the limits `submit` checks count them while `intake`
-        runs. Then again for what `intake` brought, until a pass admits nothing."""
+        runs. Then again for what `intake` brought, until a pass admits nothing.
+
+        A pass that admits nothing while a request waits for its adapter's fetch (a miss, a
+        few ms) waits for that fetch, at most `fetch_wait` (half) of the last decode step in
+        all, and passes again: the request is prefilled before this step's decode instead of
+        after it, at the cost of that wait to the running requests (docs/residency.md)."""
+        budget = time.perf_counter() + self.decode_s * self.fetch_wait
         while True:
             admitted: list[Running] = []
+            self._fetch = None
             i = 0
             while i < len(self.waiting):
                 req = self.waiting[i]
@@ -261,7 +275,10 @@ class Engine:
                 self.rows[run.row] = run
                 admitted.append(run)
             if not admitted:
-                return
+                fetch, left = self._fetch, budget - time.perf_counter()
+                if fetch is None or fetch.wait is None or left <= 0 or not fetch.wait(left):
+                    return
+                continue  # its weights are in the host tier now: the next pass writes its slot
             self._prefill(admitted, done)
             if intake is None:
                 return
@@ -280,7 +297,9 @@ class Engine:
             if time.perf_counter() - req.arrived < self.min_seq_wait_s:
                 return None
             raise GenerateError(exc.code, f"{exc} within {self.min_seq_wait_s:g} s", exc.field)
-        except SlotDraining:
+        except SlotDraining as exc:
+            if isinstance(exc, Fetching) and self._fetch is None:
+                self._fetch = exc  # the oldest such request of this pass
             # its slot is being rewritten, its weights are being fetched (Fetching), or no slot
             # can hold its adapter now (NoSlot): admit later; requests whose adapters are
             # resident go ahead meanwhile

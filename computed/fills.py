@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from computed.admission import NotReady, SlotDraining
+from computed.admission import Fetching, NotReady
 from computed.hosttier import HostTier, weights_bytes
 from computed.pool import SlotWeights
 from computed.weights import BlobCache, BlobError, slot_weights
@@ -37,10 +37,6 @@ log = logging.getLogger("computed")
 RETRY_S = 1.0
 SAMPLES = 1024  # fill times kept per tier for the percentiles
 Key = tuple[str, int]  # (adapter name, version)
-
-
-class Fetching(SlotDraining):
-    """The adapter's weights are being fetched and parsed: the request waits in the queue."""
 
 
 class FetchFailed(NotReady):
@@ -63,7 +59,9 @@ class Fills:
     def __init__(self, blobs: BlobCache, host_bytes: int) -> None:
         self.blobs = blobs
         self.host: HostTier[Key, SlotWeights] = HostTier(host_bytes, weights_bytes)
-        self._lock = threading.Condition()
+        mutex = threading.RLock()
+        self._lock = threading.Condition(mutex)  # the worker waits on it for the queue
+        self._ended = threading.Condition(mutex)  # requests wait on it for a fetch's end
         self._queue: deque[AdapterLoaded] = deque()
         self._pending: dict[Key, bool] = {}  # queued or in flight -> asked for by a request
         self._failed: dict[Key, tuple[str, float]] = {}
@@ -120,7 +118,14 @@ class Fills:
             raise FetchFailed(f"the weights of adapter {adapter.name!r} v{adapter.version} "
                               f"could not be fetched ({failed[0]}); retrying")
         self.want(adapter)
-        raise Fetching(f"fetching the weights of adapter {adapter.name!r} v{adapter.version}")
+        raise Fetching(f"fetching the weights of adapter {adapter.name!r} v{adapter.version}",
+                       lambda timeout_s: self.await_fetch(key, timeout_s))
+
+    def await_fetch(self, key: Key, timeout_s: float) -> bool:
+        """Block until the fetch of `key` ends (fetched, failed or dropped): True, or until
+        `timeout_s` passes: False."""
+        with self._lock:
+            return self._ended.wait_for(lambda: key not in self._pending, timeout_s)
 
     def wrote(self, took: Took, write_s: float) -> None:
         """A slot write from `took` took `write_s`: one fill time sample of its tier."""
@@ -139,6 +144,7 @@ class Fills:
                 for k in [k for k in d if not keep(k)]:
                     del d[k]
             self._queue = deque(a for a in self._queue if keep(key_of(a)))
+            self._ended.notify_all()
 
     # ---- the worker ----------------------------------------------------------------
 
@@ -165,6 +171,7 @@ class Fills:
             with self._lock:
                 self.fetching = None
                 demand = self._pending.pop(key, None)
+                self._ended.notify_all()
                 if demand is None:
                     continue  # unloaded or replaced while it was fetched: discarded
                 if weights is None:
@@ -199,3 +206,6 @@ def percentiles(samples: list[float]) -> dict[str, Any]:
     a = np.asarray(samples) * 1e3
     return {"n": len(samples), "p50": float(np.percentile(a, 50)),
             "p99": float(np.percentile(a, 99))}
+
+
+__all__ = ["FetchFailed", "Fetching", "Fills", "Took", "key_of", "percentiles"]

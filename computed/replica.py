@@ -42,7 +42,7 @@ from shared.config import DEFAULT_HOST_CACHE_MB
 from shared.events import AdapterLoaded, Body, EventError, PoolConfigured, decode_body
 from shared.faults import NO_FAULTS, Faults
 from shared.fingerprint import ModelInfo
-from shared.reducer import (State, apply, canonical, from_canonical, logical_digest,
+from shared.reducer import (State, apply, from_canonical, logical_digest, snapshot_bytes,
                             verified_snapshot)
 
 log = logging.getLogger("computed")
@@ -407,10 +407,15 @@ class Replica:
         return state
 
     def _save_local_state(self) -> None:
+        """{"log_id", "seq", "state"} as canonical msgpack, the state from its bodies' cached
+        bytes (shared/reducer.py's `snapshot_bytes`): a large registry is not packed again."""
         path = self.cache_dir / "state.msgpack"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(canonical_bytes({"seq": self.state.seq, "state": canonical(self.state),
-                                         "log_id": self.log_id}))
+        packer = msgpack.Packer(use_bin_type=True)
+        tmp.write_bytes(b"".join([packer.pack_map_header(3), packer.pack("log_id"),
+                                  packer.pack(self.log_id), packer.pack("seq"),
+                                  packer.pack(self.state.seq), packer.pack("state"),
+                                  snapshot_bytes(self.state)]))
         os.replace(tmp, path)
 
 

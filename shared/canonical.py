@@ -7,11 +7,16 @@ from typing import Any
 import msgpack
 
 
+_SCALARS = frozenset((type(None), bool, int, float, str, bytes))
+
+
 def _sorted(value: Any) -> Any:
+    """`value` with every map's keys in order and tuples as lists (scalars are passed over in
+    their container's loop: a registry holds a million of them)."""
     if isinstance(value, dict):
-        return {k: _sorted(value[k]) for k in sorted(value)}
+        return {k: v if type(v := value[k]) in _SCALARS else _sorted(v) for k in sorted(value)}
     if isinstance(value, (list, tuple)):
-        return [_sorted(v) for v in value]
+        return [v if type(v) in _SCALARS else _sorted(v) for v in value]
     return value
 
 

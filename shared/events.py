@@ -126,8 +126,11 @@ def log_id_of(genesis: Event) -> str:
     return str(uuid.uuid5(LEGACY_LOG_NAMESPACE, f"{genesis.event_id} {genesis.recorded_at}"))
 
 
+_MODULE_SET = frozenset(MODULES)
+
+
 def _ordered_targets(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not set(value) <= set(MODULES):
+    if not isinstance(value, (list, tuple)) or not _MODULE_SET.issuperset(value):
         raise EventError(f"targets must be a list of {', '.join(MODULES)}; got {value!r}")
     return tuple(m for m in MODULES if m in value)
 
@@ -167,12 +170,15 @@ def _check_types(type_: str, payload: dict[str, Any]) -> None:
         raise EventError(f"{type_}.{name} must be {kind.__name__}, got {type(value).__name__}")
 
 
+_FIELD_NAMES = {cls: frozenset(f.name for f in fields(cls)) for cls in BODY_TYPES.values()}
+
+
 def decode_body(type_: str, payload: dict[str, Any]) -> Body:
     """The typed body of a payload; raises EventError when it does not fit the type."""
     cls = BODY_TYPES.get(type_)
     if cls is None:
         raise EventError(f"unknown event type {type_!r}")
-    names = {f.name for f in fields(cls)}
+    names = _FIELD_NAMES[cls]
     if isinstance(payload, dict):
         payload = upcast(type_, payload)
     if not isinstance(payload, dict) or not set(payload) <= names:

@@ -23,6 +23,7 @@ from shared.llama import MODULES
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
 _PLAIN = (type(None), bool, int, float, str, bytes)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 class ProtocolError(CodedError, ValueError):
@@ -39,16 +40,20 @@ def no_ext(code: int, data: bytes) -> Any:
 
 
 def _check_plain(value: Any, depth: int = 0) -> None:
+    """Refuse what msgpack decoded that is not plain data, or nests deeper than 32 levels.
+    Scalars are checked in their container's loop: a snapshot holds a million of them."""
     if depth > 32:
         raise ProtocolError("bad_frame", "frame nests deeper than 32 levels")
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ProtocolError("bad_frame", f"map keys must be strings, got {type(k).__name__}")
-            _check_plain(v, depth + 1)
+            if depth >= 32 or type(v) not in _PLAIN_TYPES:  # else a scalar that may be here
+                _check_plain(v, depth + 1)
     elif isinstance(value, list):
         for v in value:
-            _check_plain(v, depth + 1)
+            if depth >= 32 or type(v) not in _PLAIN_TYPES:
+                _check_plain(v, depth + 1)
     elif not isinstance(value, _PLAIN):
         raise ProtocolError("bad_frame", f"{type(value).__name__} values are not allowed")
 

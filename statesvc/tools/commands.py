@@ -36,13 +36,17 @@ from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, 
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="Base model dir [default: the --kill replica's run file's, "
                                  "else what the live replicas report].")
+@click.option("--resident-only", is_flag=True,
+              help="Probe each live replica only on the adapters it holds: no probe fills a "
+                   "slot there (check no_fills). The registry is still compared by digest, and "
+                   "the drill's own replicas probe every live adapter.")
 @JSON_OPT
 @click.pass_context
 @handles_errors
 def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
           kill_statesvc: Path | None,
           replica_server_key: str | None, diffs: str, model: Path | None,
-          as_json: bool) -> None:
+          resident_only: bool, as_json: bool) -> None:
     """Rebuild replicas from the log (from seq 0 and from the latest snapshot) and prove
     that they agree with every live replica and with statesvc. Exit 1 on any disagreement."""
     from rich.progress import BarColumn, Progress, TaskID, TextColumn
@@ -64,7 +68,8 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
                             else None)
             report = Drill(ctx.obj["state"], diffs, model=model, progress=show,
                            key_files=(ctx.obj["key"], ctx.obj["server_key"]) if keyed
-                           else None, replica_keys=replica_keys).run(
+                           else None, replica_keys=replica_keys,
+                           resident_only=resident_only).run(
                                kill, run_file=run_file, kill_statesvc=kill_statesvc)
         except DrillError as exc:
             err.print(f"[bold red]error[/] (drill): {shown(exc)}")

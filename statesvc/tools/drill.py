@@ -8,7 +8,10 @@ through another, and restarts it), waits until every replica
 has applied the same seq, then compares each of them with statesvc's logical
 digest, runs a fixed greedy probe on the base model and on every live adapter
 (each probe of an adapter that a replica does not hold fills a slot there) and
-compares its output with the from-zero replica's, then compares the contents of
+compares its output with the from-zero replica's (with `resident_only`, each live
+replica is probed only on the adapters it holds, so the drill fills no slot there and
+the check `no_fills` says so; the registry is still compared by the logical digest and
+the drill's own replicas probe every live adapter), then compares the contents of
 every resident slot with the from-zero replica's for the same adapter version
 (which slot holds it is each replica's own choice) and checks that every
 pinned adapter is resident everywhere.
@@ -92,8 +95,9 @@ class Drill:
     def __init__(self, state: str, diffs: str, *, model: Path | None = None,
                  progress: Callable[[str, int, int], None] | None = None,
                  timeout: float = 300.0, key_files: tuple[str, str] | None = None,
-                 replica_keys: ClientKeys | None = None) -> None:
+                 replica_keys: ClientKeys | None = None, resident_only: bool = False) -> None:
         self.state, self.diffs = state, diffs
+        self.resident_only = resident_only  # probe live replicas only on what they hold
         self.key_files = key_files  # (secret key, server key) under --auth
         self.keys = client_keys(*key_files) if key_files else None
         self.replica_keys = replica_keys  # for the live replicas' listen sockets (--auth)
@@ -303,7 +307,11 @@ class Drill:
         with ControlClient(self.state, retries=0, keys=self.keys) as c:
             listed = list_adapters(c)[1]
         adapters = [None, *sorted(a["name"] for a in listed)]
-        probes = {rid: self._probe(addr, adapters, seq) for rid, addr in addresses.items()}
+        probed = {rid: adapters if not self.resident_only or addr in self.fresh else
+                  [None, *sorted({h["name"] for h in (statuses[rid].get("slots") or {}).values()
+                                  if h["name"] in adapters})]
+                  for rid, addr in addresses.items()}
+        probes = {rid: self._probe(addr, probed[rid], seq) for rid, addr in addresses.items()}
         # after the probes, which filled slots: what each replica holds now
         resident = {rid: self._status(addr) or {} for rid, addr in addresses.items()}
         pinned = sorted(a["name"] for a in listed if a["pinned"])
@@ -311,7 +319,10 @@ class Drill:
             self._check(rid, "logical_digest", expected, s["logical_digest"],
                         "differs from statesvc's at this seq")
             self._check_resident(rid, resident[rid], resident[ZERO], pinned)
-            for adapter in adapters:
+            if self.resident_only and addresses[rid] not in self.fresh:
+                self._check(rid, "no_fills", _misses(s), _misses(resident[rid]),
+                            "the probes filled slots (an adapter left its slot meanwhile)")
+            for adapter in probed[rid]:
                 label = f"probe:{adapter or '(base)'}"
                 self._check(rid, label, probes[ZERO][adapter], probes[rid][adapter],
                             "greedy output differs from the replay from seq 0")
@@ -333,7 +344,8 @@ class Drill:
         self._check(rid, "pinned", pinned, [p for p in pinned if p in held],
                     "pinned adapters are not resident")
 
-    def _probe(self, address: str, adapters: list[str | None], seq: int) -> dict[str | None, Any]:
+    def _probe(self, address: str, adapters: list[str | None], seq: int
+               ) -> dict[str | None, Any]:
         out: dict[str | None, Any] = {}
         for adapter in adapters:
             try:
@@ -350,3 +362,8 @@ class Drill:
         ok = expected == got
         self.report.checks.append(Check(rid, what, ok, expected, got, "" if ok else why))
         self.report.ok &= ok
+
+
+def _misses(status: dict[str, Any]) -> Any:
+    """The slot fills a replica's requests caused so far (its `residency.misses`)."""
+    return (status.get("residency") or {}).get("misses")

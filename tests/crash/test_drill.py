@@ -155,3 +155,30 @@ def test_drill_names_a_wrong_replica_and_its_slot(fleet: Fleet) -> None:
     assert "slot(s) 1 (" in pool["detail"]
     assert "replica bad: resident slot(s) 1 (" in stderr
     assert all(c["ok"] for c in report["checks"] if c["replica"] != "bad")
+
+
+def test_drill_resident_only_probes_what_each_live_replica_holds_and_fills_nothing(
+        fleet: Fleet) -> None:
+    fleet.init(max_loras=2, max_rank=32)
+    for name, adapter in (("chat", "attn-qv-r8"), ("code", "all-r2"), ("mlp", "mlp-only-r16")):
+        fleet.load(name, adapter)
+    r1 = fleet.replica("r1")
+    wait_for(lambda: fleet.converged(r1), what="r1")
+    wait_for(lambda: len(json.loads(loractl(fleet.statesvc, "status", "--json").stdout)
+                         ["replicas"]) == 1, what="heartbeat")
+    before = r1.status()
+    held = sorted(h["name"] for h in before["slots"].values())
+    assert len(held) == 2  # three registered on two slots: one is not resident on r1
+    code, report, stderr = drill(fleet, "--resident-only")
+    assert code == 0, stderr
+    assert report["ok"] is True and all(c["ok"] for c in report["checks"])
+    checks: dict[str, set[str]] = {}
+    for c in report["checks"]:
+        checks.setdefault(c["replica"], set()).add(c["check"])
+    assert checks["r1"] == {"logical_digest", "resident", "pinned", "no_fills", "probe:(base)",
+                            *(f"probe:{n}" for n in held)}
+    # the drill's own replicas probe every live adapter (filling slots there)
+    assert {"probe:chat", "probe:code", "probe:mlp"} <= checks["drill-from-zero"]
+    after = r1.status()
+    assert after["residency"]["misses"] == before["residency"]["misses"]
+    assert sorted(h["name"] for h in after["slots"].values()) == held

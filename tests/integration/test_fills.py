@@ -3,6 +3,7 @@ real JAX pool, real blobs): a miss is fetched and parsed beside admission, only 
 write sits on its path (computed/fills.py, docs/residency.md)."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,33 @@ def test_a_waiter_without_a_slot_is_fetched_meanwhile(tmp_path: Path,
         got = replica.admit("c", 0, 3)  # the reserved slot, from the host tier: no Fetching
         assert got.slot == ga.slot
         got.release(), gb.release()
+
+
+def test_a_step_waits_for_a_queued_miss_and_prefills_it_before_its_decode(
+        tmp_path: Path, example: ExampleAssets) -> None:
+    """A request whose adapter is being fetched when a step begins joins that step (prefilled
+    before its decode) once the fetch ends within half a decode step, instead of waiting a
+    whole step behind the running requests (docs/residency.md, "What a miss adds")."""
+    from computed.engine import Engine
+    from computed.model.loader import load_model
+    from computed.model.runner import LlamaRunner
+    from shared.replica_protocol import generate_args
+    with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
+        load(cmd, replica, example, "a", "b", "c")
+        assert "c" not in where(replica)
+        config, params = load_model(example.model_dir)
+        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
+        assert engine.submit("a", generate_args([5, 6, 7], adapter="a", max_new_tokens=8),
+                             "a") is None
+        engine.step()
+        assert engine.decode_s > 0
+        engine.decode_s = 600.0  # here the wait ends with the fetch, never with its bound
+        replica.blobs._lock.acquire()  # c's fetch cannot end before the step begins
+        assert engine.submit("c", generate_args([5, 6, 7], adapter="c", max_new_tokens=8),
+                             "c") is None
+        threading.Timer(0.3, replica.blobs._lock.release).start()
+        engine.step()
+        running = {r.req.req_id: r for r in engine.rows if r is not None}
+        assert set(running) == {"a", "c"}
+        assert len(running["c"].output) == 2  # its first token from the prefill, then decoded
+        assert where(replica)["c"] == running["c"].grant.slot
