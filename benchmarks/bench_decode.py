@@ -146,7 +146,7 @@ PROMPT = 32
 ADAPTERS = 32
 RANK = 16
 ALPHA = 32
-MIXES = (0, 1, 4, 16, 32)  # distinct adapters in the batch; 0: the base model
+MIXES: tuple[int, ...] = (0, 1, 4, 16, 32)  # distinct adapters in the batch; 0: the base model
 TARGET_MIX = 16  # the mix the targets are about
 TARGET_OVER_BASE = 0.75
 TARGET_OVER_PEFT = 3.0
@@ -1105,6 +1105,7 @@ def notes(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global MIXES
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
     ap.add_argument("--repeats", type=int, default=5,
@@ -1125,12 +1126,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="concurrent clients (one DEALER each) of the served replica (`--max-batch` is 32)")
     ap.add_argument("--served-tokens", type=int, default=SERVED_TOKENS,
                     help="new tokens each served request generates")
+    ap.add_argument("--mixes", default=",".join(map(str, MIXES)),
+                    help=f"distinct adapters per batch to time, comma-separated (the targets need 0 and "
+                         f"{TARGET_MIX}); fewer for a shorter run, with --no-write")
     ap.add_argument("--no-write", action="store_true",
                     help="print only: leave benchmarks/results and README.md alone")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: a tiny model, one round of 4 steps, no long cache; writes nothing "
                          "unless `python -m benchmarks --quick` points it elsewhere")
     args = ap.parse_args(argv)
+    mixes = tuple(sorted({int(k) for k in args.mixes.split(",")}))
+    if not {0, TARGET_MIX} <= set(mixes) <= set(MIXES):
+        ap.error(f"--mixes must include 0 and {TARGET_MIX} (the targets') and be among {MIXES}; got {args.mixes!r}")
+    if mixes != MIXES and not args.no_write:
+        ap.error("--mixes other than all of them needs --no-write (results/ keeps every mix)")
+    MIXES = mixes  # read by run, render and notes alike
     if args.quick:
         args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
         args.served_clients, args.served_tokens = 4, 4

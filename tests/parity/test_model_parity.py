@@ -526,11 +526,14 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str) -> None:
+@pytest.mark.parametrize("rows", [11, 46])
+def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str, rows: int) -> None:
     """Pool-shaped A and B with slots of ranks 16, 9, 4 and an empty one; an input width that is no
-    multiple of 16, an output that is no multiple of 8 and spans three column blocks; several layers."""
+    multiple of 16, outputs that are no multiple of 8 and span several column blocks; several layers.
+    11 rows: a decode step's few rows per slot; 46: a prefill's many (slots of 23, 10 and 9 rows, so
+    the expand's blocks of 6 rows end in every tail)."""
     rng = np.random.default_rng(3)
-    dims = {"q_proj": (37, 1030), "k_proj": (37, 13)}
+    dims = {"q_proj": (37, 1030), "k_proj": (37, 13), "v_proj": (37, 45)}
     spec = PoolSpec(num_layers=2, module_dims=dims, slots=5, max_rank=16, dtype=dtype)
     pool = MemoryPool(spec)
     ranks = {0: 16, 1: 9, 2: 4, 4: 1}  # slot 3 stays empty
@@ -545,9 +548,12 @@ def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str) 
         pool.write_slot(slot, SlotWeights(scaling=0.25 * (slot + 1), rank=r, pairs=pairs))
         host.update({(slot, layer, m): ab for (layer, m), ab in pairs.items()})
     a = pool.arrays
-    x = rng.standard_normal((11, 37)).astype(np.float32)
+    x = rng.standard_normal((rows, 37)).astype(np.float32)
     # many slots: an item per (slot, module); one slot: too few items, so columns split in blocks
     mixes = [np.array([0, 2, lora.BASE, 1, 4, 2, 0, 0, 1, 3, 4], np.int32), np.where(np.arange(11) % 4, 1, -1)]
+    if rows != 11:
+        mixes = [rng.permutation(np.repeat(np.array([0, 1, 2, 4, lora.BASE, 3], np.int32), [23, 10, 9, 1, 2, 1])),
+                 np.where(np.arange(rows) % 7, 1, -1).astype(np.int32)]
     for layer, slots in ((layer, slots) for layer in range(2) for slots in mixes):
         got = lora_sgmv(jnp.asarray(x), [(a.A[m], a.B[m]) for m in dims], a.scaling, a.rank,
                                 jnp.asarray(slots.astype(np.int32)), layer)

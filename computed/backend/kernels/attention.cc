@@ -33,8 +33,11 @@ namespace {
 constexpr int64_t kBlock = 16;  // positions per block of K (computed/model.py, KV_BLOCK)
 constexpr int64_t kHeads = 4;   // query heads whose scores share each load of K
 
+using loraplane::fmadd;
+using loraplane::kLanes;
 using loraplane::load;
 using loraplane::v16;
+using loraplane::Vec;
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 // e^x for 16 lanes, to about 1 ulp: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so
@@ -100,7 +103,7 @@ struct Attention {
         v16 acc[kHeads] = {};
         for (int64_t e = 0; e < d; ++e) {
           const v16 ke = load<v16>(kb + e * kBlock);
-          for (int64_t j = 0; j < m; ++j) acc[j] += qh[(j0 + j) * d + e] * ke;
+          for (int64_t j = 0; j < m; ++j) acc[j] = fmadd(v16{} + qh[(j0 + j) * d + e], ke, acc[j]);
         }
         for (int64_t j = 0; j < m; ++j) std::memcpy(s.data() + (j0 + j) * padded + l, &acc[j], sizeof(v16));
       }
@@ -123,11 +126,13 @@ struct Attention {
       inv[j] = 1.f / sum;
     }
     // the weighted sum of V's rows: V's rows stream once per pair of query heads, into
-    // accumulators that stay in registers (64 dimensions at a time)
-    if (d % 16 == 0) {
-      for (int64_t e0 = 0; e0 < d; e0 += 64)
+    // accumulators that stay in registers (4 native vectors of dimensions at a time: 64 on AVX-512,
+    // 32 on AVX2, 8 accumulators either way)
+    if (d % kLanes == 0) {
+      constexpr int64_t kDims = 4 * kLanes;
+      for (int64_t e0 = 0; e0 < d; e0 += kDims)
         for (int64_t j0 = 0; j0 < g; j0 += 2) {
-          const int heads = g - j0 >= 2 ? 2 : 1, vectors = static_cast<int>(std::min<int64_t>(4, (d - e0) / 16));
+          const int heads = g - j0 >= 2 ? 2 : 1, vectors = static_cast<int>(std::min<int64_t>(4, (d - e0) / kLanes));
           const float* sj = s.data() + j0 * padded;
           float* oj = oh + j0 * d + e0;
           switch (heads * 4 + vectors - 1) {
@@ -156,22 +161,22 @@ struct Attention {
       for (int64_t e = 0; e < d; ++e) oh[j * d + e] *= inv[j];
   }
 
-  // out[j][16c + lane] = inv[j] * sum_l p[j][l] v[l][16c + lane] for H heads (p's rows `stride`
-  // apart, out's d apart) and C vectors of dimensions; v's rows are d apart
+  // out[j][kLanes c + lane] = inv[j] * sum_l p[j][l] v[l][kLanes c + lane] for H heads (p's rows `stride`
+  // apart, out's d apart) and C native vectors of dimensions; v's rows are d apart
   template <int H, int C>
   static void weighted(const float* p, int64_t stride, const float* v, int64_t d, int64_t n, const float* inv,
                        float* out) {
-    v16 acc[H][C] = {};
+    Vec acc[H][C] = {};
     for (int64_t l = 0; l < n; ++l) {
       for (int c = 0; c < C; ++c) {
-        const v16 vv = load<v16>(v + l * d + 16 * c);
-        for (int j = 0; j < H; ++j) acc[j][c] += p[j * stride + l] * vv;
+        const Vec vv = load<Vec>(v + l * d + kLanes * c);
+        for (int j = 0; j < H; ++j) acc[j][c] = fmadd(Vec{} + p[j * stride + l], vv, acc[j][c]);
       }
     }
     for (int j = 0; j < H; ++j)
       for (int c = 0; c < C; ++c) {
-        const v16 o = acc[j][c] * inv[j];
-        std::memcpy(out + j * d + 16 * c, &o, sizeof o);
+        const Vec o = acc[j][c] * inv[j];
+        std::memcpy(out + j * d + kLanes * c, &o, sizeof o);
       }
   }
 };

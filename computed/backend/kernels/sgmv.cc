@@ -6,8 +6,10 @@
 // weight matrix is copied, sliced out, or gathered per token. Rows whose slot is negative (the
 // base model) get zeros. A slot's work stops at its own rank (pool.rank, rounded up to 8 for the
 // vector path; the pool keeps the rest zero), not at the pool's max_rank. The shrink x A^T runs
-// in blocks of 4 rows by 4 ranks; the expand, for a slot with several rows, transposes each block
-// of 16 columns of B once and sums rank broadcasts into 16 lanes. Work items are (slot, module)
+// in blocks of 4 rows by 4 ranks (AVX-512) or 2 (AVX2); the expand, for a slot with many rows (a
+// prefill's), transposes each block of two vectors of B's columns once and runs the rows over it
+// in blocks of 6, outer products into registers as the dense kernel's; with few (a decode step's),
+// dot products over B in place. Work items are (slot, module)
 // pairs, on XLA's intra-op threads; when the pairs are too few for the threads (one or two slots),
 // a first phase computes each pair's shrink and the expand is split into blocks of output
 // columns. The calling thread works too, then waits only for items another thread has taken
@@ -32,9 +34,16 @@ namespace ffi = xla::ffi;
 namespace {
 
 using loraplane::load;
-using loraplane::v16;
 using loraplane::v8;
 using loraplane::widen;
+
+using loraplane::fmadd;
+using loraplane::kLanes;
+using loraplane::Vec;
+// shrink's ranks per block: 4 rows x 4 ranks = 16 accumulators of AVX-512's 32 registers; 4 x 2 = 8
+// of AVX2's 16
+constexpr int kRankBlock = kLanes == 16 ? 4 : 2;
+
 // lane c of the result is the sum of v[c]'s lanes
 inline v8 hsum8(const v8* v) {
 #define LP_PAIRS(a, b) \
@@ -48,30 +57,30 @@ inline v8 hsum8(const v8* v) {
   return __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
-
-
-inline float hsum(v16 v) {
+inline float hsum(Vec v) {
   float s = 0.f;
-  for (int c = 0; c < 16; ++c) s += v[c];
+  for (int c = 0; c < kLanes; ++c) s += v[c];
   return s;
 }
+inline Vec splat(float f) { return Vec{} + f; }
 
 constexpr int kRowBlock = 4;       // rows that share each load of A in the shrink
-constexpr int kRankBlock = 4;      // ranks that share each load of x in the shrink
-constexpr int kExpandRows = 4;     // from this many rows, the expand transposes B's column blocks first
+constexpr int kExpandRows = 8;     // from this many rows, the expand transposes B's column blocks first
+constexpr int kExpandBlock = 6;    // rows per block of the transposed expand: 6 x 2 accumulators
+constexpr int kExpandCols = 2 * kLanes;  // columns per transposed block of B: two vectors
 constexpr int64_t kColumns = 512;  // output columns per work item, when items are few (see Sgmv)
 
-// t[j][k] for the M rows xr and the K ranks of a from k0: M x K accumulators of 16 lanes over `in`
+// t[j][k] for the M rows xr and the K ranks of a from k0: M x K accumulators of kLanes over `in`
 template <int M, int K, typename T>
 void shrink_block(const float* const* xr, int64_t in, const T* a, int64_t k0, int64_t rank, float* t, int j0) {
-  const int64_t vec = in - in % 16;
-  v16 acc[M][K] = {};
-  for (int64_t i = 0; i < vec; i += 16) {
-    v16 av[K];
-    for (int q = 0; q < K; ++q) av[q] = load<v16>(a + (k0 + q) * in + i);
+  const int64_t vec = in - in % kLanes;
+  Vec acc[M][K] = {};
+  for (int64_t i = 0; i < vec; i += kLanes) {
+    Vec av[K];
+    for (int q = 0; q < K; ++q) av[q] = load<Vec>(a + (k0 + q) * in + i);
     for (int j = 0; j < M; ++j) {
-      const v16 xv = load<v16>(xr[j] + i);
-      for (int q = 0; q < K; ++q) acc[j][q] += xv * av[q];
+      const Vec xv = load<Vec>(xr[j] + i);
+      for (int q = 0; q < K; ++q) acc[j][q] = fmadd(xv, av[q], acc[j][q]);
     }
   }
   for (int j = 0; j < M; ++j)
@@ -90,7 +99,7 @@ void shrink_rows(const float* const* xr, int64_t in, const T* a, int64_t rank, f
 }
 
 // t[j][k] = sum_i x[rows[j]][i] * a[k][i] for k < rank; a's rows are `in` apart. Blocks of 4 rows
-// by 4 ranks: each load of x serves 4 ranks, each load of A 4 rows.
+// by kRankBlock ranks: each load of x serves those ranks, each load of A 4 rows.
 template <typename T>
 void shrink(const float* x, int64_t in, const int32_t* rows, int n, const T* a, int64_t rank, float* t) {
   for (int j0 = 0; j0 < n; j0 += kRowBlock) {
@@ -106,26 +115,52 @@ void shrink(const float* x, int64_t in, const int32_t* rows, int n, const T* a, 
   }
 }
 
+// y[rows[j]][o .. o + kExpandCols) = scale * sum_k t[j][k] * bt[k][..] for the R rows from j0: per k, two
+// vectors of bt times each row's t broadcast, into R x 2 accumulators (the dense kernel's outer product)
+template <int R>
+void expand_rows(const float* t, int j0, int64_t rank, const float* bt, float scale, const int32_t* rows, float* y,
+                 int64_t out, int64_t o) {
+  Vec acc[R][2] = {};
+  for (int64_t k = 0; k < rank; ++k) {
+    const Vec b0 = load<Vec>(bt + k * kExpandCols), b1 = load<Vec>(bt + k * kExpandCols + kLanes);
+    for (int j = 0; j < R; ++j) {
+      const Vec tk = splat(t[(j0 + j) * rank + k]);
+      acc[j][0] = fmadd(tk, b0, acc[j][0]);
+      acc[j][1] = fmadd(tk, b1, acc[j][1]);
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    float* yr = y + static_cast<int64_t>(rows[j0 + j]) * out + o;
+    const Vec s0 = acc[j][0] * scale, s1 = acc[j][1] * scale;
+    std::memcpy(yr, &s0, sizeof s0);
+    std::memcpy(yr + kLanes, &s1, sizeof s1);
+  }
+}
+
 // y[rows[j]][o] = scale * sum_k t[j][k] * b[o][k] for o in [o0, o1), k < rank; b's rows are
-// `stride` apart. With several rows, each block of 16 columns of B is transposed once ([rank][16])
-// and every row is a sum of rank broadcasts times it; with few, eight columns at a time by dot
-// products (when rank is a multiple of 8); any remaining column by a scalar sum.
+// `stride` apart. With many rows, each block of kExpandCols columns of B is transposed once
+// ([rank][kExpandCols]) and the rows run in blocks of kExpandBlock over it; with few, eight columns at
+// a time by dot products (when rank is a multiple of 8); any remaining column by a scalar sum.
 template <typename T>
 void expand(const float* t, int n, int64_t rank, const T* b, int64_t stride, int64_t o0, int64_t o1,
             float scale, const int32_t* rows, float* y, int64_t out) {
   int64_t o = o0;
   if (n >= kExpandRows) {
     thread_local std::vector<float> bt;  // scratch, reused across items and calls
-    bt.resize(static_cast<size_t>(rank) * 16);
-    for (; o + 16 <= o1; o += 16) {
-      for (int c = 0; c < 16; ++c)
-        for (int64_t k = 0; k < rank; ++k) bt[k * 16 + c] = widen(b[(o + c) * stride + k]);
-      for (int j = 0; j < n; ++j) {
-        const float* tj = t + j * rank;
-        v16 acc = {};
-        for (int64_t k = 0; k < rank; ++k) acc += tj[k] * load<v16>(bt.data() + k * 16);
-        const v16 s = acc * scale;
-        std::memcpy(y + static_cast<int64_t>(rows[j]) * out + o, &s, sizeof s);
+    bt.resize(static_cast<size_t>(rank) * kExpandCols);
+    for (; o + kExpandCols <= o1; o += kExpandCols) {
+      for (int c = 0; c < kExpandCols; ++c)
+        for (int64_t k = 0; k < rank; ++k) bt[k * kExpandCols + c] = widen(b[(o + c) * stride + k]);
+      int j = 0;
+      for (; j + kExpandBlock <= n; j += kExpandBlock)
+        expand_rows<kExpandBlock>(t, j, rank, bt.data(), scale, rows, y, out, o);
+      switch (n - j) {
+        case 5: expand_rows<5>(t, j, rank, bt.data(), scale, rows, y, out, o); break;
+        case 4: expand_rows<4>(t, j, rank, bt.data(), scale, rows, y, out, o); break;
+        case 3: expand_rows<3>(t, j, rank, bt.data(), scale, rows, y, out, o); break;
+        case 2: expand_rows<2>(t, j, rank, bt.data(), scale, rows, y, out, o); break;
+        case 1: expand_rows<1>(t, j, rank, bt.data(), scale, rows, y, out, o); break;
+        default: break;
       }
     }
   }
@@ -136,7 +171,7 @@ void expand(const float* t, int n, int64_t rank, const T* b, int64_t stride, int
         v8 p[8] = {};
         for (int64_t k = 0; k < rank; k += 8) {
           const v8 tv = load<v8>(tj + k);
-          for (int c = 0; c < 8; ++c) p[c] += load<v8>(b + (o + c) * stride + k) * tv;
+          for (int c = 0; c < 8; ++c) p[c] = fmadd(load<v8>(b + (o + c) * stride + k), tv, p[c]);
         }
         const v8 s = hsum8(p) * scale;
         std::memcpy(y + static_cast<int64_t>(rows[j]) * out + o, &s, sizeof s);
