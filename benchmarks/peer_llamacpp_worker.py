@@ -5,15 +5,19 @@ own log goes to stderr. It drives llama.cpp through llama-cpp-python's low-level
 API (the C API one to one), never its high-level `Llama` class:
 
 * `setup`: a workload: the model file, and per group of rows its LoRA adapter file
-  (or none). Each group is one llama context (`llama_init_from_model`, the threads the
-  bench asks for, one sequence per row: `n_seq_max` = the group's rows, the KV cache split
-  per sequence) with its adapter set once (`llama_set_adapters_lora`, scale 1:
-  llama.cpp applies alpha / r itself). The prompts of the group's rows are prefilled in
-  one `llama_decode` (one llama_batch, a sequence id per row, logits of each row's last
-  token), and each row's first token is its argmax.
+  (or none). By default each group is one llama context (`llama_init_from_model`, the
+  threads the bench asks for, one sequence per row: `n_seq_max` = the group's rows, the KV
+  cache split per sequence) with its adapter set once (`llama_set_adapters_lora`, scale 1:
+  llama.cpp applies alpha / r itself). With `"mode": "switch"` every group shares ONE
+  context (a sequence per row of the whole batch) and its adapter is set before each of
+  the group's decodes (`llama_set_adapters_lora` switches the context's adapter). The
+  prompts of a group's rows are prefilled in one `llama_decode` (one llama_batch, a
+  sequence id per row, logits of each row's last token), and each row's first token is
+  its argmax.
 * `round`: restart every row at the prompt's end (`llama_memory_seq_rm` from there on),
-  then `steps` greedy steps: per step and group, one llama_batch of one token per row
-  (its own sequence id and position), `llama_decode`, argmax of each row's logits.
+  then `steps` greedy steps: per step and group, (the switch to its adapter,) one
+  llama_batch of one token per row (its own sequence id and position), `llama_decode`,
+  argmax of each row's logits.
   Answers the seconds of the steps (perf_counter) and the tokens, [step][row].
 """
 from __future__ import annotations
@@ -31,33 +35,38 @@ import llama_cpp as lc  # type: ignore[import-not-found]
 PER_SEQ_CTX = 256  # KV positions per sequence (prompt + the longest round, padded)
 
 
-class Group:
-    """One llama context: some rows of the batch, one adapter (or none)."""
+class Context:
+    """One llama context with a sequence per row it serves, and its llama_batch."""
 
-    def __init__(self, model: Any, rows: list[int], adapter: Any, prompts: np.ndarray, threads: int,
-                 n_vocab: int) -> None:
+    def __init__(self, model: Any, n_rows: int, prompt: int, threads: int, n_vocab: int) -> None:
         p = lc.llama_context_default_params()
-        p.n_ctx = PER_SEQ_CTX * len(rows)
-        p.n_seq_max = len(rows)
-        p.n_batch = max(512, len(rows) * prompts.shape[1])
+        p.n_ctx = PER_SEQ_CTX * n_rows
+        p.n_seq_max = n_rows
+        p.n_batch = max(512, n_rows * prompt)
         p.n_ubatch = p.n_batch  # the prefill in one piece
         p.n_threads = p.n_threads_batch = threads
         self.ctx = lc.llama_init_from_model(model, p)
         if not self.ctx:
             raise RuntimeError("llama_init_from_model failed")
-        if adapter is not None:
-            arr = (lc.llama_adapter_lora_p_ctypes * 1)(adapter)
-            scales = (ctypes.c_float * 1)(1.0)
-            if lc.llama_set_adapters_lora(self.ctx, arr, 1, scales) != 0:
-                raise RuntimeError("llama_set_adapters_lora failed")
-        self.rows, self.n_vocab, self.prompt = rows, n_vocab, prompts.shape[1]
+        self.n_vocab, self.prompt = n_vocab, prompt
         self.mem = lc.llama_get_memory(self.ctx)
-        self.batch = lc.llama_batch_init(max(len(rows) * self.prompt, 1), 0, 1)
-        toks = [(int(prompts[r, i]), i, j, i == self.prompt - 1) for j, r in enumerate(rows)
-                for i in range(self.prompt)]
-        self.first = self._decode(toks)
+        self.batch = lc.llama_batch_init(max(n_rows * prompt, 1), 0, 1)
+        self.adapter: Any = None
 
-    def _decode(self, toks: list[tuple[int, int, int, bool]]) -> np.ndarray:
+    def use(self, adapter: Any) -> None:
+        """Set the context's one adapter (or none) if it is not the one set."""
+        if adapter is self.adapter:
+            return
+        if adapter is None:
+            rc = lc.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            arr = (lc.llama_adapter_lora_p_ctypes * 1)(adapter)
+            rc = lc.llama_set_adapters_lora(self.ctx, arr, 1, (ctypes.c_float * 1)(1.0))
+        if rc != 0:
+            raise RuntimeError("llama_set_adapters_lora failed")
+        self.adapter = adapter
+
+    def decode(self, toks: list[tuple[int, int, int, bool]]) -> np.ndarray:
         """One llama_decode of (token, position, sequence, wants logits); argmax of each output."""
         b = self.batch
         b.n_tokens = len(toks)
@@ -71,11 +80,29 @@ class Group:
         logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab))
         return logits.argmax(axis=1).astype(np.int64)
 
+
+class Group:
+    """Some rows of the batch on one adapter (or none), in a context of their own or a shared one
+    (sequence ids `seqs` there); the adapter is set before each of the group's decodes (a no-op
+    when it is the context's already)."""
+
+    def __init__(self, context: Context, rows: list[int], seqs: list[int], adapter: Any,
+                 prompts: np.ndarray) -> None:
+        self.context, self.rows, self.seqs, self.adapter = context, rows, seqs, adapter
+        self.prompt = prompts.shape[1]
+        self.first = self._decode([(int(prompts[r, i]), i, s, i == self.prompt - 1)
+                                   for r, s in zip(rows, seqs) for i in range(self.prompt)])
+
+    def _decode(self, toks: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        self.context.use(self.adapter)
+        return self.context.decode(toks)
+
     def restart(self) -> None:
-        lc.llama_memory_seq_rm(self.mem, -1, self.prompt, -1)
+        for s in self.seqs:
+            lc.llama_memory_seq_rm(self.context.mem, s, self.prompt, -1)
 
     def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
-        return self._decode([(int(tokens[j]), pos, j, True) for j in range(len(self.rows))])
+        return self._decode([(int(tokens[j]), pos, s, True) for j, s in enumerate(self.seqs)])
 
 
 class Workload:
@@ -119,6 +146,9 @@ def main() -> int:
                 n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
                 prompts = np.asarray(cmd["prompts"], np.int64)
                 groups = []
+                shared = None
+                if cmd.get("mode") == "switch":  # one context for every row, the adapter switched per group
+                    shared = Context(model, len(prompts), prompts.shape[1], cmd["threads"], n_vocab)
                 for rows, apath in cmd["groups"]:
                     adapter = None
                     if apath:
@@ -127,9 +157,13 @@ def main() -> int:
                             if not adapters[apath]:
                                 raise RuntimeError(f"llama_adapter_lora_init failed on {apath}")
                         adapter = adapters[apath]
-                    groups.append(Group(model, rows, adapter, prompts, cmd["threads"], n_vocab))
+                    if shared is None:
+                        groups.append(Group(Context(model, len(rows), prompts.shape[1], cmd["threads"], n_vocab),
+                                            rows, list(range(len(rows))), adapter, prompts))
+                    else:
+                        groups.append(Group(shared, rows, rows, adapter, prompts))
                 workloads[cmd["key"]] = Workload(groups, len(prompts))
-                reply = {"contexts": len(groups)}
+                reply = {"contexts": 1 if shared else len(groups)}
             elif cmd["op"] == "round":
                 seconds, tokens = workloads[cmd["key"]].round(cmd["steps"])
                 reply = {"seconds": seconds, "tokens": tokens}
