@@ -50,6 +50,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isas() -> list[str]:
+    """The vector ISAs the CPU itself offers (from /proc/cpuinfo's flags), whatever a run forced:
+    beside `kernel_isas` it tells a native AVX2 machine from an AVX-512 one capped at AVX2."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512bf16", "asimd")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []
+
+
 # What `--isa avx2` sets beside our kernels' forced build, so that everything else in the
 # run (XLA's own ops, and torch under PEFT: ATen's kernels, oneDNN, MKL) also runs AVX2 code
 # and the ratios are those of an AVX2 machine, not of our AVX2 code against AVX-512 peers.
@@ -72,7 +86,7 @@ def machine_info() -> dict[str, Any]:
     from computed.backend.kernels import built_isas
 
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu_model(), "kernel_isas": built_isas(),
+            "cpu": cpu_model(), "kernel_isas": built_isas(), "cpu_isas": cpu_isas(),
             "nproc": os.cpu_count(),
             "python": platform.python_version(),
             "implementation": sys.implementation.name,

@@ -442,6 +442,7 @@ def figures_of(out: Path, runs: dict[str, dict[str, Any]]) -> list[Figure]:
         data = json.loads(path.read_text())
         machine = data.get("machine") or {}
         tags = {"cpu": machine.get("cpu"), "kernel_isas": machine.get("kernel_isas"),
+                "cpu_isas": machine.get("cpu_isas"),
                 "isa": isa_label(machine.get("kernel_isas"))}
         figures += [{**f, **tags} for f in extract(data)]
     return figures
