@@ -392,6 +392,15 @@ def shortfall(f: Figure) -> str:
     return f"{f['value'] / goal:.1f}x the limit"
 
 
+def isa_where(f: Figure) -> str:
+    """The ISA a figure's kernels ran, and for an AVX2 build whether the CPU itself is an AVX2
+    one (native) or an AVX-512 one capped at AVX2 (forced); older figures lack `cpu_isas`."""
+    isa, cpu = f.get("isa") or "?", f.get("cpu_isas")
+    if cpu is None or not isa.startswith("AVX2"):
+        return isa
+    return f"{isa} ({'forced on an AVX-512 CPU' if 'avx512f' in cpu else 'native'})"
+
+
 def summary_table(latest: dict[str, Any]) -> str:
     lines = ["| figure | value | spread (min-max) | runs | target | verdict | CPU, kernels |",
              "|---|---:|---:|---:|---|---|---|"]
@@ -399,7 +408,7 @@ def summary_table(latest: dict[str, Any]) -> str:
         unit = "" if f["unit"] == "x" else f" {f['unit']}"
         value = f"{_num(f['value'])}{'x' if f['unit'] == 'x' else unit}"
         span = "" if not f["spread"] else f"{_num(f['spread'][0])}-{_num(f['spread'][1])}"
-        where = f"{f.get('cpu') or 'CPU not recorded'}, {f.get('isa') or '?'}"
+        where = f"{f.get('cpu') or 'CPU not recorded'}, {isa_where(f)}"
         lines.append(f"| {f['name']} | {value} | {span} | {f['runs']} | {f['target'] or ''} "
                      f"| {verdict(f)} | {where} |")
     m = latest["machine"]
@@ -409,8 +418,9 @@ def summary_table(latest: dict[str, Any]) -> str:
               f"for {', '.join(m.get('kernel_isas') or ['no vector ISA recorded'])}), "
               f"{m.get('platform')}, Python {m.get('python')}, "
               f"{latest['date']}. Written by `make bench` from `benchmarks/results/latest.json`; "
-              f"figures marked [{FORCED.upper()} build] come from `make bench ISA={FORCED}` on the "
-              f"same machine (kernels forced to AVX2+FMA; detail in `benchmarks/results/{FORCED}/`); "
+              f"figures marked [{FORCED.upper()} build] come from `make bench ISA={FORCED}` "
+              f"(kernels, XLA and torch capped at AVX2+FMA; detail in `benchmarks/results/{FORCED}/`), "
+              "on the CPU their last column names: \"native\" where that CPU has no AVX-512; "
               "the sections below give each benchmark's detail."]
     if latest["plots"]:
         lines += ["", " ".join(f"![{Path(p).stem}](benchmarks/results/plots/{Path(p).name})"

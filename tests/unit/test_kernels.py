@@ -175,3 +175,10 @@ def test_each_figure_names_the_isa_its_kernels_were_built_for() -> None:
            "cpu": "AMD EPYC", "isa": "AVX2+FMA"}
     table = summary_table({"machine": {}, "date": "now", "figures": [fig], "runs": {}, "plots": []})
     assert "| AMD EPYC, AVX2+FMA |" in table
+    # an AVX2 build says whether its CPU is an AVX2 one or an AVX-512 one capped at AVX2
+    native = summary_table({"machine": {}, "date": "now", "plots": [], "runs": {},
+                            "figures": [{**fig, "cpu_isas": ["avx2", "fma"]}]})
+    forced = summary_table({"machine": {}, "date": "now", "plots": [], "runs": {},
+                            "figures": [{**fig, "cpu_isas": ["avx2", "fma", "avx512f"]}]})
+    assert "| AMD EPYC, AVX2+FMA (native) |" in native
+    assert "| AMD EPYC, AVX2+FMA (forced on an AVX-512 CPU) |" in forced
