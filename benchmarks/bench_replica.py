@@ -44,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, print_targets, publish, spread
+from benchmarks.report import machine_info, median, percentile, print_targets, publish, spread
 from computed.jaxcount import counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
@@ -120,10 +120,6 @@ def formula_bytes(spec: PoolSpec) -> int:
     return spec.slots * (per_slot * item + 4 + 4)
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
@@ -194,7 +190,7 @@ def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) 
             "write_over_rebuild_spread": [round(v, 5) for v in spread(per_rebuild)],
             "slot_mb": round(pool_bytes / MAX_LORAS / 1e6, 3),
             "write_iters": settings.write_iters, "rebuild_iters": settings.rebuild_iters,
-            "write_ms_p50": ms(write_med), "write_ms_p99": ms(pct(writes, 99)),
+            "write_ms_p50": ms(write_med), "write_ms_p99": ms(percentile(writes, 99)),
             "host_pad_ms_p50": ms(median(pads)),
             "clear_ms_p50": ms(median(clears)),
             "rebuild_ms_p50": ms(rebuild_med), "rebuild_ms_min": ms(min(rebuilds)),
@@ -295,9 +291,9 @@ def measure_replica(settings: Settings, root: Path, model_dir: Path,
     finally:
         svc.stop()
     return {"loads": n, "blob_fetches": fetches,
-            "apply_load_cold_ms_p50": ms(median(cold)), "apply_load_cold_ms_p99": ms(pct(cold, 99)),
+            "apply_load_cold_ms_p50": ms(median(cold)), "apply_load_cold_ms_p99": ms(percentile(cold, 99)),
             "apply_load_cached_ms_p50": ms(median(warm)),
-            "apply_load_cached_ms_p99": ms(pct(warm, 99)),
+            "apply_load_cached_ms_p99": ms(percentile(warm, 99)),
             "apply_unload_ms_p50": ms(median(unloads)),
             "replay_64_slots_blobs_fetched_ms": ms(replay_cold),
             "replay_64_slots_blobs_cached_ms_p50": ms(median(replay_cached)),
@@ -396,15 +392,15 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
     for b in range(0, loads, size):
         xs = [x for per_replica in from_ack for x in per_replica[b:b + size]]
         blocks.append({"loads": len(xs) // n, "from_ack_ms_p50": ms(median(xs)),
-                       "from_ack_ms_p99": ms(pct(xs, 99))})
+                       "from_ack_ms_p99": ms(percentile(xs, 99))})
     slowest_send = [max(xs) for xs in zip(*from_send)]  # per load: when the last replica had it
     return {"replicas": n, "loads": loads, "blob_fetches_per_replica": fetches,
-            "load_ack_ms_p50": ms(median(acks)), "load_ack_ms_p99": ms(pct(acks, 99)),
-            "from_send_ms_p50": ms(median(every_send)), "from_send_ms_p99": ms(pct(every_send, 99)),
-            "from_ack_ms_p50": ms(median(every_ack)), "from_ack_ms_p99": ms(pct(every_ack, 99)),
+            "load_ack_ms_p50": ms(median(acks)), "load_ack_ms_p99": ms(percentile(acks, 99)),
+            "from_send_ms_p50": ms(median(every_send)), "from_send_ms_p99": ms(percentile(every_send, 99)),
+            "from_ack_ms_p50": ms(median(every_ack)), "from_ack_ms_p99": ms(percentile(every_ack, 99)),
             "from_ack_ms_min": ms(min(every_ack)),
             "all_replicas_from_send_ms_p50": ms(median(slowest_send)),
-            "all_replicas_from_send_ms_p99": ms(pct(slowest_send, 99)),
+            "all_replicas_from_send_ms_p99": ms(percentile(slowest_send, 99)),
             "unload_from_ack_ms_p50": ms(median(unload_from_ack)),
             "per_replica_from_ack_ms_p50": [ms(median(xs)) for xs in from_ack],
             "blocks": blocks,

@@ -15,6 +15,7 @@ import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,8 +97,15 @@ def machine_info() -> dict[str, Any]:
             "isa_caps": {k: os.environ[k] for k in (*AVX2_ENV, "XLA_FLAGS") if k in os.environ}}
 
 
-def median(values: list[float]) -> float:
+def median(values: Iterable[float]) -> float:
     return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`th percentile of `values` (numpy's, interpolated between the nearest two)."""
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values), q))
 
 
 def spread(values: list[float]) -> list[float]:
