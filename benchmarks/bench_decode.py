@@ -126,7 +126,7 @@ from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
-from shared.fleet import Computed, StateSvc, wait_for
+from shared.fleet import Computed, StateSvc, cpu_seconds, wait_for
 from shared.llama import MODULES
 from shared.protocol import encode_request, unpack
 from shared.reducer import State
@@ -575,16 +575,6 @@ def request_args(prompts: np.ndarray, distinct: int, clients: int, new_tokens: i
                           max_new_tokens=new_tokens, min_seq=min_seq) for i in range(clients)]
 
 
-def replica_cpu_seconds(pid: int) -> float:
-    """CPU seconds process `pid` (every thread) has used; NaN off Linux."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 class ServedReplica:
     """A real `statesvc serve` and `computed serve` (subprocesses), the pool and adapters loaded
     through the state service, and `clients` DEALER sockets that each send one `generate`."""
@@ -631,7 +621,7 @@ class ServedReplica:
             poller.register(sock, zmq.POLLIN)
         outputs: dict[zmq.Socket[Any], list[int]] = {}
         pids = [p.proc.pid for p in (self.replica, self.svc) if p.proc is not None]
-        served_cpu = sum(replica_cpu_seconds(pid) for pid in pids)
+        served_cpu = sum(cpu_seconds(pid) for pid in pids)
         with timed(timing):
             for sock, frame in zip(self.socks, frames):
                 sock.send(frame)
@@ -647,7 +637,7 @@ class ServedReplica:
                     self.timings[sock] = reply["result"]["timings"]
         if timing is not None:
             # the replica's and statesvc's CPU time is the served path's own, not other load
-            served_cpu = sum(replica_cpu_seconds(pid) for pid in pids) - served_cpu
+            served_cpu = sum(cpu_seconds(pid) for pid in pids) - served_cpu
             capacity = timing.seconds[-1] * (os.cpu_count() or 1)
             timing.cpu_share[-1] += served_cpu / capacity
             timing.others_share[-1] = max(0.0, timing.others_share[-1] - served_cpu / capacity)

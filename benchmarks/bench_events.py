@@ -41,7 +41,7 @@ from rich.table import Table
 from benchmarks.report import machine_info, median, show_and_publish
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
-from shared.fleet import loopback, start_ready, stop_pid
+from shared.fleet import cpu_seconds, loopback, start_ready, stop_pid
 from statesvc.tools.example import make_example
 
 TARGET_EVENTS_PER_S = 1000.0
@@ -128,8 +128,7 @@ class Service:
     def cpu_seconds(self) -> float:
         """User + system CPU the service has used so far, all threads (Linux /proc)."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
 
 # ---- clients of the state service ------------------------------------------------

@@ -24,6 +24,7 @@ missing it says so and exits 0 without results.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -40,6 +41,7 @@ from rich.table import Table
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
 from benchmarks.report import machine_info, median, show_and_publish
+from shared.fleet import cpu_seconds
 from statesvc.tools.example import make_example
 from tests.pg import PgServer
 
@@ -97,20 +99,17 @@ def cpu_by_role(tag: str, pg_root: str) -> dict[str, float]:
     out = dict.fromkeys(ROLES, 0.0)
     own = os.times()
     out["bench"] = own.user + own.system
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
         role = ("replicas" if tag in cmd and "computed serve" in cmd else
                 "statesvc" if tag in cmd and "statesvc serve" in cmd else
                 "postgres" if pg_root in cmd or cmd.startswith("postgres:") else None)
-        if role is not None:
-            out[role] += (int(fields[11]) + int(fields[12])) / tick
+        if role is not None and not math.isnan(cpu := cpu_seconds(int(pid))):  # NaN: it ended
+            out[role] += cpu
     return out
 
 

@@ -52,7 +52,7 @@ from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc
+from shared.fleet import Computed, StateSvc, memory_kb
 from shared.llama import MODULES
 from shared.peft import parse_lora_name
 from shared.tensorfile import parse_bytes, to_float32
@@ -419,13 +419,6 @@ def measure_read_sha(path: Path, repeats: int = 50) -> dict[str, Any]:
 
 # ---- 3. RSS of computed serve over load/unload cycles -----------------------------
 
-def proc_kb(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 cycles: int) -> dict[str, Any]:
     base = root / "rss"
@@ -466,10 +459,10 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 rc.call("status")
                 samples = []
                 for _ in range(RSS_SAMPLES):
-                    samples.append(proc_kb(pid, "VmRSS"))
+                    samples.append(memory_kb(pid, "VmRSS"))
                     time.sleep(RSS_EVERY_S)
                 return {"seq": seq, "rss_kb": median(samples), "rss_kb_samples": samples,
-                        "hwm_kb": proc_kb(pid, "VmHWM")}
+                        "hwm_kb": memory_kb(pid, "VmHWM")}
 
             for i in range(RSS_WARMUP_CYCLES):  # every adapter fetched, both jits compiled
                 seq = cycle(i)
@@ -481,7 +474,7 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 seq = cycle(i)
                 done += 1
                 if done % 250 == 0:
-                    trace.append({"cycles": done, "rss_kb": proc_kb(pid, "VmRSS")})
+                    trace.append({"cycles": done, "rss_kb": memory_kb(pid, "VmRSS")})
             send_s = time.perf_counter() - t0
             wait_applied([rc], seq)
             follow_s = time.perf_counter() - t0

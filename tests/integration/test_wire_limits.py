@@ -23,7 +23,7 @@ import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLIES
-from shared.fleet import BIN, Computed, StateSvc, free_port, wait_for
+from shared.fleet import BIN, Computed, StateSvc, free_port, memory_kb, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
 from statesvc.blobserve import IN_FLIGHT
@@ -230,14 +230,6 @@ def test_a_burst_of_pipelined_requests_is_answered_in_full(statesvc: StateSvc) -
     assert ids == [f"s{i}" for i in range(asks)]
 
 
-def _vm(pid: int, field: str) -> int:
-    """A /proc/PID/status size (VmRSS, VmHWM) in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} for pid {pid}")
-
-
 def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
                                                 example: ExampleAssets) -> None:
     """A client asks for the same blob N times and reads nothing: statesvc's peak RSS grows by
@@ -254,7 +246,7 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
         sha = c.call("list")["adapters"][0]["sha256"]
         reply_bytes = len(c.call("blob", {"sha256": sha})["data"])  # once, as a replica would
     assert reply_bytes > 200_000
-    baseline = _vm(pid, "VmHWM")
+    baseline = memory_kb(pid, "VmHWM") * 1024
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -284,7 +276,7 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
                     return False
 
             wait_for(read_once, timeout=300, what="a blob read behind the greedy ones")
-        grew = _vm(pid, "VmHWM") - baseline
+        grew = memory_kb(pid, "VmHWM") * 1024 - baseline
     finally:
         greedy.close(0)
         sub.close(0)
