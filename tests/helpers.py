@@ -3,6 +3,7 @@ Replica against a real statesvc (live_replica), and transformers + PEFT as the r
 served outputs (HFReference; torch and transformers imported only when it is built)."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from shared.client import ControlClient, new_event_id
+from shared.events import AdapterLoaded, lora_scaling
 from shared.fingerprint import read_model
 from shared.fleet import Computed, StateSvc
 from statesvc.tools.example import ExampleAssets
@@ -74,6 +76,19 @@ def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.005)
+
+
+def adapter_weights(adapter_dir: Path, version: int) -> Any:
+    """A PEFT adapter directory's weights as a replica writes them into a slot: its event as
+    statesvc would record it (scaling by `lora_scaling`), the safetensors parsed by the
+    replica's own `slot_weights`."""
+    from computed.weights import slot_weights  # jax: only the tests that use it import it
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    r, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg["use_rslora"])
+    event = AdapterLoaded(name=adapter_dir.name, version=version, sha256="0" * 64, size=0, rank=r,
+                          alpha=alpha, scaling=lora_scaling(alpha, r, rslora), use_rslora=rslora,
+                          targets=tuple(cfg["target_modules"]), pinned=False)
+    return slot_weights((adapter_dir / "adapter_model.safetensors").read_bytes(), event)
 
 
 @contextmanager
