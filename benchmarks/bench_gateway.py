@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 from benchmarks.report import cpu_model, machine_info, median, percentile, publish, spread
@@ -115,8 +114,7 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None) -> dict[s
         replica.start()
         gateway.start()
         os.environ.pop("LORAPLANE_GATEWAY_PROFILE", None)
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
+        wait_for(gateway.healthy, what="gateway healthy")
         client = subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_client",
                                    replica.listen, gateway.url], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)

@@ -241,6 +241,11 @@ class Gateway(_Process):
     def log(self) -> Path:
         return self.log_file
 
+    def healthy(self) -> bool:
+        """Whether its /health answers 200 (a replica is ready behind it)."""
+        import httpx
+        return httpx.get(self.url + "/health").status_code == 200
+
     def start(self) -> Gateway:
         self.proc, self.ready = start_ready(
             [str(BIN / "computed"), "gateway", "--model", str(self.model_dir), "--state",

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, lora_scaling
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc
+from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +24,7 @@ class Fleet:
         self.tmp, self.example = tmp, example
         self.statesvc = StateSvc(tmp / "data", **svc_kw)
         self.replicas: list[Computed] = []
+        self.gateways: list[Gateway] = []
 
     def replica(self, name: str, *, start: bool = True, args: tuple[str, ...] = ("--no-warmup",),
                 env: dict[str, str] | None = None) -> Computed:
@@ -32,7 +33,17 @@ class Fleet:
         self.replicas.append(r)
         return r.start() if start else r
 
+    def gateway(self) -> Gateway:
+        """A `computed gateway` in front of this fleet's replicas, started and healthy."""
+        gateway = Gateway(self.example.model_dir, self.statesvc, log_file=self.tmp / "gateway.log")
+        self.gateways.append(gateway)
+        gateway.start()
+        wait_for(gateway.healthy, what="gateway healthy")
+        return gateway
+
     def stop(self) -> None:
+        for g in self.gateways:
+            g.stop()
         for r in self.replicas:
             r.stop()
         self.statesvc.stop()

@@ -55,7 +55,6 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("gateway")
     fleet = Fleet(tmp, example)
-    gateway = Gateway(example.model_dir, fleet.statesvc, log_file=tmp / "gateway.log")
     try:
         fleet.statesvc.start()
         fleet.init()
@@ -65,12 +64,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
         # when test_a_replica_killed_mid_stream kills it
         replicas = [fleet.replica("r1", env={SLOW_STEP_ENV: "0.02"}), fleet.replica("r2")]
         wait_for(lambda: fleet.converged(*replicas), what="replicas at head")
-        gateway.start()
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
-        yield Setup(fleet, gateway, example)
+        yield Setup(fleet, fleet.gateway(), example)
     finally:
-        gateway.stop()
         fleet.stop()
 
 

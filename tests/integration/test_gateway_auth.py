@@ -59,8 +59,7 @@ def test_only_operator_tokens_load_and_the_event_names_them(tmp_path: Path,
                                  "max_loras": 2, "max_rank": 8, "targets": "all"})
         replica.start()
         gateway.start()
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
+        wait_for(gateway.healthy, what="gateway healthy")
         body = {"lora_name": "a", "lora_path": str(example.adapter_dirs["all-r2"])}
         url = gateway.url + "/v1/load_lora_adapter"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):

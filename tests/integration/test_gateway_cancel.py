@@ -35,19 +35,14 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("cancel")
     fleet = Fleet(tmp, example)
-    gateway = Gateway(example.model_dir, fleet.statesvc, log_file=tmp / "gateway.log")
     try:
         fleet.statesvc.start()
         fleet.init()
         fleet.load("chat", "attn-qv-r8")
         replica = fleet.replica("r1", env={SLOW_STEP_ENV: "0.05"})
         wait_for(lambda: fleet.converged(replica), what="replica at head")
-        gateway.start()
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
-        yield Setup(fleet, replica, gateway)
+        yield Setup(fleet, replica, fleet.gateway())
     finally:
-        gateway.stop()
         fleet.stop()
 
 
