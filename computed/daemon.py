@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 
 from computed.engine import Done, Engine, Request
-from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
+from computed.replica import ForeignLog, GapError, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,

@@ -10,7 +10,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import zmq

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 

@@ -48,7 +48,6 @@ from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams, PackedWeight  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill  # noqa: E402
-from computed.pool import MemoryPool  # noqa: E402
 from statesvc.tools.example import ExampleAssets, make_example  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
