@@ -10,9 +10,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import zmq
+
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, lora_scaling
 from shared.fingerprint import read_model
+from shared.keys import ClientKeys
 from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
 
@@ -72,6 +75,21 @@ class Fleet:
                    for r in replicas)
 
 Command = Callable[..., Any]
+
+
+def dealer(address: str, *, keys: ClientKeys | None = None,
+           timeout_ms: int | None = None) -> zmq.Socket[Any]:
+    """A raw DEALER connected to `address` (a statesvc's control socket, a replica's listen
+    socket), LINGER 0 so closing it never blocks; a CURVE client with `keys`; with
+    `timeout_ms`, a `recv` raises zmq.Again after that long instead of hanging the test."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if timeout_ms is not None:
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    if keys is not None:
+        keys.apply(sock)
+    sock.connect(address)
+    return sock
 
 
 def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,

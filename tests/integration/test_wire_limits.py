@@ -27,6 +27,7 @@ from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
 from statesvc.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import dealer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -189,19 +190,9 @@ def assert_answers(sock: zmq.Socket[Any], envelope: list[bytes]) -> dict[str, An
     return dict(reply["result"])
 
 
-def _dealer(ctx: zmq.Context[Any], address: str, keys: ClientKeys | None = None
-            ) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.apply(sock)
-    sock.connect(address)
-    return sock
-
 
 def test_statesvc_never_echoes_extra_frames(statesvc: StateSvc) -> None:
-    ctx = zmq.Context.instance()
-    sock = _dealer(ctx, statesvc.control)
+    sock = dealer(statesvc.control)
     try:
         for name, frames in BAD_SHAPES.items():
             assert_not_echoed(sock, frames)
@@ -215,7 +206,7 @@ def test_statesvc_never_echoes_extra_frames(statesvc: StateSvc) -> None:
 def test_a_burst_of_pipelined_requests_is_answered_in_full(statesvc: StateSvc) -> None:
     """Far more replies than libzmq keeps per connection (a batch answers them at once): the
     service holds the rest until they fit, so a client that reads loses none."""
-    sock = _dealer(zmq.Context.instance(), statesvc.control)
+    sock = dealer(statesvc.control)
     asks = 1000
     try:
         for i in range(asks):
@@ -251,7 +242,7 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(statesvc.publish)
     assert sub.poll(REPLY_WAIT_MS), "no heartbeat"  # subscribed
-    greedy = _dealer(ctx, statesvc.control)
+    greedy = dealer(statesvc.control)
     asks = 1600
     try:
         for i in range(asks):
@@ -321,7 +312,7 @@ def keyed_replica(tmp_path: Path, example: ExampleAssets
 def test_replica_never_echoes_extra_frames(
         keyed_replica: tuple[Computed, dict[str, ClientKeys]]) -> None:
     replica, keys = keyed_replica
-    sock = _dealer(zmq.Context.instance(), replica.listen, keys["app"])
+    sock = dealer(replica.listen, keys=keys["app"])
     try:
         for name, frames in BAD_SHAPES.items():
             assert_not_echoed(sock, [*frames[:-1], pack({"v": 1, "id": "g", "cmd": "generate",
@@ -335,10 +326,9 @@ def test_replica_never_echoes_extra_frames(
 def test_client_queue_limit_counts_keys_not_connections(
         keyed_replica: tuple[Computed, dict[str, ClientKeys]]) -> None:
     replica, keys = keyed_replica
-    ctx = zmq.Context.instance()
     waits = {"input_ids": [1, 2], "max_new_tokens": 1, "min_seq": 1 << 40}
-    socks = [_dealer(ctx, replica.listen, keys[k]) for k in ("app", "app", "app", "other")]
-    watch = _dealer(ctx, replica.listen, keys["other"])
+    socks = [dealer(replica.listen, keys=keys[k]) for k in ("app", "app", "app", "other")]
+    watch = dealer(replica.listen, keys=keys["other"])
     try:
         for i, sock in enumerate(socks):
             sock.send(encode_request(f"g{i}", "generate", waits))
