@@ -113,7 +113,7 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, print_targets, publish, spread
+from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread
 from computed.admission import Grant
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.engine import Engine
@@ -1119,11 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixes", default=",".join(map(str, MIXES)),
                     help=f"distinct adapters per batch to time, comma-separated (the targets need 0 and "
                          f"{TARGET_MIX}); fewer for a shorter run, with --no-write")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: a tiny model, one round of 4 steps, no long cache; writes nothing "
-                         "unless `python -m benchmarks --quick` points it elsewhere")
+    output_flags(ap, "decode", "a smoke run: a tiny model, one round of 4 steps, no long cache; writes "
+                 "nothing unless `python -m benchmarks --quick` points it elsewhere")
     args = ap.parse_args(argv)
     mixes = tuple(sorted({int(k) for k in args.mixes.split(",")}))
     if not {0, TARGET_MIX} <= set(mixes) <= set(MIXES):

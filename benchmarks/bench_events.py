@@ -38,7 +38,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, show_and_publish
+from benchmarks.report import machine_info, median, output_flags, show_and_publish
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
 from shared.fleet import cpu_seconds, loopback, start_ready, stop_pid
@@ -418,9 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-events", type=int, default=20000)
     ap.add_argument("--max-seconds", type=float, default=15.0,
                     help="a measurement stops after this long, with the events done so far")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: one short repeat")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
+    output_flags(ap, "events", "a smoke run: one short repeat")
     a = ap.parse_args(argv)
     settings = Settings(a.repeats, a.clients, a.concurrent_events, a.single_events,
                         a.raw_events, a.max_seconds)

@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import cpu_model, machine_info, median, percentile, publish, spread
+from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile, publish,
+                               spread)
 from shared.client import ControlClient, new_event_id
 from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.llama import MODULES
@@ -214,12 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="bench,tiny", help="comma-separated: bench, tiny")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=None, help="new tokens (default: per shape)")
-    p.add_argument("--quick", action="store_true",
-                   help="the tiny model only, one round of 8 tokens; writes only where "
-                   "`python -m benchmarks --quick` says")
+    output_flags(p, "gateway", "the tiny model only, one round of 8 tokens; writes only where "
+                 "`python -m benchmarks --quick` says")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the gateway under cProfile, one DIR/gateway-SHAPE.prof per shape")
-    p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
     if a.quick:
         a.shapes, a.rounds, a.tokens = "tiny", 1, 8

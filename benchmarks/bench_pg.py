@@ -40,7 +40,7 @@ from rich.table import Table
 
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
-from benchmarks.report import machine_info, median, show_and_publish
+from benchmarks.report import machine_info, median, output_flags, show_and_publish
 from shared.fleet import cpu_seconds
 from statesvc.tools.example import make_example
 from tests.pg import PgServer
@@ -283,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=15.0)
     ap.add_argument("--replicas", default="1,4,16", help="replica counts, comma-separated")
     ap.add_argument("--loads", type=int, default=30, help="loads per propagation measurement")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: one short repeat")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
+    output_flags(ap, "pg", "a smoke run: one short repeat")
     a = ap.parse_args(argv)
     counts = tuple(int(x) for x in a.replicas.split(","))
     settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads)

@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
-from benchmarks.report import machine_info, median, publish, spread
+from benchmarks.report import machine_info, median, output_flags, publish, spread
 from computed.pool import MemoryPool
 from computed.replica import Replica, pool_spec
 from shared.client import ControlClient
@@ -284,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="log lengths to measure, ascending, comma-separated")
     ap.add_argument("--live", type=int, default=32, help="adapters live at the head")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="a smoke run: small logs, one repeat")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and the README alone")
+    output_flags(ap, "replay", "a smoke run: small logs, one repeat")
     args = ap.parse_args(argv)
     settings = Settings(tuple(int(s) for s in args.sizes.split(",")), args.live, args.repeats)
     if args.quick:

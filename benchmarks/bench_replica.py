@@ -44,7 +44,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, percentile, print_targets, publish, spread
+from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
+                               spread)
 from computed.jaxcount import counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
@@ -659,10 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", type=int, default=60, help="loads per propagation measurement")
     ap.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
     ap.add_argument("--cycles", type=int, default=10000, help="load/unload cycles for the RSS")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: a few iterations of everything, one replica")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
+    output_flags(ap, "replica", "a smoke run: a few iterations of everything, one replica")
     a = ap.parse_args(argv)
     settings = Settings(a.write_iters, a.rebuild_iters, a.replica_loads, a.loads,
                         tuple(int(x) for x in a.replicas.split(",")), a.cycles)

@@ -176,7 +176,7 @@ def output_flags(ap: argparse.ArgumentParser, name: str, quick_help: str) -> Non
     """A benchmark's --quick (a smoke run) and --no-write flags."""
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--no-write", action="store_true",
-                    help=f"do not write benchmarks/results/{name}.json")
+                    help=f"print only: leave benchmarks/results/{name}.json and README.md alone")
 
 
 def run_and_publish(name: str, args: argparse.Namespace,
