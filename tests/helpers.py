@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,8 +17,8 @@ import zmq
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, lora_scaling
 from shared.fingerprint import read_model
-from shared.keys import ClientKeys
-from shared.fleet import Computed, Gateway, StateSvc, wait_for
+from shared.fleet import BIN, Computed, Gateway, StateSvc, wait_for
+from shared.keys import ClientKeys, client_keys
 from statesvc.tools.example import ExampleAssets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,6 +77,36 @@ class Fleet:
                    for r in replicas)
 
 Command = Callable[..., Any]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    """One of the project's commands (`statesvc`, `loractl`, `computed`), output captured."""
+    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=60)
+
+
+def make_keys(tmp: Path, roles: dict[str, str | None]) -> tuple[Path, Path]:
+    """A server key dir (`statesvc keys init`) and client key pairs (`loractl keys new`), each
+    NAME's public key copied into its role folder there (None: a key the server does not
+    know); returns (key dir, client keys dir)."""
+    keydir, clients = tmp / "server-keys", tmp / "client-keys"
+    made = [run("statesvc", "keys", "init", str(keydir)),
+            *(run("loractl", "keys", "new", name, "--dir", str(clients)) for name in roles)]
+    assert all(res.returncode == 0 for res in made), [res.stderr for res in made]
+    for name, role in roles.items():
+        if role:
+            shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
+    return keydir, clients
+
+
+def fleet_keys(tmp: Path) -> tuple[Path, ClientKeys, tuple[str, ...]]:
+    """CURVE for a fleet: statesvc's key dir (for --auth), an operator's client keys and the
+    replicas' `--key`/`--server-key` arguments."""
+    keydir, clients = make_keys(tmp, {"op": "operators", "r": "replicas"})
+    server = str(keydir / "server.key")
+    keys = client_keys(str(clients / "op.key_secret"), server)
+    assert keys is not None
+    return keydir, keys, ("--key", str(clients / "r.key_secret"), "--server-key", server)
 
 
 def dealer(address: str, *, keys: ClientKeys | None = None,

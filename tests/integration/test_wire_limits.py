@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,21 +21,16 @@ import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLIES
-from shared.fleet import BIN, Computed, StateSvc, free_port, memory_kb, wait_for
+from shared.fleet import Computed, StateSvc, free_port, memory_kb, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
 from statesvc.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import dealer
+from tests.helpers import dealer, make_keys, run
 
 pytestmark = pytest.mark.timeout(240)
 
 REPLY_WAIT_MS = 20_000  # a generous wait for a reply that must come; nothing asserts on time
-
-
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
-                          timeout=60)
 
 
 # ---- endpoints -----------------------------------------------------------------------------
@@ -288,12 +282,9 @@ def keyed_replica(tmp_path: Path, example: ExampleAssets
                   ) -> Iterator[tuple[Computed, dict[str, ClientKeys]]]:
     """A replica with CURVE on its listen socket, holding requests in its queue (min_seq far
     ahead) so that they count against the per-client limit of 2; keys: app, other."""
-    keydir, clients = tmp_path / "replica-keys", tmp_path / "client-keys"
-    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    keydir, clients = make_keys(tmp_path, {"app": "clients", "other": "clients"})
     keys: dict[str, ClientKeys] = {}
     for name in ("app", "other"):
-        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
-        shutil.copy(clients / f"{name}.key", keydir / "clients" / f"{name}.key")
         k = client_keys(str(clients / f"{name}.key_secret"), str(keydir / "server.key"))
         assert k is not None
         keys[name] = k
