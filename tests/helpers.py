@@ -128,7 +128,7 @@ def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,
           timeout_s: float = 60.0) -> Any:
     """`replica.admit`, waiting while the fill worker fetches the adapter's weights (Fetching:
     in serving the request waits in the engine's queue); other refusals are raised."""
-    from computed.fills import Fetching
+    from computed.admission import Fetching
     deadline = time.monotonic() + timeout_s
     while True:
         try:
