@@ -113,7 +113,8 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread
+from benchmarks.report import (machine_info, median, output_flags, print_targets, publish, spread,
+                               target_lines)
 from computed.admission import Grant
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.engine import Engine
@@ -1011,8 +1012,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} "
               f"with {s['torch_threads']} threads.",
               ""]
-    lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} (target {t['target']})"
-              for t in result["targets"]]
+    lines += target_lines(result)
     lines += ["", notes(result), "", machine_line(result)]
     return table, "\n".join(lines)
 

@@ -38,7 +38,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, output_flags, show_and_publish
+from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
 from shared.fleet import cpu_seconds, loopback, start_ready, stop_pid
@@ -397,9 +397,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                  f"{NAMES_PER_CLIENT} adapter names in a loop; a reply means the event is "
                  "durable. events/commit: how many events shared one commit (group commit).")
     lines.append("")
-    for t in result["targets"]:
-        lines.append(f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']:,} "
-                     f"(target {t['target']})")
+    lines += target_lines(result)
     m = result["machine"]
     lines.append(f"\n{m['nproc']} CPUs, Python {m['python']}, load average "
                  f"{m['loadavg_1m_before']} before the run, {m['date']}. "

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
-from benchmarks.report import machine_info, median, output_flags, show_and_publish
+from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
 from shared.fleet import cpu_seconds
 from statesvc.tools.example import make_example
 from tests.pg import PgServer
@@ -267,8 +267,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               "each role used while the loads ran, over the loads (each load is followed "
               "by its unload): with more replicas than cores, the replicas' own work "
               "(fetch, sha256, parse, slot write) queues behind each other's.", ""]
-    lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']:,} "
-              f"(target {t['target']})" for t in result["targets"]]
+    lines += target_lines(result)
     lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "
                  f"before the run, {m['date']}. `python -m benchmarks.bench_pg` reproduces it.")
     return table, "\n".join(lines)

@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
-from benchmarks.report import machine_info, median, output_flags, publish, spread
+from benchmarks.report import machine_info, median, output_flags, publish, spread, target_lines
 from computed.pool import MemoryPool
 from computed.replica import Replica, pool_spec
 from shared.client import ControlClient
@@ -272,9 +272,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               "ratio is the price of the history). Floor: the adapter files read and written "
               f"into a fresh pool in-process, no service. Medians of {s['repeats']} interleaved "
               "runs; `benchmarks/results/replay.json` has every run.", ""]
-    for t in result["targets"]:
-        verdict = "PASS" if t["met"] else "MISS"
-        lines.append(f"- {verdict}: {t['name']} {t['measured']} (target {t['target']})")
+    lines += target_lines(result)
     return table, "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
-                               spread)
+                               spread, target_lines)
 from computed.jaxcount import counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
@@ -640,9 +640,7 @@ def render(result: dict[str, Any]) -> tuple[list[Table], str]:
                  f"({rss['events']:,} events over {rss['adapters']} adapters), peak "
                  f"{rss['peak_rss_mb']} MB; the replica applied {rss['events_per_s_applied']:,} "
                  "events/s.\n")
-    for t in result["targets"]:
-        lines.append(f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} "
-                     f"(target {t['target']})")
+    lines += target_lines(result)
     m = result["machine"]
     lines.append(f"\n{m['nproc']} CPUs, Python {m['python']}, JAX {m['jax']} "
                  f"({m['jax_backend']}), load average {m['loadavg_1m_before']} before and "

@@ -151,12 +151,21 @@ def show_and_publish(name: str, result: dict[str, Any], table: Any, markdown: st
     publish(name, result, markdown, quick=quick, no_write=no_write, say=console.print)
 
 
+def _measured(t: dict[str, Any]) -> str:
+    return f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else str(t["measured"])
+
+
 def print_targets(result: dict[str, Any], say: Callable[[str], None]) -> None:
     """One PASS/MISS line (rich markup) per entry of `result["targets"]`."""
     for t in result["targets"]:
         verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
-        measured = f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else t["measured"]
-        say(f"{verdict} {t['name']}: {measured} (target {t['target']})")
+        say(f"{verdict} {t['name']}: {_measured(t)} (target {t['target']})")
+
+
+def target_lines(result: dict[str, Any]) -> list[str]:
+    """The README's verdicts, one markdown line per entry of `result["targets"]`."""
+    return [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {_measured(t)} (target {t['target']})"
+            for t in result["targets"]]
 
 
 def publish(name: str, result: dict[str, Any], markdown: str, *, quick: bool, no_write: bool,
