@@ -55,8 +55,6 @@ from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
 from shared.fleet import Computed, StateSvc, memory_kb
 from shared.llama import MODULES
-from shared.peft import parse_lora_name
-from shared.tensorfile import parse_bytes, to_float32
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
@@ -101,15 +99,11 @@ def pool_spec() -> PoolSpec:
 
 
 def weights_of(path: Path, scaling: float) -> SlotWeights:
-    data = path.read_bytes()
-    header = parse_bytes(data)
-    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name, info in header.tensors.items():
-        key = parse_lora_name(name)
-        assert key is not None, name
-        halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(data, header, info)
-    return SlotWeights(scaling=scaling, rank=RANK,
-                       pairs={k: (ab["A"], ab["B"]) for k, ab in halves.items()})
+    """An adapter file's weights as a replica parses them (computed/weights.py)."""
+    event = AdapterLoaded(name=path.parent.name, version=1, sha256="", size=0, rank=RANK,
+                          alpha=scaling * RANK, scaling=scaling, use_rslora=False, targets=MODULES,
+                          pinned=False)
+    return slot_weights(path.read_bytes(), event)
 
 
 def formula_bytes(spec: PoolSpec) -> int:
