@@ -113,7 +113,8 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, print_targets, publish, spread
+from benchmarks.report import (machine_info, median, output_flags, print_targets, publish, spread,
+                               target_lines)
 from computed.admission import Grant
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.engine import Engine
@@ -126,7 +127,7 @@ from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
-from shared.fleet import Computed, StateSvc, wait_for
+from shared.fleet import Computed, StateSvc, cpu_seconds, wait_for
 from shared.llama import MODULES
 from shared.protocol import encode_request, unpack
 from shared.reducer import State
@@ -575,16 +576,6 @@ def request_args(prompts: np.ndarray, distinct: int, clients: int, new_tokens: i
                           max_new_tokens=new_tokens, min_seq=min_seq) for i in range(clients)]
 
 
-def replica_cpu_seconds(pid: int) -> float:
-    """CPU seconds process `pid` (every thread) has used; NaN off Linux."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 class ServedReplica:
     """A real `statesvc serve` and `computed serve` (subprocesses), the pool and adapters loaded
     through the state service, and `clients` DEALER sockets that each send one `generate`."""
@@ -631,7 +622,7 @@ class ServedReplica:
             poller.register(sock, zmq.POLLIN)
         outputs: dict[zmq.Socket[Any], list[int]] = {}
         pids = [p.proc.pid for p in (self.replica, self.svc) if p.proc is not None]
-        served_cpu = sum(replica_cpu_seconds(pid) for pid in pids)
+        served_cpu = sum(cpu_seconds(pid) for pid in pids)
         with timed(timing):
             for sock, frame in zip(self.socks, frames):
                 sock.send(frame)
@@ -647,7 +638,7 @@ class ServedReplica:
                     self.timings[sock] = reply["result"]["timings"]
         if timing is not None:
             # the replica's and statesvc's CPU time is the served path's own, not other load
-            served_cpu = sum(replica_cpu_seconds(pid) for pid in pids) - served_cpu
+            served_cpu = sum(cpu_seconds(pid) for pid in pids) - served_cpu
             capacity = timing.seconds[-1] * (os.cpu_count() or 1)
             timing.cpu_share[-1] += served_cpu / capacity
             timing.others_share[-1] = max(0.0, timing.others_share[-1] - served_cpu / capacity)
@@ -1021,8 +1012,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"on transformers {v['transformers']} ({m['attn_implementation']} attention), torch {v['torch']} "
               f"with {s['torch_threads']} threads.",
               ""]
-    lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} (target {t['target']})"
-              for t in result["targets"]]
+    lines += target_lines(result)
     lines += ["", notes(result), "", machine_line(result)]
     return table, "\n".join(lines)
 
@@ -1129,11 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixes", default=",".join(map(str, MIXES)),
                     help=f"distinct adapters per batch to time, comma-separated (the targets need 0 and "
                          f"{TARGET_MIX}); fewer for a shorter run, with --no-write")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: a tiny model, one round of 4 steps, no long cache; writes nothing "
-                         "unless `python -m benchmarks --quick` points it elsewhere")
+    output_flags(ap, "decode", "a smoke run: a tiny model, one round of 4 steps, no long cache; writes "
+                 "nothing unless `python -m benchmarks --quick` points it elsewhere")
     args = ap.parse_args(argv)
     mixes = tuple(sorted({int(k) for k in args.mixes.split(",")}))
     if not {0, TARGET_MIX} <= set(mixes) <= set(MIXES):

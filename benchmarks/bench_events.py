@@ -38,10 +38,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, show_and_publish
+from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
-from shared.fleet import loopback, start_ready, stop_pid
+from shared.fleet import cpu_seconds, loopback, start_ready, stop_pid
 from statesvc.tools.example import make_example
 
 TARGET_EVENTS_PER_S = 1000.0
@@ -128,8 +128,7 @@ class Service:
     def cpu_seconds(self) -> float:
         """User + system CPU the service has used so far, all threads (Linux /proc)."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
 
 # ---- clients of the state service ------------------------------------------------
@@ -398,9 +397,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                  f"{NAMES_PER_CLIENT} adapter names in a loop; a reply means the event is "
                  "durable. events/commit: how many events shared one commit (group commit).")
     lines.append("")
-    for t in result["targets"]:
-        lines.append(f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']:,} "
-                     f"(target {t['target']})")
+    lines += target_lines(result)
     m = result["machine"]
     lines.append(f"\n{m['nproc']} CPUs, Python {m['python']}, load average "
                  f"{m['loadavg_1m_before']} before the run, {m['date']}. "
@@ -419,9 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-events", type=int, default=20000)
     ap.add_argument("--max-seconds", type=float, default=15.0,
                     help="a measurement stops after this long, with the events done so far")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: one short repeat")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
+    output_flags(ap, "events", "a smoke run: one short repeat")
     a = ap.parse_args(argv)
     settings = Settings(a.repeats, a.clients, a.concurrent_events, a.single_events,
                         a.raw_events, a.max_seconds)

@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,10 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
-from benchmarks.report import machine_info, publish
+from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile, publish,
+                               spread)
 from shared.client import ControlClient, new_event_id
 from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.llama import MODULES
@@ -73,12 +71,6 @@ def workloads() -> dict[str, Workload]:
             "tiny": Workload(ModelShape(), 8, ("q_proj", "v_proj"), 8, 32)}
 
 
-def cpu_name() -> str:
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
-    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} CPUs"
-
-
 def cpu_s(pid: int) -> float:
     """A process's CPU seconds so far, all its threads (their schedstat: nanoseconds, where
     /proc/PID/stat counts 10 ms ticks)."""
@@ -89,10 +81,6 @@ def cpu_s(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended meanwhile
     return total / 1e9
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q))
 
 
 def requests(w: Workload, seed: int) -> list[tuple[str, list[int]]]:
@@ -127,8 +115,7 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None) -> dict[s
         replica.start()
         gateway.start()
         os.environ.pop("LORAPLANE_GATEWAY_PROFILE", None)
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
+        wait_for(gateway.healthy, what="gateway healthy")
         client = subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_client",
                                    replica.listen, gateway.url], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
@@ -145,8 +132,8 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None) -> dict[s
             cpu["client"] = got["cpu_s"]
             lat = got["lat_s"]
             return {"wall_s": got["wall_s"], "tok_s": BATCH * w.tokens / got["wall_s"],
-                    "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99),
-                    "ttft_p50_ms": 1e3 * pct(got["ttft_s"], 50),
+                    "p50_ms": 1e3 * percentile(lat, 50), "p99_ms": 1e3 * percentile(lat, 99),
+                    "ttft_p50_ms": 1e3 * percentile(got["ttft_s"], 50),
                     "cpu_ms_per_token": {k: 1e3 * v / (BATCH * w.tokens) for k, v in cpu.items()}}
 
         rows = []
@@ -163,7 +150,6 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None) -> dict[s
         gateway.stop()
         replica.stop()
         svc.stop()
-    med = statistics.median
     ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in rows]
     return {
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
@@ -172,14 +158,14 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None) -> dict[s
         "model": {"vocab_size": w.shape.vocab_size, "hidden_size": w.shape.hidden_size,
                   "layers": w.shape.num_hidden_layers},
         "rounds_detail": rows,
-        "zmq_tok_s": med(r["zmq"]["tok_s"] for r in rows),
-        "gateway_tok_s": med(r["gateway"]["tok_s"] for r in rows),
-        "ratio": med(ratios), "ratio_range": [min(ratios), max(ratios)],
-        "added_p50_ms": med(r["gateway"]["p50_ms"] - r["zmq"]["p50_ms"] for r in rows),
-        "added_p99_ms": med(r["gateway"]["p99_ms"] - r["zmq"]["p99_ms"] for r in rows),
-        "added_ttft_p50_ms": med(r["gateway"]["ttft_p50_ms"] - r["zmq"]["ttft_p50_ms"]
+        "zmq_tok_s": median(r["zmq"]["tok_s"] for r in rows),
+        "gateway_tok_s": median(r["gateway"]["tok_s"] for r in rows),
+        "ratio": median(ratios), "ratio_range": spread(ratios),
+        "added_p50_ms": median(r["gateway"]["p50_ms"] - r["zmq"]["p50_ms"] for r in rows),
+        "added_p99_ms": median(r["gateway"]["p99_ms"] - r["zmq"]["p99_ms"] for r in rows),
+        "added_ttft_p50_ms": median(r["gateway"]["ttft_p50_ms"] - r["zmq"]["ttft_p50_ms"]
                                  for r in rows),
-        "cpu_ms_per_token": {path: {k: med(r[path]["cpu_ms_per_token"][k] for r in rows)
+        "cpu_ms_per_token": {path: {k: median(r[path]["cpu_ms_per_token"][k] for r in rows)
                                     for k in ("replica", "gateway", "client")}
                              for path in ("zmq", "gateway")},
     }
@@ -229,12 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="bench,tiny", help="comma-separated: bench, tiny")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=None, help="new tokens (default: per shape)")
-    p.add_argument("--quick", action="store_true",
-                   help="the tiny model only, one round of 8 tokens; writes only where "
-                   "`python -m benchmarks --quick` says")
+    output_flags(p, "gateway", "the tiny model only, one round of 8 tokens; writes only where "
+                 "`python -m benchmarks --quick` says")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the gateway under cProfile, one DIR/gateway-SHAPE.prof per shape")
-    p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
     if a.quick:
         a.shapes, a.rounds, a.tokens = "tiny", 1, 8
@@ -242,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = a.shapes.split(",")
     if not set(shapes) <= set(known):
         p.error(f"--shapes takes {', '.join(known)}")
-    res: dict[str, Any] = {"cpu": cpu_name(), "machine": machine_info(), "shapes": {}}
+    res: dict[str, Any] = {"cpu": f"{cpu_model()}, {os.cpu_count()} CPUs", "machine": machine_info(), "shapes": {}}
     for name in shapes:
         w = known[name]
         if a.tokens:

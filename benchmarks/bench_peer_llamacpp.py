@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import REPO, machine_info, median, publish, spread
+from benchmarks.report import REPO, machine_info, median, output_flags, publish, spread
 
 VENV_ENV = "LORAPLANE_LLAMACPP_VENV"
 PEER_VERSION = "0.3.36"  # llama-cpp-python, the sdist pip resolves (vendors llama.cpp)
@@ -307,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="greedy steps per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the CPU count)")
-    ap.add_argument("--quick", action="store_true",
-                    help="a tiny model, for a smoke run; never builds the peer")
-    ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/peer.json")
+    output_flags(ap, "peer", "a tiny model, for a smoke run; never builds the peer")
     ap.add_argument("--out", type=Path, help="write the JSON to this file instead of benchmarks/results/peer.json "
                     "(and leave the README alone)")
     args = ap.parse_args(argv)

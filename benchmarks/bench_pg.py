@@ -24,6 +24,7 @@ missing it says so and exits 0 without results.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -39,7 +40,8 @@ from rich.table import Table
 
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
-from benchmarks.report import machine_info, median, show_and_publish
+from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
+from shared.fleet import cpu_seconds
 from statesvc.tools.example import make_example
 from tests.pg import PgServer
 
@@ -97,20 +99,17 @@ def cpu_by_role(tag: str, pg_root: str) -> dict[str, float]:
     out = dict.fromkeys(ROLES, 0.0)
     own = os.times()
     out["bench"] = own.user + own.system
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
         role = ("replicas" if tag in cmd and "computed serve" in cmd else
                 "statesvc" if tag in cmd and "statesvc serve" in cmd else
                 "postgres" if pg_root in cmd or cmd.startswith("postgres:") else None)
-        if role is not None:
-            out[role] += (int(fields[11]) + int(fields[12])) / tick
+        if role is not None and not math.isnan(cpu := cpu_seconds(int(pid))):  # NaN: it ended
+            out[role] += cpu
     return out
 
 
@@ -268,8 +267,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               "each role used while the loads ran, over the loads (each load is followed "
               "by its unload): with more replicas than cores, the replicas' own work "
               "(fetch, sha256, parse, slot write) queues behind each other's.", ""]
-    lines += [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']:,} "
-              f"(target {t['target']})" for t in result["targets"]]
+    lines += target_lines(result)
     lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "
                  f"before the run, {m['date']}. `python -m benchmarks.bench_pg` reproduces it.")
     return table, "\n".join(lines)
@@ -284,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=15.0)
     ap.add_argument("--replicas", default="1,4,16", help="replica counts, comma-separated")
     ap.add_argument("--loads", type=int, default=30, help="loads per propagation measurement")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: one short repeat")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
+    output_flags(ap, "pg", "a smoke run: one short repeat")
     a = ap.parse_args(argv)
     counts = tuple(int(x) for x in a.replicas.split(","))
     settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads)

@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
-from benchmarks.report import machine_info, median, publish, spread
+from benchmarks.report import machine_info, median, output_flags, publish, spread, target_lines
 from computed.pool import MemoryPool
 from computed.replica import Replica, pool_spec
 from shared.client import ControlClient
@@ -272,9 +272,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               "ratio is the price of the history). Floor: the adapter files read and written "
               f"into a fresh pool in-process, no service. Medians of {s['repeats']} interleaved "
               "runs; `benchmarks/results/replay.json` has every run.", ""]
-    for t in result["targets"]:
-        verdict = "PASS" if t["met"] else "MISS"
-        lines.append(f"- {verdict}: {t['name']} {t['measured']} (target {t['target']})")
+    lines += target_lines(result)
     return table, "\n".join(lines)
 
 
@@ -284,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="log lengths to measure, ascending, comma-separated")
     ap.add_argument("--live", type=int, default=32, help="adapters live at the head")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="a smoke run: small logs, one repeat")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and the README alone")
+    output_flags(ap, "replay", "a smoke run: small logs, one repeat")
     args = ap.parse_args(argv)
     settings = Settings(tuple(int(s) for s in args.sizes.split(",")), args.live, args.repeats)
     if args.quick:

@@ -44,7 +44,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import machine_info, median, print_targets, publish, spread
+from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
+                               spread, target_lines)
 from computed.jaxcount import counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
@@ -52,10 +53,8 @@ from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc
+from shared.fleet import Computed, StateSvc, memory_kb
 from shared.llama import MODULES
-from shared.peft import parse_lora_name
-from shared.tensorfile import parse_bytes, to_float32
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
@@ -100,15 +99,11 @@ def pool_spec() -> PoolSpec:
 
 
 def weights_of(path: Path, scaling: float) -> SlotWeights:
-    data = path.read_bytes()
-    header = parse_bytes(data)
-    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name, info in header.tensors.items():
-        key = parse_lora_name(name)
-        assert key is not None, name
-        halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(data, header, info)
-    return SlotWeights(scaling=scaling, rank=RANK,
-                       pairs={k: (ab["A"], ab["B"]) for k, ab in halves.items()})
+    """An adapter file's weights as a replica parses them (computed/weights.py)."""
+    event = AdapterLoaded(name=path.parent.name, version=1, sha256="", size=0, rank=RANK,
+                          alpha=scaling * RANK, scaling=scaling, use_rslora=False, targets=MODULES,
+                          pinned=False)
+    return slot_weights(path.read_bytes(), event)
 
 
 def formula_bytes(spec: PoolSpec) -> int:
@@ -118,10 +113,6 @@ def formula_bytes(spec: PoolSpec) -> int:
     item = np.dtype(spec.dtype).itemsize if spec.dtype != "bfloat16" else 2
     per_slot = sum(spec.num_layers * spec.max_rank * (i + o) for i, o in spec.module_dims.values())
     return spec.slots * (per_slot * item + 4 + 4)
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
 
 
 def ms(seconds: float) -> float:
@@ -194,7 +185,7 @@ def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) 
             "write_over_rebuild_spread": [round(v, 5) for v in spread(per_rebuild)],
             "slot_mb": round(pool_bytes / MAX_LORAS / 1e6, 3),
             "write_iters": settings.write_iters, "rebuild_iters": settings.rebuild_iters,
-            "write_ms_p50": ms(write_med), "write_ms_p99": ms(pct(writes, 99)),
+            "write_ms_p50": ms(write_med), "write_ms_p99": ms(percentile(writes, 99)),
             "host_pad_ms_p50": ms(median(pads)),
             "clear_ms_p50": ms(median(clears)),
             "rebuild_ms_p50": ms(rebuild_med), "rebuild_ms_min": ms(min(rebuilds)),
@@ -295,9 +286,9 @@ def measure_replica(settings: Settings, root: Path, model_dir: Path,
     finally:
         svc.stop()
     return {"loads": n, "blob_fetches": fetches,
-            "apply_load_cold_ms_p50": ms(median(cold)), "apply_load_cold_ms_p99": ms(pct(cold, 99)),
+            "apply_load_cold_ms_p50": ms(median(cold)), "apply_load_cold_ms_p99": ms(percentile(cold, 99)),
             "apply_load_cached_ms_p50": ms(median(warm)),
-            "apply_load_cached_ms_p99": ms(pct(warm, 99)),
+            "apply_load_cached_ms_p99": ms(percentile(warm, 99)),
             "apply_unload_ms_p50": ms(median(unloads)),
             "replay_64_slots_blobs_fetched_ms": ms(replay_cold),
             "replay_64_slots_blobs_cached_ms_p50": ms(median(replay_cached)),
@@ -396,15 +387,15 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
     for b in range(0, loads, size):
         xs = [x for per_replica in from_ack for x in per_replica[b:b + size]]
         blocks.append({"loads": len(xs) // n, "from_ack_ms_p50": ms(median(xs)),
-                       "from_ack_ms_p99": ms(pct(xs, 99))})
+                       "from_ack_ms_p99": ms(percentile(xs, 99))})
     slowest_send = [max(xs) for xs in zip(*from_send)]  # per load: when the last replica had it
     return {"replicas": n, "loads": loads, "blob_fetches_per_replica": fetches,
-            "load_ack_ms_p50": ms(median(acks)), "load_ack_ms_p99": ms(pct(acks, 99)),
-            "from_send_ms_p50": ms(median(every_send)), "from_send_ms_p99": ms(pct(every_send, 99)),
-            "from_ack_ms_p50": ms(median(every_ack)), "from_ack_ms_p99": ms(pct(every_ack, 99)),
+            "load_ack_ms_p50": ms(median(acks)), "load_ack_ms_p99": ms(percentile(acks, 99)),
+            "from_send_ms_p50": ms(median(every_send)), "from_send_ms_p99": ms(percentile(every_send, 99)),
+            "from_ack_ms_p50": ms(median(every_ack)), "from_ack_ms_p99": ms(percentile(every_ack, 99)),
             "from_ack_ms_min": ms(min(every_ack)),
             "all_replicas_from_send_ms_p50": ms(median(slowest_send)),
-            "all_replicas_from_send_ms_p99": ms(pct(slowest_send, 99)),
+            "all_replicas_from_send_ms_p99": ms(percentile(slowest_send, 99)),
             "unload_from_ack_ms_p50": ms(median(unload_from_ack)),
             "per_replica_from_ack_ms_p50": [ms(median(xs)) for xs in from_ack],
             "blocks": blocks,
@@ -422,13 +413,6 @@ def measure_read_sha(path: Path, repeats: int = 50) -> dict[str, Any]:
 
 
 # ---- 3. RSS of computed serve over load/unload cycles -----------------------------
-
-def proc_kb(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
 
 def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 cycles: int) -> dict[str, Any]:
@@ -470,10 +454,10 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 rc.call("status")
                 samples = []
                 for _ in range(RSS_SAMPLES):
-                    samples.append(proc_kb(pid, "VmRSS"))
+                    samples.append(memory_kb(pid, "VmRSS"))
                     time.sleep(RSS_EVERY_S)
                 return {"seq": seq, "rss_kb": median(samples), "rss_kb_samples": samples,
-                        "hwm_kb": proc_kb(pid, "VmHWM")}
+                        "hwm_kb": memory_kb(pid, "VmHWM")}
 
             for i in range(RSS_WARMUP_CYCLES):  # every adapter fetched, both jits compiled
                 seq = cycle(i)
@@ -485,7 +469,7 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 seq = cycle(i)
                 done += 1
                 if done % 250 == 0:
-                    trace.append({"cycles": done, "rss_kb": proc_kb(pid, "VmRSS")})
+                    trace.append({"cycles": done, "rss_kb": memory_kb(pid, "VmRSS")})
             send_s = time.perf_counter() - t0
             wait_applied([rc], seq)
             follow_s = time.perf_counter() - t0
@@ -650,9 +634,7 @@ def render(result: dict[str, Any]) -> tuple[list[Table], str]:
                  f"({rss['events']:,} events over {rss['adapters']} adapters), peak "
                  f"{rss['peak_rss_mb']} MB; the replica applied {rss['events_per_s_applied']:,} "
                  "events/s.\n")
-    for t in result["targets"]:
-        lines.append(f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {t['measured']} "
-                     f"(target {t['target']})")
+    lines += target_lines(result)
     m = result["machine"]
     lines.append(f"\n{m['nproc']} CPUs, Python {m['python']}, JAX {m['jax']} "
                  f"({m['jax_backend']}), load average {m['loadavg_1m_before']} before and "
@@ -670,10 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", type=int, default=60, help="loads per propagation measurement")
     ap.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
     ap.add_argument("--cycles", type=int, default=10000, help="load/unload cycles for the RSS")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: a few iterations of everything, one replica")
-    ap.add_argument("--no-write", action="store_true",
-                    help="print only: leave benchmarks/results and README.md alone")
+    output_flags(ap, "replica", "a smoke run: a few iterations of everything, one replica")
     a = ap.parse_args(argv)
     settings = Settings(a.write_iters, a.rebuild_iters, a.replica_loads, a.loads,
                         tuple(int(x) for x in a.replicas.split(",")), a.cycles)

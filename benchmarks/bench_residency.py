@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
-from benchmarks.bench_replica import proc_kb
 from benchmarks.report import machine_info, median, output_flags, run_and_publish
 from benchmarks.residency_streams import BATCH, NEW_TOKENS, PROMPT, run_streams
 from computed.engine import Engine
@@ -62,7 +61,7 @@ from computed.model.runner import LlamaRunner
 from computed.replica import Replica
 from shared.client import ControlClient
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc, wait_for
+from shared.fleet import Computed, StateSvc, memory_kb, wait_for
 from statesvc.tools.example import AdapterSpec, write_adapter, write_model
 from statesvc.tools.inproc import init_pool, open_service, request
 
@@ -135,7 +134,7 @@ def rss_of(tmp: Path, model_dir: Path, data: Path, host_cache_mb: int) -> int:
         samples = []
         for _ in range(10):
             time.sleep(0.3)
-            samples.append(float(proc_kb(replica.pid, "VmRSS")))
+            samples.append(float(memory_kb(replica.pid, "VmRSS")))
         return int(median(samples[5:]))
     finally:
         replica.stop()

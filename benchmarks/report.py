@@ -15,6 +15,7 @@ import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,8 +97,15 @@ def machine_info() -> dict[str, Any]:
             "isa_caps": {k: os.environ[k] for k in (*AVX2_ENV, "XLA_FLAGS") if k in os.environ}}
 
 
-def median(values: list[float]) -> float:
+def median(values: Iterable[float]) -> float:
     return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`th percentile of `values` (numpy's, interpolated between the nearest two)."""
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values), q))
 
 
 def spread(values: list[float]) -> list[float]:
@@ -143,12 +151,21 @@ def show_and_publish(name: str, result: dict[str, Any], table: Any, markdown: st
     publish(name, result, markdown, quick=quick, no_write=no_write, say=console.print)
 
 
+def _measured(t: dict[str, Any]) -> str:
+    return f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else str(t["measured"])
+
+
 def print_targets(result: dict[str, Any], say: Callable[[str], None]) -> None:
     """One PASS/MISS line (rich markup) per entry of `result["targets"]`."""
     for t in result["targets"]:
         verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
-        measured = f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else t["measured"]
-        say(f"{verdict} {t['name']}: {measured} (target {t['target']})")
+        say(f"{verdict} {t['name']}: {_measured(t)} (target {t['target']})")
+
+
+def target_lines(result: dict[str, Any]) -> list[str]:
+    """The README's verdicts, one markdown line per entry of `result["targets"]`."""
+    return [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {_measured(t)} (target {t['target']})"
+            for t in result["targets"]]
 
 
 def publish(name: str, result: dict[str, Any], markdown: str, *, quick: bool, no_write: bool,
@@ -168,7 +185,7 @@ def output_flags(ap: argparse.ArgumentParser, name: str, quick_help: str) -> Non
     """A benchmark's --quick (a smoke run) and --no-write flags."""
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--no-write", action="store_true",
-                    help=f"do not write benchmarks/results/{name}.json")
+                    help=f"print only: leave benchmarks/results/{name}.json and README.md alone")
 
 
 def run_and_publish(name: str, args: argparse.Namespace,

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.report import percentile
 from computed.engine import Done, Engine
 from computed.replica import Replica
 from shared.replica_protocol import generate_args
@@ -168,7 +169,7 @@ def counters(replica: Replica) -> dict[str, int]:
 def pct(xs: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {"n": len(xs)}
     if xs:
-        out.update({q: float(np.percentile(xs, p)) for q, p in (("p50", 50), ("p99", 99))})
+        out.update({q: percentile(xs, p) for q, p in (("p50", 50), ("p99", 99))})
     return out
 
 

@@ -10,8 +10,9 @@ it is and is retried. With several statesvc instances of one log (`--state a,b
 heartbeats to the next and catches up by seq from its applied seq (the control
 client moves on its own), so no event is lost or applied out of order.
 
-The main thread owns the ROUTER at --listen: status, slot reads and
-`generate`, which the engine batches continuously; while requests run it steps
+The main thread owns the ROUTER at --listen: status, slot reads, `generate`,
+which the engine batches continuously, and `cancel` of a client's own
+`generate`; while requests run it steps
 the engine between polls. Under --auth, slot reads and the process details in
 `status` are for operator keys only; without it the socket is loopback-only and
 every local caller gets everything.
@@ -30,7 +31,7 @@ import numpy as np
 import zmq
 
 from computed.engine import Done, Engine, Request
-from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
+from computed.replica import ForeignLog, GapError, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,

@@ -208,4 +208,4 @@ def percentiles(samples: list[float]) -> dict[str, Any]:
             "p99": float(np.percentile(a, 99))}
 
 
-__all__ = ["FetchFailed", "Fetching", "Fills", "Took", "key_of", "percentiles"]
+__all__ = ["FetchFailed", "Fills", "Took", "key_of", "percentiles"]

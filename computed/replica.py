@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import msgpack
 
 from computed.admission import GenerateError, Grant, NoSlot, NotReady
 from computed.fills import FetchFailed, Fills
-from computed.pool import LoraPool, MemoryPool, PoolSpec, SlotWeights
+from computed.pool import LoraPool, MemoryPool, PoolSpec
 from computed.residency import Holder, Residency
 from computed.weights import BlobCache, BlobError, slot_weights
 from shared.canonical import canonical_bytes

@@ -1,5 +1,6 @@
 """The fleet launcher: statesvc and replicas as subprocesses on loopback ports, each started
-until its READY line and stopped by pid (tests, benchmarks, drill, demo and up)."""
+until its READY line and stopped by pid (tests, benchmarks, drill, demo and up), and what
+/proc says of a process (alive, CPU seconds, memory)."""
 from __future__ import annotations
 
 import os
@@ -36,6 +37,25 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds `pid` has used so far, every thread (/proc/PID/stat, in clock
+    ticks of 10 ms); NaN where /proc cannot say (off Linux, or the process has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def memory_kb(pid: int, field: str) -> int:
+    """A size /proc/PID/status gives in kB (`VmRSS`, `VmHWM`, ...); KeyError if it has none."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"/proc/{pid}/status has no {field}")
 
 
 def start_ready(argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None,
@@ -220,6 +240,11 @@ class Gateway(_Process):
     @property
     def log(self) -> Path:
         return self.log_file
+
+    def healthy(self) -> bool:
+        """Whether its /health answers 200 (a replica is ready behind it)."""
+        import httpx
+        return httpx.get(self.url + "/health").status_code == 200
 
     def start(self) -> Gateway:
         self.proc, self.ready = start_ready(

@@ -1,7 +1,7 @@
 """The replica's wire contract: the commands its listen socket answers (docs/protocol.md §13b).
 
 Same frames and envelope as the control socket (shared/protocol.py `REQUEST`, its
-version `PROTOCOL_VERSION`); the commands are `status`, `slot` and `generate`.
+version `PROTOCOL_VERSION`); the commands are `status`, `slot`, `generate` and `cancel`.
 The replica (computed/daemon.py, computed/engine.py) validates with these schemas;
 clients build their requests with `generate_args` and `slot_args`.
 """

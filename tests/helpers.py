@@ -3,15 +3,22 @@ Replica against a real statesvc (live_replica), and transformers + PEFT as the r
 served outputs (HFReference; torch and transformers imported only when it is built)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import zmq
+
 from shared.client import ControlClient, new_event_id
+from shared.events import AdapterLoaded, lora_scaling
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc
+from shared.fleet import BIN, Computed, Gateway, StateSvc, wait_for
+from shared.keys import ClientKeys, client_keys
 from statesvc.tools.example import ExampleAssets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +29,7 @@ class Fleet:
         self.tmp, self.example = tmp, example
         self.statesvc = StateSvc(tmp / "data", **svc_kw)
         self.replicas: list[Computed] = []
+        self.gateways: list[Gateway] = []
 
     def replica(self, name: str, *, start: bool = True, args: tuple[str, ...] = ("--no-warmup",),
                 env: dict[str, str] | None = None) -> Computed:
@@ -30,7 +38,17 @@ class Fleet:
         self.replicas.append(r)
         return r.start() if start else r
 
+    def gateway(self) -> Gateway:
+        """A `computed gateway` in front of this fleet's replicas, started and healthy."""
+        gateway = Gateway(self.example.model_dir, self.statesvc, log_file=self.tmp / "gateway.log")
+        self.gateways.append(gateway)
+        gateway.start()
+        wait_for(gateway.healthy, what="gateway healthy")
+        return gateway
+
     def stop(self) -> None:
+        for g in self.gateways:
+            g.stop()
         for r in self.replicas:
             r.stop()
         self.statesvc.stop()
@@ -61,11 +79,56 @@ class Fleet:
 Command = Callable[..., Any]
 
 
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    """One of the project's commands (`statesvc`, `loractl`, `computed`), output captured."""
+    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=60)
+
+
+def make_keys(tmp: Path, roles: dict[str, str | None]) -> tuple[Path, Path]:
+    """A server key dir (`statesvc keys init`) and client key pairs (`loractl keys new`), each
+    NAME's public key copied into its role folder there (None: a key the server does not
+    know); returns (key dir, client keys dir)."""
+    keydir, clients = tmp / "server-keys", tmp / "client-keys"
+    made = [run("statesvc", "keys", "init", str(keydir)),
+            *(run("loractl", "keys", "new", name, "--dir", str(clients)) for name in roles)]
+    assert all(res.returncode == 0 for res in made), [res.stderr for res in made]
+    for name, role in roles.items():
+        if role:
+            shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
+    return keydir, clients
+
+
+def fleet_keys(tmp: Path) -> tuple[Path, ClientKeys, tuple[str, ...]]:
+    """CURVE for a fleet: statesvc's key dir (for --auth), an operator's client keys and the
+    replicas' `--key`/`--server-key` arguments."""
+    keydir, clients = make_keys(tmp, {"op": "operators", "r": "replicas"})
+    server = str(keydir / "server.key")
+    keys = client_keys(str(clients / "op.key_secret"), server)
+    assert keys is not None
+    return keydir, keys, ("--key", str(clients / "r.key_secret"), "--server-key", server)
+
+
+def dealer(address: str, *, keys: ClientKeys | None = None,
+           timeout_ms: int | None = None) -> zmq.Socket[Any]:
+    """A raw DEALER connected to `address` (a statesvc's control socket, a replica's listen
+    socket), LINGER 0 so closing it never blocks; a CURVE client with `keys`; with
+    `timeout_ms`, a `recv` raises zmq.Again after that long instead of hanging the test."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if timeout_ms is not None:
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    if keys is not None:
+        keys.apply(sock)
+    sock.connect(address)
+    return sock
+
+
 def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,
           timeout_s: float = 60.0) -> Any:
     """`replica.admit`, waiting while the fill worker fetches the adapter's weights (Fetching:
     in serving the request waits in the engine's queue); other refusals are raised."""
-    from computed.fills import Fetching
+    from computed.admission import Fetching
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -74,6 +137,19 @@ def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.005)
+
+
+def adapter_weights(adapter_dir: Path, version: int) -> Any:
+    """A PEFT adapter directory's weights as a replica writes them into a slot: its event as
+    statesvc would record it (scaling by `lora_scaling`), the safetensors parsed by the
+    replica's own `slot_weights`."""
+    from computed.weights import slot_weights  # jax: only the tests that use it import it
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    r, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg["use_rslora"])
+    event = AdapterLoaded(name=adapter_dir.name, version=version, sha256="0" * 64, size=0, rank=r,
+                          alpha=alpha, scaling=lora_scaling(alpha, r, rslora), use_rslora=rslora,
+                          targets=tuple(cfg["target_modules"]), pinned=False)
+    return slot_weights((adapter_dir / "adapter_model.safetensors").read_bytes(), event)
 
 
 @contextmanager

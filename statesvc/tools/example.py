@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from safetensors.numpy import save_file
 
+from shared.events import lora_scaling
 from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES, module_dims
 from statesvc.tools.tokenizer import MIN_VOCAB, write_tokenizer
 
@@ -121,7 +122,7 @@ class AdapterSpec:
     @property
     def scaling(self) -> float:
         """The factor PEFT multiplies B @ A by: alpha/sqrt(r) with rsLoRA, else alpha/r."""
-        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+        return lora_scaling(self.lora_alpha, self.r, self.use_rslora)
 
 
 EXAMPLE_ADAPTERS: tuple[AdapterSpec, ...] = (

@@ -6,11 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -18,9 +17,10 @@ import zmq
 from shared.client import ControlClient, new_event_id
 from shared.endpoints import EndpointError, split_addresses
 from shared.fleet import BIN, Computed, Endpoints, StateSvc, alive, loopback, wait_for
-from shared.keys import ClientKeys, client_keys
+from shared.keys import ClientKeys
 from shared.protocol import encode_request, unpack
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import fleet_keys
 
 
 def both(a: StateSvc, b: StateSvc) -> Endpoints:
@@ -79,16 +79,7 @@ def test_a_replica_and_a_client_fail_over_when_an_instance_is_killed(
     key_args: tuple[str, ...] = ()
     auth: tuple[str, ...] = ()
     if curve:
-        keydir, mine = tmp_path / "keys", tmp_path / "mine"
-        assert subprocess.run([str(BIN / "statesvc"), "keys", "init", str(keydir)],
-                              capture_output=True, timeout=60).returncode == 0
-        for name, role in (("op", "operators"), ("r", "replicas")):
-            assert subprocess.run([str(BIN / "loractl"), "keys", "new", name, "--dir",
-                                   str(mine)], capture_output=True, timeout=60).returncode == 0
-            shutil.copy(mine / f"{name}.key", keydir / role / f"{name}.key")
-        keys = client_keys(str(mine / "op.key_secret"), str(keydir / "server.key"))
-        key_args = ("--key", str(mine / "r.key_secret"), "--server-key",
-                    str(keydir / "server.key"))
+        keydir, keys, key_args = fleet_keys(tmp_path)
         auth = ("--auth", str(keydir))
     a = StateSvc(tmp_path / "a", extra_args=("--db", pg_url, *auth))
     b = StateSvc(tmp_path / "b", extra_args=("--db", pg_url, *auth))

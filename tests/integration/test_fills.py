@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from computed.admission import GenerateError
-from computed.fills import Fetching, FetchFailed
+from computed.admission import Fetching, GenerateError
+from computed.fills import FetchFailed
 from computed.replica import Replica
 from shared.client import ControlClient
 from shared.fleet import loopback, wait_for

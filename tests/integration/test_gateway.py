@@ -13,7 +13,7 @@ import pytest
 from shared.faults import SLOW_STEP_ENV
 from shared.fleet import Gateway, wait_for
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import Fleet
+from tests.helpers import Fleet, dealer
 
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
@@ -55,7 +55,6 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("gateway")
     fleet = Fleet(tmp, example)
-    gateway = Gateway(example.model_dir, fleet.statesvc, log_file=tmp / "gateway.log")
     try:
         fleet.statesvc.start()
         fleet.init()
@@ -65,12 +64,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
         # when test_a_replica_killed_mid_stream kills it
         replicas = [fleet.replica("r1", env={SLOW_STEP_ENV: "0.02"}), fleet.replica("r2")]
         wait_for(lambda: fleet.converged(*replicas), what="replicas at head")
-        gateway.start()
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
-        yield Setup(fleet, gateway, example)
+        yield Setup(fleet, fleet.gateway(), example)
     finally:
-        gateway.stop()
         fleet.stop()
 
 
@@ -261,16 +256,11 @@ def test_load_and_unload_through_the_vllm_endpoints(setup: Setup) -> None:
 def test_replicas_stream_tokens_to_clients_that_ask(setup: Setup) -> None:
     """docs/protocol.md §13b: `generate` with `stream: true` answers one frame per token, then
     the usual reply; without it, one reply as before."""
-    import zmq
-
     from shared.protocol import encode_request, unpack
     from shared.replica_protocol import generate_args
 
     ids = setup.tok("Hello").input_ids
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 60_000)
-    sock.connect(setup.fleet.replicas[1].listen)
+    sock = dealer(setup.fleet.replicas[1].listen, timeout_ms=60_000)
     try:
         frames = []
         for stream in (True, False):

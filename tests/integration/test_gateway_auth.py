@@ -7,17 +7,16 @@ import functools
 
 import hashlib
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
 from shared.client import ControlClient, new_event_id
-from shared.fleet import BIN, Computed, Gateway, StateSvc, wait_for
+from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.keys import client_keys
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import make_keys
 
 # a replica started with --no-warmup compiles on its first request: longer than httpx's 5 s
 post = functools.partial(httpx.post, timeout=300.0)
@@ -26,19 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 TOKEN = "alice-s3cret-token"
 
 
-def _run(*argv: str) -> None:
-    res = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
-
-
 def test_only_operator_tokens_load_and_the_event_names_them(tmp_path: Path,
                                                              example: ExampleAssets) -> None:
-    keydir, clients = tmp_path / "server-keys", tmp_path / "client-keys"
-    _run("statesvc", "keys", "init", str(keydir))
-    for name, role in [("alice", "operators"), ("r1", "replicas"), ("gw", "replicas")]:
-        _run("loractl", "keys", "new", name, "--dir", str(clients))
-        shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
+    keydir, clients = make_keys(tmp_path, {"alice": "operators", "r1": "replicas",
+                                           "gw": "replicas"})
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"alice": {
         "token_sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
@@ -59,8 +49,7 @@ def test_only_operator_tokens_load_and_the_event_names_them(tmp_path: Path,
                                  "max_loras": 2, "max_rank": 8, "targets": "all"})
         replica.start()
         gateway.start()
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
+        wait_for(gateway.healthy, what="gateway healthy")
         body = {"lora_name": "a", "lora_path": str(example.adapter_dirs["all-r2"])}
         url = gateway.url + "/v1/load_lora_adapter"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):

@@ -9,7 +9,6 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.faults import SLOW_STEP_ENV
@@ -17,7 +16,7 @@ from shared.fleet import Computed, Gateway, wait_for
 from shared.protocol import encode_request, unpack
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import Fleet
+from tests.helpers import Fleet, dealer
 
 pytestmark = pytest.mark.timeout(300)
 N = 200  # new tokens: 10 s at the replica's slowed 50 ms a step, far longer than any test
@@ -35,34 +34,21 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("cancel")
     fleet = Fleet(tmp, example)
-    gateway = Gateway(example.model_dir, fleet.statesvc, log_file=tmp / "gateway.log")
     try:
         fleet.statesvc.start()
         fleet.init()
         fleet.load("chat", "attn-qv-r8")
         replica = fleet.replica("r1", env={SLOW_STEP_ENV: "0.05"})
         wait_for(lambda: fleet.converged(replica), what="replica at head")
-        gateway.start()
-        wait_for(lambda: httpx.get(gateway.url + "/health").status_code == 200,
-                 what="gateway healthy")
-        yield Setup(fleet, replica, gateway)
+        yield Setup(fleet, replica, fleet.gateway())
     finally:
-        gateway.stop()
         fleet.stop()
-
-
-def dealer(address: str) -> zmq.Socket[Any]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 120_000)
-    sock.connect(address)
-    return sock
 
 
 def test_cancel_frees_the_row_and_only_the_sender_may(setup: Setup) -> None:
     head = setup.fleet.head()
     before = setup.inference()["cancelled"]
-    owner, stranger = dealer(setup.replica.listen), dealer(setup.replica.listen)
+    owner, stranger = (dealer(setup.replica.listen, timeout_ms=120_000) for _ in range(2))
     try:
         owner.send(encode_request("g1", "generate", generate_args(
             [5, 6, 7], adapter="chat", max_new_tokens=N, stream=True)))

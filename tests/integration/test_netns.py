@@ -10,8 +10,6 @@ made or the PostgreSQL binaries are missing.
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,9 +17,9 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, Unavailable, new_event_id
-from shared.fleet import BIN, Computed, Endpoints, StateSvc, wait_for
-from shared.keys import ClientKeys, client_keys
+from shared.fleet import Computed, Endpoints, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import fleet_keys
 from tests.netns import SUBNET, Hosts
 from tests.pg import PgServer
 
@@ -40,23 +38,10 @@ def hosts() -> Iterator[Hosts]:
         made.close()
 
 
-def curve(tmp_path: Path) -> tuple[Path, ClientKeys, tuple[str, ...]]:
-    """A key dir for statesvc, the operator's client keys, the replicas' key arguments."""
-    keydir, mine = tmp_path / "keys", tmp_path / "mine"
-    assert subprocess.run([str(BIN / "statesvc"), "keys", "init", str(keydir)],
-                          capture_output=True, timeout=60).returncode == 0
-    for name, role in (("op", "operators"), ("r", "replicas")):
-        assert subprocess.run([str(BIN / "loractl"), "keys", "new", name, "--dir", str(mine)],
-                              capture_output=True, timeout=60).returncode == 0
-        shutil.copy(mine / f"{name}.key", keydir / role / f"{name}.key")
-    return (keydir, client_keys(str(mine / "op.key_secret"), str(keydir / "server.key")),
-            ("--key", str(mine / "r.key_secret"), "--server-key", str(keydir / "server.key")))
-
-
 def test_the_whole_flow_across_hosts_with_a_link_cut_and_restored(
         hosts: Hosts, example: ExampleAssets, tmp_path: Path) -> None:
     ip = {name: hosts.add(name) for name in ("pg", "a", "b", "r1", "r2", "client")}
-    keydir, keys, key_args = curve(tmp_path)
+    keydir, keys, key_args = fleet_keys(tmp_path)
     pg = PgServer(host=ip["pg"], trust=f"{SUBNET}.0/24", wrapper=hosts.wrapper("pg"))
     with hosts.entered("client"):
         pg.start()

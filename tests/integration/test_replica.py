@@ -4,14 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from shared.client import ControlClient, new_event_id
-from shared.fleet import Computed, StateSvc, loractl, wait_for
+from shared.client import new_event_id
+from shared.fleet import Computed, loractl, wait_for
 from shared.peft import parse_lora_name
 from statesvc.tools.example import ExampleAssets, ModelShape, make_example
 from tests.helpers import Fleet, held, slot_holding

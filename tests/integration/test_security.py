@@ -15,24 +15,14 @@ from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.fleet import BIN, Computed, StateSvc, free_port, loractl, wait_for
 from shared.keys import ClientKeys, client_keys
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import make_keys, run
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
-                          timeout=60)
-
-
 @pytest.fixture
 def keyed(tmp_path: Path) -> Iterator[tuple[StateSvc, Path, Path]]:
-    keydir, clients = tmp_path / "server-keys", tmp_path / "client-keys"
-    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
-    for name, role in [("alice", "operators"), ("r1", "replicas"), ("mallory", None)]:
-        res = run("loractl", "keys", "new", name, "--dir", str(clients))
-        assert res.returncode == 0, res.stderr
-        if role:
-            shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
+    keydir, clients = make_keys(tmp_path, {"alice": "operators", "r1": "replicas", "mallory": None})
     svc = StateSvc(tmp_path / "data", extra_args=("--auth", str(keydir)))
     try:
         yield svc.start(), keydir, clients
@@ -88,11 +78,7 @@ def test_only_allowed_keys_connect_and_only_operators_append(
 
 def test_malformed_key_files_are_skipped_and_every_good_key_still_connects(
         tmp_path: Path) -> None:
-    keydir, clients = tmp_path / "server-keys", tmp_path / "client-keys"
-    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
-    for name in ("alice", "bob"):
-        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
-    shutil.copy(clients / "alice.key", keydir / "operators" / "alice.key")
+    keydir, clients = make_keys(tmp_path, {"alice": "operators", "bob": None})
     ops = keydir / "operators"
     (ops / "garbage.key").write_bytes(os.urandom(300))
     (ops / "no-equals.key").write_text("public-key\n")
@@ -187,11 +173,7 @@ def test_adapter_paths_must_stay_under_the_roots(rooted: tuple[StateSvc, Path],
 
 def test_inference_socket_with_curve_admits_only_allowed_clients(
         tmp_path: Path, example: ExampleAssets) -> None:
-    keydir, clients = tmp_path / "replica-keys", tmp_path / "client-keys"
-    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
-    for name in ("app", "stranger"):
-        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
-    shutil.copy(clients / "app.key", keydir / "clients" / "app.key")
+    keydir, clients = make_keys(tmp_path, {"app": "clients", "stranger": None})
     svc = StateSvc(tmp_path / "data").start()
     replica = Computed(example.model_dir, svc, tmp_path / "replicas" / "r", replica_id="r",
                        extra_args=("--no-warmup", "--max-len", "64", "--auth", str(keydir)))

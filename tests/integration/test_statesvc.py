@@ -17,6 +17,7 @@ import zmq
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.fleet import BIN, StateSvc, free_port, loractl
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import dealer
 
 
 def raw_call(sock: zmq.Socket[Any], cmd: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -30,10 +31,7 @@ def raw_call(sock: zmq.Socket[Any], cmd: str, args: dict[str, Any]) -> dict[str,
 
 @pytest.fixture
 def raw(statesvc: StateSvc) -> Any:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(statesvc.control)
+    sock = dealer(statesvc.control)
     yield sock
     sock.close(0)
 

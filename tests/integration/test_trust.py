@@ -26,6 +26,7 @@ from statesvc.service import StateService
 from statesvc.store import SqliteEventStore, sqlite_url
 from statesvc.tools.example import ExampleAssets
 from statesvc.tools.inproc import CommandError, call, init_pool, open_service
+from tests.helpers import make_keys, run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,22 +37,6 @@ def beat(rid: str, address: str = "tcp://127.0.0.1:7200", *, applied_seq: int = 
          logical_digest: str = DIGEST) -> dict[str, Any]:
     return {"id": rid, "address": address, "state": "ACTIVE", "applied_seq": applied_seq,
             "logical_digest": logical_digest, "pool_digest": "none"}
-
-
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
-                          timeout=60)
-
-
-def make_keys(tmp: Path, roles: dict[str, str | None]) -> tuple[Path, Path]:
-    """A server key dir and client key pairs NAME -> role folder (None: not allowed)."""
-    keydir, clients = tmp / "server-keys", tmp / "client-keys"
-    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
-    for name, role in roles.items():
-        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
-        if role:
-            shutil.copy(clients / f"{name}.key", keydir / role / f"{name}.key")
-    return keydir, clients
 
 
 def keys_of(keydir: Path, clients: Path, name: str) -> ClientKeys:

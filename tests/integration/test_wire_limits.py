@@ -12,9 +12,7 @@
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,20 +21,16 @@ import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLIES
-from shared.fleet import BIN, Computed, StateSvc, free_port, wait_for
+from shared.fleet import Computed, StateSvc, free_port, memory_kb, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
 from statesvc.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
+from tests.helpers import dealer, make_keys, run
 
 pytestmark = pytest.mark.timeout(240)
 
 REPLY_WAIT_MS = 20_000  # a generous wait for a reply that must come; nothing asserts on time
-
-
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
-                          timeout=60)
 
 
 # ---- endpoints -----------------------------------------------------------------------------
@@ -190,19 +184,9 @@ def assert_answers(sock: zmq.Socket[Any], envelope: list[bytes]) -> dict[str, An
     return dict(reply["result"])
 
 
-def _dealer(ctx: zmq.Context[Any], address: str, keys: ClientKeys | None = None
-            ) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.apply(sock)
-    sock.connect(address)
-    return sock
-
 
 def test_statesvc_never_echoes_extra_frames(statesvc: StateSvc) -> None:
-    ctx = zmq.Context.instance()
-    sock = _dealer(ctx, statesvc.control)
+    sock = dealer(statesvc.control)
     try:
         for name, frames in BAD_SHAPES.items():
             assert_not_echoed(sock, frames)
@@ -216,7 +200,7 @@ def test_statesvc_never_echoes_extra_frames(statesvc: StateSvc) -> None:
 def test_a_burst_of_pipelined_requests_is_answered_in_full(statesvc: StateSvc) -> None:
     """Far more replies than libzmq keeps per connection (a batch answers them at once): the
     service holds the rest until they fit, so a client that reads loses none."""
-    sock = _dealer(zmq.Context.instance(), statesvc.control)
+    sock = dealer(statesvc.control)
     asks = 1000
     try:
         for i in range(asks):
@@ -228,14 +212,6 @@ def test_a_burst_of_pipelined_requests_is_answered_in_full(statesvc: StateSvc) -
     finally:
         sock.close(0)
     assert ids == [f"s{i}" for i in range(asks)]
-
-
-def _vm(pid: int, field: str) -> int:
-    """A /proc/PID/status size (VmRSS, VmHWM) in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} for pid {pid}")
 
 
 def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
@@ -254,13 +230,13 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
         sha = c.call("list")["adapters"][0]["sha256"]
         reply_bytes = len(c.call("blob", {"sha256": sha})["data"])  # once, as a replica would
     assert reply_bytes > 200_000
-    baseline = _vm(pid, "VmHWM")
+    baseline = memory_kb(pid, "VmHWM") * 1024
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(statesvc.publish)
     assert sub.poll(REPLY_WAIT_MS), "no heartbeat"  # subscribed
-    greedy = _dealer(ctx, statesvc.control)
+    greedy = dealer(statesvc.control)
     asks = 1600
     try:
         for i in range(asks):
@@ -284,7 +260,7 @@ def test_unread_blob_replies_cost_bounded_memory(statesvc: StateSvc,
                     return False
 
             wait_for(read_once, timeout=300, what="a blob read behind the greedy ones")
-        grew = _vm(pid, "VmHWM") - baseline
+        grew = memory_kb(pid, "VmHWM") * 1024 - baseline
     finally:
         greedy.close(0)
         sub.close(0)
@@ -306,12 +282,9 @@ def keyed_replica(tmp_path: Path, example: ExampleAssets
                   ) -> Iterator[tuple[Computed, dict[str, ClientKeys]]]:
     """A replica with CURVE on its listen socket, holding requests in its queue (min_seq far
     ahead) so that they count against the per-client limit of 2; keys: app, other."""
-    keydir, clients = tmp_path / "replica-keys", tmp_path / "client-keys"
-    assert run("statesvc", "keys", "init", str(keydir)).returncode == 0
+    keydir, clients = make_keys(tmp_path, {"app": "clients", "other": "clients"})
     keys: dict[str, ClientKeys] = {}
     for name in ("app", "other"):
-        assert run("loractl", "keys", "new", name, "--dir", str(clients)).returncode == 0
-        shutil.copy(clients / f"{name}.key", keydir / "clients" / f"{name}.key")
         k = client_keys(str(clients / f"{name}.key_secret"), str(keydir / "server.key"))
         assert k is not None
         keys[name] = k
@@ -330,7 +303,7 @@ def keyed_replica(tmp_path: Path, example: ExampleAssets
 def test_replica_never_echoes_extra_frames(
         keyed_replica: tuple[Computed, dict[str, ClientKeys]]) -> None:
     replica, keys = keyed_replica
-    sock = _dealer(zmq.Context.instance(), replica.listen, keys["app"])
+    sock = dealer(replica.listen, keys=keys["app"])
     try:
         for name, frames in BAD_SHAPES.items():
             assert_not_echoed(sock, [*frames[:-1], pack({"v": 1, "id": "g", "cmd": "generate",
@@ -344,10 +317,9 @@ def test_replica_never_echoes_extra_frames(
 def test_client_queue_limit_counts_keys_not_connections(
         keyed_replica: tuple[Computed, dict[str, ClientKeys]]) -> None:
     replica, keys = keyed_replica
-    ctx = zmq.Context.instance()
     waits = {"input_ids": [1, 2], "max_new_tokens": 1, "min_seq": 1 << 40}
-    socks = [_dealer(ctx, replica.listen, keys[k]) for k in ("app", "app", "app", "other")]
-    watch = _dealer(ctx, replica.listen, keys["other"])
+    socks = [dealer(replica.listen, keys=keys[k]) for k in ("app", "app", "app", "other")]
+    watch = dealer(replica.listen, keys=keys["other"])
     try:
         for i, sock in enumerate(socks):
             sock.send(encode_request(f"g{i}", "generate", waits))

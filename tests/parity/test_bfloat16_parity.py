@@ -37,8 +37,8 @@ from tests.parity.test_model_parity import (
     OTHER_SHAPE,
     Reference,
     fill_pool,
+    one_torch_thread,  # noqa: F401  (autouse: the reference runs on one torch thread here too)
     padded,
-    torch,
 )
 
 import jax.numpy as jnp  # noqa: E402
@@ -48,7 +48,6 @@ from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams, PackedWeight  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill  # noqa: E402
-from computed.pool import MemoryPool  # noqa: E402
 from statesvc.tools.example import ExampleAssets, make_example  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -56,14 +55,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 BF16_BOUND = 2.0 ** -5  # of the logit scale: 8 bfloat16 ulps (module docstring)
 MAX_BATCH = 4
 MAX_LEN = 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Bf16:

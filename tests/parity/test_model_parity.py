@@ -43,8 +43,6 @@ from computed.model.params import LlamaParams, PackedWeight, pack, unpack  # noq
 from computed.model.runner import (LlamaRunner, decode, forward_full, init_cache, prefill,  # noqa: E402
                                    prefill_batch)
 from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
-from computed.weights import slot_weights  # noqa: E402
-from shared.events import AdapterLoaded  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402
     AdapterSpec,
@@ -54,6 +52,7 @@ from statesvc.tools.example import (  # noqa: E402
     model_config,
 )
 from computed.jaxcount import counting_compiles  # noqa: E402
+from tests.helpers import adapter_weights  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own deprecations
 
@@ -168,15 +167,8 @@ def fill_pool(assets: ExampleAssets, config: LlamaConfig, dtype: str = "float32"
                     slots=len(assets.adapters) + 2, max_rank=32, dtype=dtype)
     pool, slots = MemoryPool(spec), {}
     for i, spec_ in enumerate(assets.adapters):
-        d = assets.adapter_dirs[spec_.name]
-        cfg = json.loads((d / "adapter_config.json").read_text())
-        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-        scaling = alpha / (r ** 0.5 if cfg["use_rslora"] else r)
         slot = i + 1  # leave slot 0 empty: a base row must not pick up slot 0's weights
-        event = AdapterLoaded(name=spec_.name, version=i + 1, sha256="0" * 64, size=0,
-                              rank=r, alpha=alpha, scaling=scaling, use_rslora=cfg["use_rslora"],
-                              targets=tuple(cfg["target_modules"]), pinned=False)
-        assert pool.write_slot(slot, slot_weights((d / "adapter_model.safetensors").read_bytes(), event))
+        assert pool.write_slot(slot, adapter_weights(assets.adapter_dirs[spec_.name], i + 1))
         slots[spec_.name] = slot
     return pool, slots
 
@@ -441,12 +433,7 @@ def test_base_rows_ignore_an_adapter_in_slot_zero(example: ExampleAssets) -> Non
     config, params = load_model(example.model_dir)
     empty_zero, _ = fill_pool(example, config)
     full_zero, _ = fill_pool(example, config)
-    spec_ = example.adapters[0]
-    event = AdapterLoaded(name=spec_.name, version=1, sha256="0" * 64, size=0, rank=spec_.r,
-                          alpha=spec_.lora_alpha, scaling=spec_.scaling, use_rslora=spec_.use_rslora,
-                          targets=spec_.target_modules, pinned=False)
-    data = (example.adapter_dirs[spec_.name] / "adapter_model.safetensors").read_bytes()
-    assert full_zero.write_slot(0, slot_weights(data, event))
+    assert full_zero.write_slot(0, adapter_weights(example.adapter_dirs[example.adapters[0].name], 1))
     tokens = [[1, 2, 3, 4], [5, 6, 7, 8]]
     base = [lora.BASE, lora.BASE]
     # Same program, same shapes: a base row's logits are bit for bit those with slot 0 empty.

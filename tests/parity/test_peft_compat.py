@@ -247,14 +247,6 @@ def test_the_table_covers_every_option_of_the_installed_peft() -> None:
 # --------------------------------------------------------------------------- refused
 
 
-@pytest.fixture
-def svc(tmp_path: Path, example: ExampleAssets) -> Iterator[Any]:
-    service = open_service(tmp_path / "data")
-    init_pool(service, example.model_dir, max_rank=16)
-    yield service
-    service.store.close()
-
-
 def refused(service: Any, path: Path) -> CommandError:
     head, blobs = service.store.head(), service.blobs.all()
     with pytest.raises(CommandError) as info:

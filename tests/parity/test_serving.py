@@ -9,11 +9,10 @@ from typing import Any, Iterator
 
 import msgpack
 import pytest
-import zmq
 
 from shared.fleet import Computed, wait_for
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import Fleet
+from tests.helpers import Fleet, dealer
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -33,9 +32,7 @@ class Client:
     """A DEALER on a replica's listen socket; many requests in flight at once."""
 
     def __init__(self, address: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.sock = dealer(address)
 
     def send(self, cmd: str, args: Any, *, req_id: str | None = None) -> str:
         req_id = req_id or uuid.uuid4().hex

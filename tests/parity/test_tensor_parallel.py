@@ -27,7 +27,7 @@ from computed.model.config import LlamaConfig
 from shared.fleet import wait_for
 from statesvc.tools.example import ExampleAssets, make_example
 from tests.helpers import Fleet
-from tests.parity.test_model_parity import OTHER_ADAPTERS, OTHER_SHAPE, RTOL, Reference, close
+from tests.parity.test_model_parity import OTHER_ADAPTERS, OTHER_SHAPE, Reference, close
 from tests.parity.tp_worker import ADAPTERS, NEW_TOKENS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::FutureWarning")]

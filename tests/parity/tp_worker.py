@@ -22,22 +22,11 @@ from computed.model import sharding
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner, forward_full
 from computed.pool import MemoryPool, PoolSpec
-from computed.weights import slot_weights
-from shared.events import AdapterLoaded
+from tests.helpers import adapter_weights
 
 ADAPTERS = ("rslora-all-r8", "attn-r4")  # tests/parity/test_model_parity.py OTHER_ADAPTERS
 NEW_TOKENS = 8
 MAX_BATCH, MAX_LEN = 4, 64
-
-
-def adapter_weights(adapter_dir: Path, version: int) -> Any:
-    """An adapter's weights as a replica writes them into a slot."""
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    event = AdapterLoaded(name=adapter_dir.name, version=version, sha256="0" * 64, size=0, rank=r,
-                          alpha=alpha, scaling=alpha / (r ** 0.5 if cfg["use_rslora"] else r),
-                          use_rslora=cfg["use_rslora"], targets=tuple(cfg["target_modules"]), pinned=False)
-    return slot_weights((adapter_dir / "adapter_model.safetensors").read_bytes(), event)
 
 
 def prompts(vocab: int) -> list[list[int]]:

@@ -76,7 +76,7 @@ from statesvc.adapters import AdapterError, inspect_adapter
 from statesvc.service import Answer, StateService
 from statesvc.tools.example import ExampleAssets
 from statesvc.tools.inproc import call, init_pool, open_service
-from tests.helpers import Fleet
+from tests.helpers import Fleet, dealer
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES_ENV = "LORAPLANE_FUZZ_EXAMPLES"
@@ -589,9 +589,7 @@ def local_replica(tmp_path_factory: pytest.TempPathFactory,
     engine = Engine(SchemaOnlyModel(), replica, min_seq_wait_s=0.0)
     daemon = Daemon(replica, replica_id="fuzz", listen="tcp://127.0.0.1:0", state=nowhere,
                     diffs=nowhere, engine=engine, warmup=False, heartbeat=False)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(daemon.listen)
+    sock = dealer(daemon.listen)
     try:
         yield LocalReplica(daemon, sock)
     finally:

@@ -24,7 +24,7 @@ from shared.client import ControlClient, RemoteError, new_event_id
 from shared.llama import MODULE_PARENT
 from statesvc.tools.example import (AdapterSpec, ExampleAssets, ModelShape, adapter_config,
                               adapter_tensor_names, model_config, model_tensor_names)
-from shared.fleet import StateSvc
+from shared.fleet import StateSvc, memory_kb
 from statesvc.service import StateService
 from statesvc.tools.inproc import CommandError, call, init_pool, open_service
 
@@ -210,13 +210,6 @@ def test_weights_with_trailing_bytes_are_refused(svc: StateService, example: Exa
     assert f"{28 << 10} bytes follow the last tensor" in str(err)
 
 
-def _peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_a_big_sparse_file_that_lies_is_refused_before_it_is_read(
         tmp_path: Path, example: ExampleAssets) -> None:
     """1 GiB sparse weights, once as a real adapter followed by a hole and once as a header
@@ -241,13 +234,13 @@ def test_a_big_sparse_file_that_lies_is_refused_before_it_is_read(
         assert svc.proc is not None
         with ControlClient(svc.control, timeout_s=60) as c:
             new_pool(c, example.model_dir)
-            before = _peak_rss(svc.proc.pid)
+            before = memory_kb(svc.proc.pid, "VmHWM") * 1024
             for path, why in ((tail, "bytes follow the last tensor"),
                               (claims, "has dtype U8; use F32, F16 or BF16")):
                 with pytest.raises(RemoteError) as info:
                     load(c, "x", path)
                 assert info.value.code == "invalid_adapter" and why in str(info.value)
-            grown = _peak_rss(svc.proc.pid) - before
+            grown = memory_kb(svc.proc.pid, "VmHWM") * 1024 - before
             assert c.call("status")["head_seq"] == 1
     finally:
         svc.stop()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -22,16 +22,6 @@ QV = "attn-qv-r8"          # r=8, q_proj and v_proj
 ALL = "all-r2"             # r=2, all seven modules
 A_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-
-
-@pytest.fixture
-def svc(tmp_path: Path, example: ExampleAssets) -> Iterator[StateService]:
-    service = open_service(tmp_path / "data")
-    init_pool(service, example.model_dir, max_rank=16, targets=["q_proj", "k_proj", "v_proj",
-                                                                "o_proj", "gate_proj", "up_proj",
-                                                                "down_proj"])
-    yield service
-    service.store.close()
 
 
 def variant(example: ExampleAssets, tmp_path: Path, base: str = QV, *,
