@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 
 from computed.engine import Done, Engine, Request
-from computed.replica import ForeignLog, GapError, ModelMismatch, Phase, Replica
+from computed.replica import SAVE_EVERY_S, ForeignLog, GapError, ModelMismatch, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,
@@ -127,12 +127,17 @@ class SyncLoop(threading.Thread):
                     while self.beat.poll(0):
                         self._beat_reply(self.beat.recv())
                 self._sync()
+                self.replica.save_local_state(every_s=SAVE_EVERY_S)
                 if self.heartbeat and time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         except BaseException as exc:  # a model mismatch, or a bug: the daemon must stop
             self.fatal = exc
         finally:
+            try:  # what the last turns applied, so that a restart starts from it
+                self.replica.save_local_state()
+            except OSError as exc:
+                log.warning("could not save the local state: %s", exc)
             self.sub.close(0)
             self.beat.close(0)
 
