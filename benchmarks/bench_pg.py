@@ -19,7 +19,7 @@ Targets (PASS/MISS): every N x C configuration >= 0.5x raw, as for SQLite; propa
 with the most replicas <= 3x the 1-replica p99. Where the PostgreSQL server binaries are
 missing it says so and exits 0 without results.
 
-    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick]
+    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick] [--only propagation]
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ class Settings:
     max_seconds: float
     replica_counts: tuple[int, ...]
     loads: int
+    events_too: bool = True  # False (`--only propagation`): the propagation figures alone
 
 
 def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
@@ -146,6 +147,35 @@ def measure_propagations(settings: Settings, server: PgServer,
     return out
 
 
+def measure_events(settings: Settings, server: PgServer, root: Path,
+                   runs: dict[str, list[dict[str, Any]]], services: list[Service]) -> None:
+    """The raw loop and every N x C configuration, interleaved, `settings.repeats` times, into
+    `runs`; the statesvc instances it starts go into `services` (the caller stops them)."""
+    example = make_example(root / "example", seed=0)
+    paths = [str(p) for p in example.adapter_dirs.values()]
+    url = server.database()
+    raw_dsn = server.database().replace("+psycopg", "")
+    for i in range(max(INSTANCES)):
+        services.append(Service(root / f"s{i}", extra_args=("--db", url)).start())
+    init_pool(services[0], example.model_dir, max_loras=max(CLIENTS) * NAMES_PER_CLIENT)
+    console.print(f"[dim]temp dir {root}; PostgreSQL pid {server.pid}; warming up[/dim]")
+    measure_raw(raw_dsn, 200, settings.max_seconds)
+    measure_service(services[0], paths, 4, 4 * 16, settings.max_seconds,
+                    others=tuple(services[1:]))
+    for rep in range(settings.repeats):
+        for k in runs:
+            if k == "raw":
+                r = measure_raw(raw_dsn, settings.raw_events, settings.max_seconds)
+            else:
+                n, c = (int(x) for x in k.split("x"))
+                r = measure_service(services[0], paths, c, settings.events,
+                                    settings.max_seconds, others=tuple(services[1:n]))
+            runs[k].append(r)
+            console.print(f"[dim]run {rep + 1}/{settings.repeats} {k:<6} "
+                          f"{r['events_per_s']:>8.0f} events/s ({r['events']} events in "
+                          f"{r['seconds']:.2f} s)[/dim]")
+
+
 def key(instances: int, clients: int) -> str:
     return f"{instances}x{clients}"
 
@@ -159,33 +189,13 @@ def run(settings: Settings) -> dict[str, Any] | None:
     root = Path(tempfile.mkdtemp(prefix="loraplane-bench-pg-"))
     server = PgServer()
     services: list[Service] = []
-    configs = [key(n, c) for n in INSTANCES for c in CLIENTS]
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ["raw", *configs]}
+    configs = [key(n, c) for n in INSTANCES for c in CLIENTS] if settings.events_too else []
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ["raw", *configs]} \
+        if settings.events_too else {}
     try:
         server.start()
-        example = make_example(root / "example", seed=0)
-        paths = [str(p) for p in example.adapter_dirs.values()]
-        url = server.database()
-        raw_dsn = server.database().replace("+psycopg", "")
-        services = [Service(root / f"s{i}", extra_args=("--db", url)).start()
-                    for i in range(max(INSTANCES))]
-        init_pool(services[0], example.model_dir, max_loras=max(CLIENTS) * NAMES_PER_CLIENT)
-        console.print(f"[dim]temp dir {root}; PostgreSQL pid {server.pid}; warming up[/dim]")
-        measure_raw(raw_dsn, 200, settings.max_seconds)
-        measure_service(services[0], paths, 4, 4 * 16, settings.max_seconds,
-                        others=tuple(services[1:]))
-        for rep in range(settings.repeats):
-            for k in runs:
-                if k == "raw":
-                    r = measure_raw(raw_dsn, settings.raw_events, settings.max_seconds)
-                else:
-                    n, c = (int(x) for x in k.split("x"))
-                    r = measure_service(services[0], paths, c, settings.events,
-                                        settings.max_seconds, others=tuple(services[1:n]))
-                runs[k].append(r)
-                console.print(f"[dim]run {rep + 1}/{settings.repeats} {k:<6} "
-                              f"{r['events_per_s']:>8.0f} events/s ({r['events']} events in "
-                              f"{r['seconds']:.2f} s)[/dim]")
+        if settings.events_too:
+            measure_events(settings, server, root, runs, services)
         for svc in services:
             svc.stop()
         propagation = measure_propagations(settings, server, root)
@@ -231,7 +241,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                         f"{result['settings']['repeats']})")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "measurement" else "right")
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|"] \
+        if result["runs"] else []  # empty: `--only propagation`
     for k, runs in result["runs"].items():
         if k == "raw":
             cells = ["raw psycopg, INSERT + COMMIT", f"{med[k]:,.0f}", "1.00", "1.0", "", "", "",
@@ -283,16 +294,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", default="1,4,16", help="replica counts, comma-separated")
     ap.add_argument("--loads", type=int, default=30, help="loads per propagation measurement")
     output_flags(ap, "pg", "a smoke run: one short repeat")
+    ap.add_argument("--only", choices=("propagation",),
+                    help="measure only this (no events/s runs); like --quick, it writes results "
+                         "only under LORAPLANE_BENCH_OUT")
     a = ap.parse_args(argv)
     counts = tuple(int(x) for x in a.replicas.split(","))
-    settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads)
+    events_too = a.only is None
+    settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads,
+                        events_too)
     if a.quick:
-        settings = Settings(1, 256, 200, 5.0, (1, 2), 4)
+        settings = Settings(1, 256, 200, 5.0, (1, 2), 4, events_too)
     result = run(settings)
     if result is None:
         return 0
-    show_and_publish("pg", result, *render(result), quick=a.quick, no_write=a.no_write,
-                     console=console)
+    # a partial run, like a quick one, writes only where LORAPLANE_BENCH_OUT points
+    show_and_publish("pg", result, *render(result), quick=a.quick or not events_too,
+                     no_write=a.no_write, console=console)
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ import numpy as np
 import zmq
 
 from computed.engine import Done, Engine, Request
-from computed.replica import ForeignLog, GapError, Phase, Replica
+from computed.replica import SAVE_EVERY_S, ForeignLog, GapError, Phase, Replica
 from computed.weights import BlobError
 from shared.client import RemoteError, Unavailable
 from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,
@@ -50,6 +51,9 @@ log = logging.getLogger("computed")
 
 RETRY_S = 1.0
 WAITING_POLL_MS = 2
+# the longest either loop sleeps when nothing arrives (idle wakeups cost each replica CPU, a
+# fleet of them on a few cores adds up); a stop or a signal wakes them at once
+IDLE_POLL_MS = 250
 SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError,
                ForeignLog)
 
@@ -77,6 +81,7 @@ class SyncLoop(threading.Thread):
         self.fatal: BaseException | None = None
         self.beat_refused = ""  # statesvc's last refusal of a heartbeat, to log it once
         self.stopping = threading.Event()
+        self._wake, self._waker = socket.socketpair()  # `stop` ends the poll at once
 
     @property
     def state_addr(self) -> str:
@@ -85,6 +90,13 @@ class SyncLoop(threading.Thread):
     @property
     def diffs_addr(self) -> str:
         return self.diffs_addrs[self.follow]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        try:
+            self._waker.send(b"\0")
+        except OSError:
+            pass
 
     def _open(self) -> None:
         """The SUB and the heartbeat DEALER, connected to the followed instance."""
@@ -104,6 +116,7 @@ class SyncLoop(threading.Thread):
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
         self.poller.register(self.beat, zmq.POLLIN)
+        self.poller.register(self._wake, zmq.POLLIN)
 
     def _move_on(self) -> None:
         """The followed instance is silent: follow the next one. What was published in
@@ -121,21 +134,28 @@ class SyncLoop(threading.Thread):
         next_beat = 0.0
         try:
             while not self.stopping.is_set():
-                ready = dict(self.poller.poll(100))
+                ready = dict(self.poller.poll(IDLE_POLL_MS))
                 if self.sub in ready:
                     self._drain_sub()
                 if self.beat in ready:
                     while self.beat.poll(0):
                         self._beat_reply(self.beat.recv())
                 self._sync()
+                self.replica.save_local_state(every_s=SAVE_EVERY_S)
                 if self.heartbeat and time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         except BaseException as exc:  # a model mismatch, or a bug: the daemon must stop
             self.fatal = exc
         finally:
+            try:  # what the last turns applied, so that a restart starts from it
+                self.replica.save_local_state()
+            except OSError as exc:
+                log.warning("could not save the local state: %s", exc)
             self.sub.close(0)
             self.beat.close(0)
+            self._wake.close()
+            self._waker.close()
 
     def _drain_sub(self) -> None:
         r = self.replica
@@ -282,6 +302,13 @@ class Daemon:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
+        wake, waker = socket.socketpair()  # a signal's byte ends the poll at once
+        wake.setblocking(False)
+        waker.setblocking(False)
+        old_wakeup = signal.set_wakeup_fd(waker.fileno())
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         self.sync.start()
         warming: threading.Thread | None = None
         try:
@@ -298,8 +325,11 @@ class Daemon:
                 # against the fill worker
                 stepping = busy and self.engine is not None and self.engine.stats()["running"]
                 wait_ms = 0 if stepping else WAITING_POLL_MS if busy else \
-                    HELD_REPLY_RETRY_MS if self.replies.held else 50
-                if self.router.poll(wait_ms):
+                    HELD_REPLY_RETRY_MS if self.replies.held else IDLE_POLL_MS
+                polled = dict(poller.poll(wait_ms))
+                if wake in polled:
+                    wake.recv(4096)  # the handler has run: `self._stop` says what to do
+                if self.router in polled:
                     self._serve_clients()
                 if busy and self.engine is not None:
                     # requests that arrive while the step prefills are admitted in it
@@ -307,7 +337,10 @@ class Daemon:
                     self.replica.faults.after_step()  # test-only; a no-op unless switched on
                 self.replies.flush()
         finally:
-            self.sync.stopping.set()
+            signal.set_wakeup_fd(old_wakeup)
+            wake.close()
+            waker.close()
+            self.sync.stop()
             self.sync.join(10)
             self.router.close(0)
             if self.auth is not None:

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from computed.slotdigest import slot_digest_in_place
 from shared.config import POOL_DTYPES
 from shared.llama import MODULES
 
@@ -256,6 +257,8 @@ class MemoryPool:
         self._pending: dict[int, _Op] = {}
         self._reading_depth = 0
         self._slot_digests: list[str | None] = [None] * spec.slots
+        # the buffers are host memory: digests read them in place (computed/slotdigest.py)
+        self._host_memory = shardings is None and self._arrays.rank.devices().pop().platform == "cpu"
 
     def shapes(self) -> LoraPool:
         """The pool's arrays as shapes and dtypes only (`jax.ShapeDtypeStruct`), from the spec:
@@ -406,18 +409,22 @@ class MemoryPool:
         """sha256 hex of one slot's bytes: for each target module in MODULES order, A over
         all layers ([num_layers, max_rank, in], C order) then B ([num_layers, out,
         max_rank]), in the pool dtype; then scaling (float32) and rank (int32);
-        little-endian. Cached until the slot is next written or cleared."""
+        little-endian. Cached until the slot is next written or cleared. An unsharded pool
+        on the CPU is read in place (computed/slotdigest.py)."""
         with self._lock:
             cached = self._slot_digests[slot]
             if cached is None:
-                c = self.read_slot(slot)
-                h = hashlib.sha256()
-                for m in self.spec.modules:
-                    h.update(np.ascontiguousarray(c.A[m]).tobytes())
-                    h.update(np.ascontiguousarray(c.B[m]).tobytes())
-                h.update(np.float32(c.scaling).tobytes())
-                h.update(np.int32(c.rank).tobytes())
-                cached = self._slot_digests[slot] = h.hexdigest()
+                if self._host_memory:
+                    with self.reading() as pool:
+                        arrays = [a for m in self.spec.modules for a in (pool.A[m], pool.B[m])]
+                        cached = slot_digest_in_place([*arrays, pool.scaling, pool.rank], slot)
+                else:
+                    c, h = self.read_slot(slot), hashlib.sha256()
+                    for m in self.spec.modules:
+                        h.update(c.A[m].tobytes() + c.B[m].tobytes())
+                    h.update(np.float32(c.scaling).tobytes() + np.int32(c.rank).tobytes())
+                    cached = h.hexdigest()
+                self._slot_digests[slot] = cached
             return cached
 
     def digest(self) -> str:

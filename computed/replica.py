@@ -47,6 +47,7 @@ from shared.reducer import (State, apply, from_canonical, logical_digest, snapsh
 log = logging.getLogger("computed")
 NO_POOL = "none"
 PENDING = "pending"
+SAVE_EVERY_S = 0.5  # the local state is saved at most this often, and when the daemon stops
 
 
 class Phase(enum.Enum):
@@ -98,6 +99,7 @@ class Replica:
         # that resolve an adapter to its slot and lease it
         self.lock = threading.Lock()
         self._digests: dict[str, tuple[tuple[int, int], str]] = {}
+        self._unsaved, self._saved_at = False, -SAVE_EVERY_S  # the local state's last save
 
     # ---- status ----------------------------------------------------------------
 
@@ -341,7 +343,8 @@ class Replica:
                     self.fills.want(a, demand=False)
         self.applied_at = time.time()
         self.last_error = None
-        self._save_local_state()
+        self._unsaved = True
+        self.save_local_state(every_s=SAVE_EVERY_S)
 
     @staticmethod
     def _wanted(new: State, res: Residency) -> list[tuple[AdapterLoaded, bool]]:
@@ -404,6 +407,13 @@ class Replica:
             return None
         self.log_id = head.get("log_id")  # a cache from before log ids takes statesvc's
         return state
+
+    def save_local_state(self, *, every_s: float = 0.0) -> None:
+        """Save the applied state unless it is saved, or was saved less than `every_s` ago (a
+        burst of events is saved once; the sync loop saves the rest on its next turns)."""
+        if self._unsaved and time.monotonic() - self._saved_at >= every_s:
+            self._save_local_state()
+            self._unsaved, self._saved_at = False, time.monotonic()
 
     def _save_local_state(self) -> None:
         """{"log_id", "seq", "state"} as canonical msgpack, the state from its bodies' cached

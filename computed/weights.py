@@ -85,7 +85,9 @@ def slot_weights(data: bytes, adapter: AdapterLoaded) -> SlotWeights:
         if key is None:
             raise BlobError(f"adapter {adapter.name} v{adapter.version}: unexpected tensor {name!r}")
         try:
-            halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(data, header, info)
+            # F32 tensors stay views of the (immutable) blob: the slot write copies them once
+            halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(
+                data, header, info, copy=False)
         except TensorFileError as exc:
             raise BlobError(f"adapter {adapter.name} v{adapter.version}: {exc}") from None
     pairs = {}

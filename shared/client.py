@@ -95,7 +95,8 @@ class ControlClient:
                 continue
             while sock.poll(self.timeout_ms):
                 try:
-                    reply = unpack(sock.recv(), max_bytes=MAX_WIRE_BYTES)
+                    # read in place: a blob chunk's bytes are copied once, by msgpack
+                    reply = unpack(sock.recv(copy=False).buffer, max_bytes=MAX_WIRE_BYTES)
                 except ProtocolError:
                     continue
                 if not isinstance(reply, dict):

@@ -58,7 +58,7 @@ def _check_plain(value: Any, depth: int = 0) -> None:
         raise ProtocolError("bad_frame", f"{type(value).__name__} values are not allowed")
 
 
-def unpack(frame: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> Any:
+def unpack(frame: bytes | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> Any:
     """Decode one msgpack frame, refusing oversized frames, ext types and trailing bytes."""
     if len(frame) > max_bytes:
         raise ProtocolError("too_large", f"frame of {len(frame)} bytes is above the "

@@ -25,6 +25,8 @@ from shared.endpoints import Endpoint, bind
 from shared.keys import ServerAuth
 from shared.protocol import ProtocolError
 
+Part = bytes | zmq.Frame  # one frame of a reply
+
 
 def serving_router(ctx: zmq.Context[Any], endpoint: Endpoint,
                    auth: ServerAuth | None) -> tuple[zmq.Socket[Any], str]:
@@ -54,13 +56,15 @@ class Replies:
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises instead of dropping
         self.sock = sock
-        self.held: dict[bytes, deque[list[bytes]]] = {}
+        self.held: dict[bytes, deque[Sequence[Part]]] = {}
         self.held_bytes: dict[bytes, int] = {}
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: Sequence[Part]) -> None:
         """Send `frames` ([routing id, ..., reply]) now, or hold it behind the connection's
-        earlier ones; drop it when that connection already has MAX_HELD_REPLY_BYTES held."""
-        peer = frames[0]
+        earlier ones; drop it when that connection already has MAX_HELD_REPLY_BYTES held.
+        Nothing is copied: a bytes reply is handed to libzmq as it is, a received Frame
+        (a blob chunk from statesvc's blob thread) is forwarded as it is."""
+        peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
         if peer not in self.held and self._offer(frames):
             return
         held = self.held_bytes.get(peer, 0)
@@ -79,10 +83,10 @@ class Replies:
             if not queue:
                 del self.held[peer], self.held_bytes[peer]
 
-    def _offer(self, frames: list[bytes]) -> bool:
+    def _offer(self, frames: Sequence[Part]) -> bool:
         """True when libzmq took the reply, or its connection is gone."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:

@@ -162,11 +162,13 @@ def is_finite(buf: bytes | bytearray | memoryview, header: Header, info: TensorI
     raise TensorFileError(f"tensor {info.name!r}: {info.dtype} is not a float dtype")
 
 
-def to_float32(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> np.ndarray:
-    """A float tensor as a float32 array (BF16 and F16 widened exactly)."""
+def to_float32(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo, *,
+               copy: bool = True) -> np.ndarray:
+    """A float tensor as a float32 array (BF16 and F16 widened exactly). `copy=False`: an F32
+    tensor comes back as a read-only view of `buf`, which then lives as long as the array."""
     raw = _raw(buf, header, info)
     if info.dtype == "F32":
-        arr = np.frombuffer(raw, "<f4").astype(np.float32)
+        arr = np.frombuffer(raw, "<f4").astype(np.float32, copy=copy)
     elif info.dtype == "F16":
         arr = np.frombuffer(raw, "<f2").astype(np.float32)
     elif info.dtype == "BF16":

@@ -100,7 +100,7 @@ class BlobServer(threading.Thread):
                 frames = envelope + [self._answer(req)]
                 while not self._stopping.is_set():
                     try:  # waits while the loop has IN_FLIGHT replies to forward
-                        self._push.send_multipart(frames)
+                        self._push.send_multipart(frames, copy=False)  # the chunk: no copy
                         break
                     except zmq.Again:
                         continue

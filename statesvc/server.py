@@ -106,8 +106,8 @@ class Server:
                 if self.router in ready:
                     self._serve_batch()
                 if self.blobs.replies in ready:
-                    while self.blobs.replies.poll(0):
-                        self.replies.send(self.blobs.replies.recv_multipart())
+                    while self.blobs.replies.poll(0):  # forwarded as received: no copy
+                        self.replies.send(self.blobs.replies.recv_multipart(copy=False))
                 if self.doorbell is not None and (
                         (bell in ready and self.doorbell.rang())
                         or time.monotonic() >= self._next_catch_up):

@@ -1,6 +1,7 @@
 """The JAX LoRA memory pool: contents, digest, in-place writes without recompiles, bf16, leases."""
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import jax
@@ -116,6 +117,27 @@ def test_digest_depends_on_contents_not_history() -> None:
     assert winding.digest() != direct.digest()
     winding.write_slot(0, a)
     assert winding.digest() == direct.digest()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_slot_digest_is_the_sha256_of_the_slot_bytes(dtype: str) -> None:
+    """The digest read in place (computed/slotdigest.py) is the documented one: sha256 of the
+    slot's bytes as `read_slot` copies them out, for written, cleared and never-written slots
+    (the cleared ones take the all-zero shortcut)."""
+    spec = PoolSpec(num_layers=2, module_dims=DIMS, slots=4, max_rank=8, dtype=dtype)
+    pool = MemoryPool(spec)
+    pool.write_slot(0, adapter(1, 8, spec=spec))
+    pool.write_slot(1, adapter(2, 3, spec=spec, modules=("v_proj",)))
+    pool.write_slot(2, adapter(3, 5, spec=spec))
+    pool.clear_slot(2)
+    for slot in range(spec.slots):
+        c = pool.read_slot(slot)
+        h = hashlib.sha256()
+        for m in spec.modules:
+            h.update(c.A[m].tobytes() + c.B[m].tobytes())
+        h.update(np.float32(c.scaling).tobytes() + np.int32(c.rank).tobytes())
+        assert pool.slot_digest(slot) == h.hexdigest(), slot
+    assert pool.slot_digest(2) == pool.slot_digest(3) != pool.slot_digest(0)
 
 
 def test_writes_are_in_place_and_never_recompile() -> None:
