@@ -413,11 +413,13 @@ def summary_table(latest: dict[str, Any]) -> str:
                      f"| {verdict(f)} | {where} |")
     m = latest["machine"]
     missed = [f for f in latest["figures"] if f["meets"] is False]
-    lines += ["", f"{len(latest['figures'])} figures, {len(missed)} targets missed. "
-              f"{m.get('nproc')} CPUs ({m.get('cpu', 'CPU model not recorded')}; kernels built "
+    lines += ["", f"{len(latest['figures'])} figures, {len(missed)} targets missed. Each "
+              "figure's CPU and the ISA its kernels ran are in its last column (a benchmark "
+              "keeps its figures until it is run again, so they can come from different "
+              f"machines); last written on {m.get('nproc')} CPUs ({m.get('cpu', 'CPU model not recorded')}; kernels built "
               f"for {', '.join(m.get('kernel_isas') or ['no vector ISA recorded'])}), "
               f"{m.get('platform')}, Python {m.get('python')}, "
-              f"{latest['date']}. Written by `make bench` from `benchmarks/results/latest.json`; "
+              f"{latest['date']}, by `make bench` from `benchmarks/results/latest.json`; "
               f"figures marked [{FORCED.upper()} build] come from `make bench ISA={FORCED}` "
               f"(kernels, XLA and torch capped at AVX2+FMA; detail in `benchmarks/results/{FORCED}/`), "
               "on the CPU their last column names: \"native\" where that CPU has no AVX-512; "
