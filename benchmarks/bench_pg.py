@@ -19,7 +19,7 @@ Targets (PASS/MISS): every N x C configuration >= 0.5x raw, as for SQLite; propa
 with the most replicas <= 3x the 1-replica p99. Where the PostgreSQL server binaries are
 missing it says so and exits 0 without results.
 
-    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick] [--only propagation]
+    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick] [--only propagation|events]
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class Settings:
     replica_counts: tuple[int, ...]
     loads: int
     events_too: bool = True  # False (`--only propagation`): the propagation figures alone
+    propagation_too: bool = True  # False (`--only events`): the events/s figures alone
 
 
 def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
@@ -198,7 +199,8 @@ def run(settings: Settings) -> dict[str, Any] | None:
             measure_events(settings, server, root, runs, services)
         for svc in services:
             svc.stop()
-        propagation = measure_propagations(settings, server, root)
+        propagation = measure_propagations(settings, server, root) \
+            if settings.propagation_too else []
     finally:
         for svc in services:
             svc.stop()
@@ -209,10 +211,11 @@ def run(settings: Settings) -> dict[str, Any] | None:
     targets = [{"name": f"{k.replace('x', ' statesvc, ')} clients / raw psycopg",
                 "target": f">= {TARGET_RATIO}x", "measured": round(median(ratios[k]), 3),
                 "met": median(ratios[k]) >= TARGET_RATIO} for k in configs]
-    most = propagation[-1]
-    targets.append({"name": f"propagation p99, {most['replicas']} replicas / 1 replica",
-                    "target": f"<= {TARGET_FANOUT}x", "measured": most["p99_over_one"],
-                    "met": most["p99_over_one"] <= TARGET_FANOUT})
+    if propagation:
+        most = propagation[-1]
+        targets.append({"name": f"propagation p99, {most['replicas']} replicas / 1 replica",
+                        "target": f"<= {TARGET_FANOUT}x", "measured": most["p99_over_one"],
+                        "met": most["p99_over_one"] <= TARGET_FANOUT})
     return {
         "benchmark": "pg",
         "machine": {**machine_info(), "loadavg_1m_before": round(load_before, 2),
@@ -259,7 +262,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| propagation | from ack p50 ms | p99 ms | p99 / 1 replica | CPU ms a "
               "load: replicas | statesvc | postgres | bench | load average |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] \
+        if result["propagation"] else []  # empty: `--only events`
     for p in result["propagation"]:
         cpu = p.get("cpu_ms_per_load", {})
         lines.append(f"| {p['replicas']} replica(s), {p['loads']} loads | "
@@ -294,21 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", default="1,4,16", help="replica counts, comma-separated")
     ap.add_argument("--loads", type=int, default=30, help="loads per propagation measurement")
     output_flags(ap, "pg", "a smoke run: one short repeat")
-    ap.add_argument("--only", choices=("propagation",),
-                    help="measure only this (no events/s runs); like --quick, it writes results "
-                         "only under LORAPLANE_BENCH_OUT")
+    ap.add_argument("--only", choices=("propagation", "events"),
+                    help="measure only this (the propagation or the events/s runs); like "
+                         "--quick, it writes results only under LORAPLANE_BENCH_OUT")
     a = ap.parse_args(argv)
     counts = tuple(int(x) for x in a.replicas.split(","))
-    events_too = a.only is None
+    events_too, propagation_too = a.only != "propagation", a.only != "events"
     settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads,
-                        events_too)
+                        events_too, propagation_too)
     if a.quick:
-        settings = Settings(1, 256, 200, 5.0, (1, 2), 4, events_too)
+        settings = Settings(1, 256, 200, 5.0, (1, 2), 4, events_too, propagation_too)
     result = run(settings)
     if result is None:
         return 0
     # a partial run, like a quick one, writes only where LORAPLANE_BENCH_OUT points
-    show_and_publish("pg", result, *render(result), quick=a.quick or not events_too,
+    show_and_publish("pg", result, *render(result), quick=a.quick or a.only is not None,
                      no_write=a.no_write, console=console)
     return 0
 

@@ -109,7 +109,7 @@ class Server:
                     while self.blobs.replies.poll(0):  # forwarded as received: no copy
                         self.replies.send(self.blobs.replies.recv_multipart(copy=False))
                 if self.doorbell is not None and (
-                        (bell in ready and self.doorbell.rang())
+                        (bell in ready and self.doorbell.rang(self.service.state.seq))
                         or time.monotonic() >= self._next_catch_up):
                     self._catch_up()
                 self.replies.flush()
