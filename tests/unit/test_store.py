@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 from typing import Iterator
 
+import psycopg
 import pytest
 from sqlalchemy import create_engine, exc, text
 from sqlalchemy.exc import IntegrityError
 
 from statesvc.pgblobs import LogBlobStore
-from statesvc.pgstore import CHUNK_BYTES, PostgresEventStore
+from statesvc.pgstore import CHANNEL, CHUNK_BYTES, Doorbell, PostgresEventStore
 from statesvc.store import (EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, SqliteEventStore,
                             sqlite_url)
 
@@ -128,6 +130,35 @@ class TestPostgresEventStore(EventStoreContract):
         with store.engine.begin() as conn:
             for setting in ("fsync", "synchronous_commit", "full_page_writes"):
                 assert conn.execute(text(f"SHOW {setting}")).scalar() == "on"
+        store.close()
+
+    def test_the_doorbell_rings_for_others_commits_and_foreign_notices(self, tmp_path: Path) -> None:
+        """A notice at or below the instance's head needs no read; one beyond it does, and so
+        does one that names no seq (anyone with the database can NOTIFY the channel): it is
+        read as "read the log", never as an error."""
+        store = self.make_store(tmp_path)
+        bell = Doorbell(store._dsn)
+        assert bell.fileno() is not None
+
+        def rings(after: int) -> bool:
+            """Whether a notice beyond `after` arrives (delivery to the listener is async)."""
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if bell.rang(after):
+                    return True
+                time.sleep(0.05)
+            return False
+
+        store.append([ev(1)])
+        time.sleep(0.3)
+        assert not bell.rang(after=1)  # its own commit: nothing to read
+        store.append([ev(2)])
+        assert rings(after=1)  # a commit beyond this instance's head
+        with psycopg.connect(store._dsn, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (CHANNEL, "not a seq \u00e9"))
+        assert rings(after=2)
+        assert store.head() == 2  # nothing was written by the stray notice
+        bell.close()
         store.close()
 
     def test_an_append_behind_the_head_writes_nothing(self, tmp_path: Path) -> None:
