@@ -360,7 +360,7 @@ class Daemon:
         return {"id": self.replica_id, "address": self.listen, **digests(r),
                 **(self.about if details else {}),
                 "slot_digests": None if pool is None or pool.pending else
-                [pool.slot_digest(s) for s in range(pool.spec.slots)],
+                pool.slot_digests(),
                 "syncing_seq": r.syncing_seq,
                 "head_seq_seen": self.sync.remote_head, "last_error": r.last_error,
                 "log_id": r.log_id,

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from computed.slotdigest import slot_digest_in_place
+from computed.slotdigest import slot_digest_in_place, zeros_digest
 from shared.config import POOL_DTYPES
 from shared.llama import MODULES
 
@@ -256,7 +256,10 @@ class MemoryPool:
         self._readers = [0] * spec.slots
         self._pending: dict[int, _Op] = {}
         self._reading_depth = 0
-        self._slot_digests: list[str | None] = [None] * spec.slots
+        self._cleared = zeros_digest(8 + sum(  # a zeroed slot's digest: its bytes, all zero
+            spec.num_layers * spec.max_rank * (i + o) for i, o in spec.module_dims.values())
+            * storage_dtype(spec.dtype).itemsize)
+        self._slot_digests: list[str | None] = [self._cleared] * spec.slots
         # the buffers are host memory: digests read them in place (computed/slotdigest.py)
         self._host_memory = shardings is None and self._arrays.rank.devices().pop().platform == "cpu"
 
@@ -359,7 +362,8 @@ class MemoryPool:
         for slot in [s for s in self._pending if self._readers[s] == 0]:
             fn, args = self._pending.pop(slot)
             self._arrays = fn(self._arrays, *args)
-            self._slot_digests[slot] = None
+            # a cleared slot is known to be zero: it is not read again to be hashed
+            self._slot_digests[slot] = self._cleared if fn is self._clear else None
 
     def _padded(self, weights: SlotWeights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Host arrays of the pool's fixed per-slot shapes holding `weights`, zero elsewhere."""
@@ -409,8 +413,9 @@ class MemoryPool:
         """sha256 hex of one slot's bytes: for each target module in MODULES order, A over
         all layers ([num_layers, max_rank, in], C order) then B ([num_layers, out,
         max_rank]), in the pool dtype; then scaling (float32) and rank (int32);
-        little-endian. Cached until the slot is next written or cleared. An unsharded pool
-        on the CPU is read in place (computed/slotdigest.py)."""
+        little-endian. Cached until the slot is next written; a cleared slot's is known
+        without reading it. An unsharded pool on the CPU is read in place
+        (computed/slotdigest.py)."""
         with self._lock:
             cached = self._slot_digests[slot]
             if cached is None:
@@ -427,10 +432,13 @@ class MemoryPool:
                 self._slot_digests[slot] = cached
             return cached
 
+    def slot_digests(self) -> list[str]:
+        """Every slot's `slot_digest`, in slot order."""
+        with self._lock:  # cached ones as they are: status asks for all of them each time
+            return [d or self.slot_digest(s) for s, d in enumerate(self._slot_digests)]
+
     def digest(self) -> str:
         """The pool digest: sha256 over the slot digests (`slot_digest`) of slot 0, 1, ...,
         each as 32 raw bytes. Equal contents give equal digests whatever the history;
         after a diff only the slots it wrote are hashed again."""
-        with self._lock:
-            return hashlib.sha256(b"".join(bytes.fromhex(self.slot_digest(s))
-                                           for s in range(self.spec.slots))).hexdigest()
+        return hashlib.sha256(b"".join(map(bytes.fromhex, self.slot_digests()))).hexdigest()

@@ -8,9 +8,8 @@ hashes the slot of every load it applies). The views end inside the caller's `re
 block: none outlives it to pin a buffer across a write (a write donating the array would
 then copy it whole).
 
-A cleared slot is all zero bytes, and its rank is 0 (a written one has rank >= 1): such a
-slot is checked to be all zero, which is cheaper than hashing it, and gets the digest of
-that many zero bytes, computed once per pool shape.
+A cleared (or never written) slot is all zero bytes: the pool knows its digest, that of
+that many zero bytes (`zeros_digest`, computed once per pool shape), without reading it.
 """
 from __future__ import annotations
 
@@ -47,14 +46,6 @@ def zeros_digest(nbytes: int) -> str:
 
 def slot_digest_in_place(arrays: list[jax.Array], slot: int) -> str:
     """sha256 hex of `slot`'s bytes in `arrays`, in digest order (rank last)."""
-    if _host(arrays[-1])[slot] == 0:  # rank 0: cleared, or never written
-        nbytes = 0
-        for part in _parts(arrays, slot):
-            if part.view(f"u{part.itemsize}").max():  # the bits, so that -0.0 is not zero
-                break
-            nbytes += part.nbytes
-        else:
-            return zeros_digest(nbytes)
     h = hashlib.sha256()
     for part in _parts(arrays, slot):
         h.update(part.data)

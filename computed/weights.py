@@ -1,6 +1,7 @@
 """Adapter weights on the replica: blobs fetched by sha256, verified, cached, parsed."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -12,8 +13,8 @@ from computed.pool import SlotWeights
 from shared.client import ControlClient
 from shared.config import MAX_BLOB_CHUNK
 from shared.events import AdapterLoaded
-from shared.peft import parse_lora_name
-from shared.tensorfile import TensorFileError, parse_bytes, to_float32
+from shared.peft import LoraKey, parse_lora_name
+from shared.tensorfile import Header, TensorFileError, TensorInfo, parse_header, to_float32
 
 
 class BlobError(Exception):
@@ -73,27 +74,50 @@ class BlobCache:
         return blob
 
 
+# a header up to this size is parsed once per distinct header (its bytes are the cache key)
+CACHED_HEADER_BYTES = 1 << 20
+_Layout = tuple[Header, tuple[tuple[LoraKey | None, TensorInfo], ...]]
+
+
+def _parse_layout(head: bytes, size: int) -> _Layout:
+    """The header `head` (the length and the JSON) of a `size`-byte safetensors file, parsed
+    and checked, each tensor with its LoRA key (None: not a LoRA weight)."""
+    header = parse_header(head, size)
+    return header, tuple((parse_lora_name(name), info) for name, info in header.tensors.items())
+
+
+# adapters of one shape have identical headers (names, shapes, offsets): each distinct one is
+# parsed and checked once, not at every load (the result depends on nothing else)
+_cached_layout = functools.lru_cache(maxsize=16)(_parse_layout)
+
+
+def _layout(data: bytes) -> _Layout:
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or 8 + n > len(data) or n > CACHED_HEADER_BYTES:
+        return _parse_layout(data, len(data))  # refused, or too big to keep
+    return _cached_layout(bytes(data[:8 + n]), len(data))
+
+
 def slot_weights(data: bytes, adapter: AdapterLoaded) -> SlotWeights:
     """Parse an adapter's safetensors bytes into the pool's (layer, module) -> (A, B) pairs."""
+    what = f"adapter {adapter.name} v{adapter.version}"
     try:
-        header = parse_bytes(data)
+        header, keys = _layout(data)
     except TensorFileError as exc:
-        raise BlobError(f"adapter {adapter.name} v{adapter.version}: {exc}") from None
+        raise BlobError(f"{what}: {exc}") from None
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name, info in header.tensors.items():
-        key = parse_lora_name(name)
+    for key, info in keys:
         if key is None:
-            raise BlobError(f"adapter {adapter.name} v{adapter.version}: unexpected tensor {name!r}")
+            raise BlobError(f"{what}: unexpected tensor {info.name!r}")
         try:
             # F32 tensors stay views of the (immutable) blob: the slot write copies them once
             halves.setdefault((key.layer, key.module), {})[key.matrix] = to_float32(
                 data, header, info, copy=False)
         except TensorFileError as exc:
-            raise BlobError(f"adapter {adapter.name} v{adapter.version}: {exc}") from None
+            raise BlobError(f"{what}: {exc}") from None
     pairs = {}
     for where, ab in halves.items():
         if set(ab) != {"A", "B"}:
-            raise BlobError(f"adapter {adapter.name} v{adapter.version}: layer {where[0]} "
-                            f"{where[1]} lacks lora_A or lora_B")
+            raise BlobError(f"{what}: layer {where[0]} {where[1]} lacks lora_A or lora_B")
         pairs[where] = (ab["A"], ab["B"])
     return SlotWeights(scaling=adapter.scaling, rank=adapter.rank, pairs=pairs)

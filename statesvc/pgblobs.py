@@ -18,7 +18,8 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from sqlalchemy import Engine, delete, insert, select
+import psycopg
+from sqlalchemy import Engine, delete, exc, insert, select
 
 from shared.config import MAX_BLOB_CHUNK
 from statesvc.models import BlobChunkRow, BlobRow
@@ -70,10 +71,7 @@ class LogBlobStore:
                     self._rows.move_to_end((sha256, i))
         missing = [i for i, row in got.items() if row is None]
         if missing:
-            q = (select(BlobChunkRow.idx, BlobChunkRow.data)
-                 .where(BlobChunkRow.sha256 == sha256, BlobChunkRow.idx.in_(missing)))
-            with self.engine.begin() as conn:
-                read = {int(i): bytes(d) for i, d in conn.execute(q)}
+            read = self._read_rows(sha256, missing)
             got.update(read)
             with self._lock:
                 for i, row in sorted(read.items()):
@@ -85,6 +83,22 @@ class LogBlobStore:
                 while self._cached > self.cache_bytes:
                     self._cached -= len(self._rows.popitem(last=False)[1][0])
         return [row for _, row in sorted(got.items()) if row is not None]
+
+    def _read_rows(self, sha256: str, idxs: list[int]) -> dict[int, bytes]:
+        """Rows `idxs` of a blob in one query, in binary: the text protocol sends a bytea as
+        hex, twice its bytes, which PostgreSQL encodes and psycopg decodes (about 2.5x the CPU
+        on statesvc's side). Errors are raised as SQLAlchemy's, as the other reads'."""
+        sql = (f"SELECT idx, data FROM {BlobChunkRow.__tablename__} "
+               "WHERE sha256 = %s AND idx = ANY(%s)")
+        with self.engine.connect() as conn:
+            db = conn.connection.driver_connection
+            assert db is not None  # a checked-out connection
+            try:
+                with db.cursor(binary=True) as cur:
+                    cur.execute(sql, (sha256, idxs))
+                    return {int(i): bytes(d) for i, d in cur}
+            except psycopg.Error as err:
+                raise exc.DBAPIError.instance(sql, None, err, psycopg.Error) from err
 
     def _forget(self, sha256: str) -> None:
         with self._lock:

@@ -123,7 +123,7 @@ def test_digest_depends_on_contents_not_history() -> None:
 def test_slot_digest_is_the_sha256_of_the_slot_bytes(dtype: str) -> None:
     """The digest read in place (computed/slotdigest.py) is the documented one: sha256 of the
     slot's bytes as `read_slot` copies them out, for written, cleared and never-written slots
-    (the cleared ones take the all-zero shortcut)."""
+    (whose digest the pool knows without reading them)."""
     spec = PoolSpec(num_layers=2, module_dims=DIMS, slots=4, max_rank=8, dtype=dtype)
     pool = MemoryPool(spec)
     pool.write_slot(0, adapter(1, 8, spec=spec))
@@ -138,6 +138,27 @@ def test_slot_digest_is_the_sha256_of_the_slot_bytes(dtype: str) -> None:
         h.update(np.float32(c.scaling).tobytes() + np.int32(c.rank).tobytes())
         assert pool.slot_digest(slot) == h.hexdigest(), slot
     assert pool.slot_digest(2) == pool.slot_digest(3) != pool.slot_digest(0)
+    assert pool.slot_digests() == [pool.slot_digest(s) for s in range(spec.slots)]
+
+
+def test_a_pending_clear_keeps_the_slot_digest_until_it_applies() -> None:
+    """A clear that waits for a reader leaves the slot, and so its digest, as written; once
+    applied the slot's digest is that of its zero bytes, as read back."""
+    pool = MemoryPool(SPEC)
+    pool.write_slot(1, adapter(5, 8))
+    written = pool.slot_digest(1)
+    lease = pool.acquire(1)
+    assert pool.clear_slot(1) is False  # pending behind the lease
+    assert pool.slot_digest(1) == written
+    lease.__exit__(None, None, None)
+    assert_slot(pool, 1, None)
+    assert pool.slot_digest(1) == MemoryPool(SPEC).slot_digest(1) != written
+    c, h = pool.read_slot(1), hashlib.sha256()
+    for m in SPEC.modules:
+        h.update(c.A[m].tobytes() + c.B[m].tobytes())
+    h.update(np.float32(c.scaling).tobytes() + np.int32(c.rank).tobytes())
+    assert pool.slot_digest(1) == h.hexdigest() == hashlib.sha256(bytes(
+        sum(c.A[m].nbytes + c.B[m].nbytes for m in SPEC.modules) + 8)).hexdigest()
 
 
 def test_writes_are_in_place_and_never_recompile() -> None:

@@ -206,3 +206,23 @@ class TestPostgresEventStore(EventStoreContract):
         assert blobs.read_chunk(sha, 0, 10) == data[:10]
         db.dispose()
         store.close()
+
+    def test_blob_read_errors_come_out_as_sqlalchemys(self, tmp_path: Path) -> None:
+        """Rows are read in binary on the driver's own cursor: its errors are raised as
+        SQLAlchemy's, like every other read's (the blob thread answers those), and the
+        connection serves the next read."""
+        store = self.make_store(tmp_path)
+        data = b"rows" * 1000
+        sha = hashlib.sha256(data).hexdigest()
+        store.append([ev(1)], blobs=[NewBlob(sha, len(data), 1, data)])
+        blobs = LogBlobStore(PostgresEventStore(self.url).engine)
+        assert blobs.has(sha)
+        with blobs.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE blob_chunks RENAME TO blob_chunks_away"))
+        with pytest.raises(exc.ProgrammingError, match="blob_chunks"):
+            blobs.read_chunk(sha, 0, 10)
+        with blobs.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE blob_chunks_away RENAME TO blob_chunks"))
+        assert blobs.read_chunk(sha, 0, len(data)) == data
+        blobs.engine.dispose()
+        store.close()
