@@ -78,6 +78,7 @@ constexpr int64_t kChunk = 2 * kLanes;  // rows per chunk: two vectors
 constexpr int64_t kPrefetch = 4096;    // bytes ahead in a panel's stream
 constexpr int64_t kPanelsPerItem = 4;  // panels per work item
 constexpr int64_t kRowBlock = 256;     // rows per work item: a prefill's x, a block at a time, stays in cache
+constexpr int64_t kWidenRows = 4 * kChunk;  // a bfloat16 panel is widened once for a row block of more rows
 
 // x's element rounded to bfloat16 (to nearest, ties to even; NaN stays NaN): its bits, and its value
 inline uint16_t bf16_bits(float f) {
@@ -104,7 +105,15 @@ void store(Vec (&acc)[V][kPanel], float* y, int64_t ldy, int64_t rows, int64_t c
 template <int V, typename Weight>
 inline void outer(Vec (&acc)[V][kPanel], const float* xk, Weight weight) {
   Vec x[V];
-  for (int v = 0; v < V; ++v) x[v] = loraplane::load<Vec>(xk + kLanes * v);
+  for (int v = 0; v < V; ++v) {
+    x[v] = loraplane::load<Vec>(xk + kLanes * v);
+#if !defined(__AVX512F__)
+    // AVX2: the row vectors held in registers. Tuned for Zen 3 (-march=native there), GCC otherwise
+    // folds them into the FMAs as memory operands, 2 x kPanel loads per k where 2 do, and the
+    // bfloat16 loop (a broadcast load per weight besides) ran at about half float32's rate.
+    asm("" : "+v"(x[v]));
+#endif
+  }
 #pragma GCC unroll 12
   for (int j = 0; j < kPanel; ++j) {
     const Vec b = weight(j);
@@ -186,6 +195,18 @@ void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y
   }
   store<V>(acc, y, ldy, rows, cols);
 }
+
+// A bfloat16 panel [in2][kPanel][2] widened exactly into float32's layout, [2 in2][kPanel] (an odd `in`'s
+// last row zero): a prefill's row block reads each panel once per chunk, and a widened copy in L2 puts
+// one widening on the panel where the loop above pays one per weight and chunk
+inline void widen_panel(const uint16_t* w, int64_t in, float* out) {
+  const int64_t in2 = (in + 1) / 2;
+  for (int64_t k2 = 0; k2 < in2; ++k2)
+    for (int64_t j = 0; j < kPanel; ++j) {
+      out[2 * k2 * kPanel + j] = loraplane::widen(w[(k2 * kPanel + j) * 2]);
+      out[(2 * k2 + 1) * kPanel + j] = loraplane::widen(w[(k2 * kPanel + j) * 2 + 1]);
+    }
+}
 #endif
 #endif
 
@@ -244,6 +265,14 @@ struct Dense {
     const int64_t first = groups[item % n_groups].second, last = std::min(pr.panels, first + kPanelsPerItem);
     const int64_t row_end = std::min(rows, (block + 1) * kRowBlock);
     const int64_t in2 = (in + 1) / 2;  // a bfloat16 panel's pairs of k
+#if !defined(LORAPLANE_DPBF16)
+    thread_local std::vector<float> widened_panel;  // a bfloat16 panel widened, [in][kPanel]
+    [[maybe_unused]] float* widened = nullptr;
+    if constexpr (!std::is_same_v<T, float>) {
+      widened_panel.resize(static_cast<size_t>(2 * in2 * kPanel));
+      widened = widened_panel.data();
+    }
+#endif
     for (int64_t p = first; p < last; ++p) {
       const int64_t cols = std::min(kPanel, pr.out - p * kPanel);
       for (int64_t r0 = block * kRowBlock; r0 < row_end; r0 += kChunk) {
@@ -264,10 +293,18 @@ struct Dense {
           else
             panel_product_bf16<1>(xp, wp, in2, yp, pr.out, n, cols);
 #else
-          if (n > kLanes)
+          if (row_end - block * kRowBlock > kWidenRows) {
+            // a prefill's many chunks: the panel widened once, then float32's loop for each chunk
+            if (r0 == block * kRowBlock) widen_panel(wp, in, widened);
+            if (n > kLanes)
+              panel_product<2>(xt + r0 * in, widened, in, yp, pr.out, n, cols);
+            else
+              panel_product<1>(xt + r0 * in, widened, in, yp, pr.out, n, cols);
+          } else if (n > kLanes) {
             panel_product_bf16<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
-          else
+          } else {
             panel_product_bf16<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
+          }
 #endif
         }
       }
