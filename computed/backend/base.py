@@ -33,6 +33,11 @@ class Backend(ABC):
     # projections stay [in, out] for XLA's dot
     panel: int = 0
 
+    def panel_for(self, dtype: Any) -> int:
+        """Columns per panel to pack a weight of `dtype` in (a bfloat16 one's can differ from float32's:
+        AVX2's are 16, computed/backend/kernels/dense.cc), or 0: it stays [in, out] for XLA."""
+        return self.panel
+
     @property
     def blocked(self) -> bool:
         """Whether new KV caches keep K in blocks of positions (the attention kernel's layout)

@@ -47,9 +47,10 @@ def unavailable_reason() -> str | None:
     return kernels.unavailable_reason()
 
 
-def dense_panel() -> int:
-    """The dense kernel's panel width here, or 0 where it cannot run (no kernels, neither AVX-512 nor AVX2+FMA)."""
-    return kernels.dense_panel()
+def dense_panel(bfloat16: bool = False) -> int:
+    """The dense kernel's panel width here for float32 (or bfloat16) weights, or 0 where it cannot run (no
+    kernels, neither AVX-512 nor AVX2+FMA)."""
+    return kernels.dense_panel(bfloat16)
 
 
 def lora_sgmv(x: jax.Array, pairs: Sequence[tuple[jax.Array, jax.Array]], scaling: jax.Array,
@@ -126,6 +127,11 @@ class NativeBackend(Backend):
     @property
     def blocked(self) -> bool:
         return self.attention == "kernel"
+
+    def panel_for(self, dtype: Any) -> int:
+        if not self.panel:
+            return 0
+        return dense_panel(bfloat16=True) if jnp.dtype(dtype) == jnp.bfloat16 else self.panel
 
     def matmuls(self, x: jax.Array, ws: Sequence[jax.Array | PackedWeight]) -> list[jax.Array]:
         return dense_matmuls(x, ws)

@@ -93,7 +93,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
 
         if backend is None:
             backend = select(dtype)
-        panel = backend.panel
+        panel = backend.panel_for(jdt)
         # on a mesh the weights stay on the host until `shard_params` sends each device its part
         to_device: Any = (lambda a: a) if tensor_parallel > 1 else jnp.asarray
 
@@ -144,11 +144,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
 
 def with_layout(params: LlamaParams, backend: Backend) -> LlamaParams:
     """`params` for `backend`: every projection and the lm_head packed in the backend's panels
-    (`backend.panel`), or unpacked to [in, out] for XLA where it has none; host work, once per
-    model. A tied model keeps one copy: packed, its lm_head is the embedding's transpose and
+    (`backend.panel_for` its dtype), or unpacked to [in, out] for XLA where it has none; host work,
+    once per model. A tied model keeps one copy: packed, its lm_head is the embedding's transpose and
     `embed` is None (lookups read the lm_head's columns). A bfloat16 model packs its weights'
     bits (computed/model/params.py `pack`)."""
-    panel = backend.panel
+    panel = backend.panel_for(params.dtype)
 
     def convert(w: jax.Array | PackedWeight) -> jax.Array | PackedWeight:
         if isinstance(w, PackedWeight):

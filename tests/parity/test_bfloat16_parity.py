@@ -94,6 +94,7 @@ def test_a_bfloat16_model_runs_on_its_bits(bf16: Bf16) -> None:
     assert bf16.params.dtype == jnp.bfloat16
     if native.dense_panel():
         assert isinstance(q, PackedWeight) and q.panels.dtype == jnp.uint16
+        assert q.panel == native.dense_panel(bfloat16=True)  # AVX2: 16 columns, float32's 6
     cache = init_cache(bf16.config, MAX_BATCH, MAX_LEN, dtype="bfloat16")
     assert cache.k.dtype == bf16.params.backend.cache_dtype("bfloat16")
 

@@ -586,11 +586,12 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail(dtype: str) -> None:
     """Row counts around the kernel's chunks of one and two vectors of rows (8 and 16 on AVX2, 16 and 32 on
-    AVX-512), inputs of odd width, outputs that end mid-panel; and the packing round trip. A bfloat16 W
+    AVX-512; on AVX2 a bfloat16 panel's blocks of 6 rows), a prefill's row blocks (256 rows, then 44),
+    inputs of odd width, outputs that end mid-panel; and the packing round trip. A bfloat16 W
     is packed as its bits in pairs of k and multiplies x rounded to bfloat16, as transformers' bfloat16
     Linear does (a bfloat16 model's x already is): the float64 product of those values, to float32
     rounding, whether VDPBF16PS or the widened float32 loop computes it."""
-    panel = native.dense_panel()
+    panel = native.dense_panel(bfloat16=dtype == "bfloat16")
     if not panel:
         pytest.skip(f"no dense kernel here: {native.unavailable_reason() or 'neither AVX-512 nor AVX2+FMA'}")
     rng = np.random.default_rng(5)
@@ -612,7 +613,7 @@ def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail
                                        (-(-out // panel), n_in, panel))
         assert packed.panels.dtype == (np.uint16 if dtype == "bfloat16" else np.float32)
         np.testing.assert_array_equal(np.asarray(unpack(packed)), w)
-        for rows in (1, 5, 8, 9, 16, 17, 32, 33, 70):
+        for rows in (1, 5, 8, 9, 16, 17, 32, 33, 70, 300):
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
             got = np.asarray(dense_matmuls(jnp.asarray(x), [packed])[0])
             np.testing.assert_allclose(got, want(x, w), rtol=1e-5, atol=1e-5 * np.sqrt(n_in))

@@ -83,8 +83,12 @@ def forced_isa() -> str:
 
 
 def flags() -> tuple[str, ...]:
-    """The compiler's flags for this build: the instruction-set flags, then FLAGS."""
-    return (*ISA_FLAGS[forced_isa()], *FLAGS)
+    """The compiler's flags for this build: the instruction-set flags, then FLAGS. A native build for a CPU
+    without AVX-512 is tuned generically, as the forced AVX2 build is: tuned for Zen 3 (`-march=native`
+    there), GCC folded the dense kernel's row vectors into its FMAs as memory operands, a load per FMA,
+    and its bfloat16 products ran at 0.62-0.72x the generic build's rate (docs/kernels.md)."""
+    tune = ("-mtune=generic",) if forced_isa() == "native" and "avx512f" not in built_isas() else ()
+    return (*ISA_FLAGS[forced_isa()], *tune, *FLAGS)
 
 
 def _cpu_id(compiler: str) -> str:
@@ -161,7 +165,7 @@ def build() -> Path:
     return path
 
 
-_dense_panel = 0
+_dense_panels = (0, 0)  # output columns per panel of the dense kernel: float32's, bfloat16's
 
 
 @functools.cache
@@ -175,10 +179,11 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        panel = lib.loraplane_dense_panel
-        panel.restype = ctypes.c_int64
-        global _dense_panel
-        _dense_panel = int(panel())
+        widths = lib.loraplane_dense_panel, lib.loraplane_dense_panel_bf16
+        for width in widths:
+            width.restype = ctypes.c_int64
+        global _dense_panels
+        _dense_panels = int(widths[0]()), int(widths[1]())
     except (KernelError, OSError, AttributeError) as e:
         log.warning("native kernels unavailable, running on XLA alone: %s", e)
         return str(e)
@@ -190,11 +195,12 @@ def available() -> bool:
     return _load() is None
 
 
-def dense_panel() -> int:
+def dense_panel(bfloat16: bool = False) -> int:
     """Output columns per panel of the dense kernel's packed weights (computed/model/params.py), or 0 where it
     cannot run: the kernels are unavailable, or built with neither AVX-512 (panels of 12) nor AVX2+FMA
-    (panels of 6, blocked for its 16 vector registers)."""
-    return _dense_panel if available() else 0
+    (panels of 6, blocked for its 16 vector registers; a bfloat16 weight's panels of 16 there, which
+    AVX2 multiplies vectorised over columns, dense.cc `columns_bf16`)."""
+    return _dense_panels[bool(bfloat16)] if available() else 0
 
 
 def unavailable_reason() -> str | None:

@@ -18,23 +18,24 @@
 // 32 zmm: 2 x 12 accumulators; AVX2, 16 ymm: 2 x 6 (plus the two row vectors and a broadcast).
 // Built without either, `loraplane_dense_panel` says 0 and the model keeps W unpacked for XLA.
 //
-// A bfloat16 W (a bfloat16 model's) is packed in the same panels, its k in pairs: [panels, ceil(in / 2),
-// kPanel, 2] uint16 bits, the two consecutive k of each column side by side (zero past `in`). It
-// multiplies x rounded to bfloat16 (a bfloat16 model's x already is: exact), as transformers'
-// bfloat16 Linear does, with float32 sums:
+// A bfloat16 W (a bfloat16 model's) is packed in panels of the same form, its k in pairs: [panels,
+// ceil(in / 2), P, 2] uint16 bits, the two consecutive k of each column side by side (zero past `in`),
+// P = kPanelBf16 (`loraplane_dense_panel_bf16`). It multiplies x rounded to bfloat16 (a bfloat16 model's
+// x already is: exact), as transformers' bfloat16 Linear does, with float32 sums:
 // - with AVX512-BF16, by VDPBF16PS: x is transposed into bfloat16 bits, [in / 2][rows][2], so a
 //   vector holds 16 rows' pair of k, and each column's pair of weights is one broadcast 32-bit
 //   load; one instruction does 32 multiply-adds where an FMA does 16, over half the bytes;
-// - without (AVX2+FMA), float32's loop with each weight widened as it is broadcast: a 32-bit broadcast
-//   load of the pair and a shift of its lower half into place (exact), no float32 copy of the panel.
-//   Its FMAs are float32's; it adds a shift per weight and streams half the bytes: on this machine's
-//   forced AVX2 build about float32's rate (a copy widened into L2 once per panel ran at 0.88x).
+// - on AVX2, vectorised over columns instead (columns_bf16, P = 16): per pair of k a load of 16
+//   columns' pairs, a shift and an AND widen them exactly, for 6 rows' FMAs; about 1.02-1.13x
+//   float32's rate on this machine's decode products (docs/kernels.md);
+// - on AVX-512 without BF16, float32's loop with each weight widened as it is broadcast: a 32-bit
+//   broadcast of the pair and a shift of its lower half into place (exact).
 // Either way every product is exact in float32 and the sums are float32's, in k order but for the
 // pair (VDPBF16PS adds k + 1 before k, and flushes denormals): results differ by float32 rounding.
 //
 // Operands: x f32 [rows, in], then one or more w, all f32 [panels, in, kPanel] or all u16 (bfloat16
-// bits) [panels, ceil(in / 2), kPanel, 2], reading x. Results: one y f32 [rows, out] per w, with
-// panels = ceil(out / kPanel).
+// bits) [panels, ceil(in / 2), kPanelBf16, 2], reading x. Results: one y f32 [rows, out] per w, with
+// panels = ceil(out / the panel's width).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,8 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define LORAPLANE_DPBF16 1  // bfloat16 pairs multiplied by VDPBF16PS
+#elif defined(LORAPLANE_DENSE) && !defined(__AVX512F__)
+#define LORAPLANE_BF16_COLUMNS 1  // AVX2: bfloat16 panels of two vectors of columns (columns_bf16)
 #endif
 
 #include "parallel.h"
@@ -75,6 +78,12 @@ inline Vec splat(float f) { return (Vec)_mm256_set1_ps(f); }
 constexpr int64_t kLanes = 16, kPanel = 12;  // unused: the kernel is not built
 #endif
 constexpr int64_t kChunk = 2 * kLanes;  // rows per chunk: two vectors
+#if defined(LORAPLANE_BF16_COLUMNS)
+constexpr int64_t kPanelBf16 = 2 * kLanes;  // a bfloat16 panel's columns: two vectors
+constexpr int64_t kColumnRows = 6;          // rows at a time: 6 x 2 accumulators + 2 weights + a broadcast
+#else
+constexpr int64_t kPanelBf16 = kPanel;
+#endif
 constexpr int64_t kPrefetch = 4096;    // bytes ahead in a panel's stream
 constexpr int64_t kPanelsPerItem = 4;  // panels per work item
 constexpr int64_t kRowBlock = 256;     // rows per work item: a prefill's x, a block at a time, stays in cache
@@ -153,20 +162,17 @@ void panel_product_bf16(const uint16_t* xt, const uint16_t* w, int64_t in2, floa
   }
   store<V>(acc, y, ldy, rows, cols);
 }
-#else
+#elif !defined(LORAPLANE_BF16_COLUMNS)
 // A bfloat16 weight widened exactly as it is broadcast: the 32 bits at p, their lower half shifted up
-// (as a vector: the shift needs no register, where a mask would take one of AVX2's 16)
 inline Vec bf16_splat(const uint16_t* p) {
   float f;
   std::memcpy(&f, p, sizeof f);
   return (Vec)((typename loraplane::Bits<Vec>::U)splat(f) << 16);
 }
 
-// y[r][c] of one chunk and a bfloat16 panel [in2][kPanel][2], each weight widened as it is broadcast (no
-// float32 copy of the panel: half the bytes of float32's loop and its instructions, plus a shift per
-// weight); xt as for float32, [in][kLanes * V] (x rounded to bfloat16). An odd k's weight is the lower
-// half of the 32 bits one weight on (the next column's even k, or the next pair's first), so every
-// pair but the panel's last reads in place; the last stops at the panel's end.
+// y[r][c] of one chunk and a bfloat16 panel [in2][kPanel][2] (AVX-512 without BF16), each weight widened
+// as it is broadcast, a shift per weight; xt as for float32 (x rounded to bfloat16). An odd k's weight is
+// the lower half of the 32 bits one weight on, so every pair but the panel's last reads in place.
 template <int V>
 void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y, int64_t ldy, int64_t rows,
                         int64_t cols) {
@@ -186,7 +192,78 @@ void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y
   }
   store<V>(acc, y, ldy, rows, cols);
 }
+
 #endif
+#endif
+
+#if defined(LORAPLANE_BF16_COLUMNS)
+// AVX2's bfloat16 products, vectorised over columns instead: a panel [in2][16][2] holds, for each pair of
+// k, two vectors of eight columns' pairs, each 32-bit lane one column's (k, k + 1); shifted left by 16
+// they are k's eight weights, masked to the upper half k + 1's, exactly. One load, a shift and an AND
+// widen 16 weights for every row of the block: 4 vector operations per pair of k for 4 x R FMAs,
+// where the rows-vectorised loop above pays a shift per weight for every 2 FMAs (16 rows), and
+// the panel (16 columns x in x 2 bytes: 32 KB at in 1024) stays in L1 for the chunk's 6-row blocks.
+alignas(32) constexpr uint32_t kUpper[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                                            0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+
+// acc[r] += x[r] (broadcast) times one k's two vectors of weights; xk the chunk's rows at that k
+template <int R>
+inline void columns_k(Vec (&acc)[R][2], const float* xk, Vec lo, Vec hi) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const Vec x = splat(xk[r]);
+    acc[r][0] = fmadd(x, lo, acc[r][0]);
+    acc[r][1] = fmadd(x, hi, acc[r][1]);
+  }
+}
+
+// y[r][c] (r < R, c < cols) for R rows of a chunk, xc at its first row ([in][width], x rounded to
+// bfloat16), and a bfloat16 panel [in2][16][2] (zero past `in`)
+template <int R>
+void columns_bf16(const float* xc, int64_t width, const uint16_t* w, int64_t in, float* y, int64_t ldy,
+                  int64_t cols) {
+  typedef typename loraplane::Bits<Vec>::U U;
+  Vec acc[R][2] = {};
+  const auto even = [w](int64_t k2, Vec& lo, Vec& hi) {  // k = 2 k2: the lower halves, shifted up
+    U a, b;
+    std::memcpy(&a, w + k2 * 2 * kPanelBf16, sizeof a);
+    std::memcpy(&b, w + (k2 * 2 + 1) * kPanelBf16, sizeof b);
+    lo = (Vec)(a << 16);
+    hi = (Vec)(b << 16);
+  };
+  Vec lo, hi;
+  for (int64_t k2 = 0; k2 < in / 2; ++k2) {
+    const uint16_t* wk = w + k2 * 2 * kPanelBf16;
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+    even(k2, lo, hi);
+    columns_k<R>(acc, xc + 2 * k2 * width, lo, hi);
+    std::memcpy(&lo, wk, sizeof lo);  // k + 1: the upper halves, masked
+    std::memcpy(&hi, wk + kPanelBf16, sizeof hi);
+    // the mask loaded afresh each time (volatile), into a register the next broadcast reuses: held in a
+    // register of its own, AVX2's 16th, GCC spilled accumulators
+    const __m256 upper = *reinterpret_cast<const volatile __m256*>(kUpper);
+    lo = (Vec)_mm256_and_ps((__m256)lo, upper);
+    hi = (Vec)_mm256_and_ps((__m256)hi, upper);
+    columns_k<R>(acc, xc + (2 * k2 + 1) * width, lo, hi);
+  }
+  if (in % 2) {  // an odd `in`: the last pair's k + 1 is padding, and x has no row there
+    even(in / 2, lo, hi);
+    columns_k<R>(acc, xc + (in - 1) * width, lo, hi);
+  }
+  alignas(32) float t[R][2 * kLanes];
+  for (int r = 0; r < R; ++r) std::memcpy(t[r], acc[r], sizeof acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = t[r][c];
+}
+
+// The same for `rows` (1 to kColumnRows) rows
+inline void columns_bf16(const float* xc, int64_t width, const uint16_t* w, int64_t in, float* y, int64_t ldy,
+                         int64_t rows, int64_t cols) {
+  using Block = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
+  static constexpr Block kBlocks[] = {columns_bf16<1>, columns_bf16<2>, columns_bf16<3>,
+                                      columns_bf16<4>, columns_bf16<5>, columns_bf16<6>};
+  kBlocks[rows - 1](xc, width, w, in, y, ldy, cols);
+}
 #endif
 
 // How x is laid out for the products: as float32, rounded to bfloat16 (for bfloat16 weights, widened), or
@@ -244,11 +321,12 @@ struct Dense {
     const int64_t first = groups[item % n_groups].second, last = std::min(pr.panels, first + kPanelsPerItem);
     const int64_t row_end = std::min(rows, (block + 1) * kRowBlock);
     const int64_t in2 = (in + 1) / 2;  // a bfloat16 panel's pairs of k
+    constexpr int64_t P = std::is_same_v<T, float> ? kPanel : kPanelBf16;  // columns per panel
     for (int64_t p = first; p < last; ++p) {
-      const int64_t cols = std::min(kPanel, pr.out - p * kPanel);
+      const int64_t cols = std::min(P, pr.out - p * P);
       for (int64_t r0 = block * kRowBlock; r0 < row_end; r0 += kChunk) {
         const int64_t n = std::min(kChunk, row_end - r0);
-        float* yp = pr.y + r0 * pr.out + p * kPanel;
+        float* yp = pr.y + r0 * pr.out + p * P;
         if constexpr (std::is_same_v<T, float>) {
           const float* wp = pr.w + p * in * kPanel;
           if (n > kLanes)
@@ -256,13 +334,17 @@ struct Dense {
           else
             panel_product<1>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
         } else {
-          const uint16_t* wp = pr.w + p * in2 * kPanel * 2;
+          const uint16_t* wp = pr.w + p * in2 * kPanelBf16 * 2;
 #if defined(LORAPLANE_DPBF16)
           const uint16_t* xp = reinterpret_cast<const uint16_t*>(xt) + r0 * in2 * 2;
           if (n > kLanes)
             panel_product_bf16<2>(xp, wp, in2, yp, pr.out, n, cols);
           else
             panel_product_bf16<1>(xp, wp, in2, yp, pr.out, n, cols);
+#elif defined(LORAPLANE_BF16_COLUMNS)
+          const int64_t width = n > kLanes ? kChunk : kLanes;  // the chunk's stride per k
+          for (int64_t r = 0; r < n; r += kColumnRows)
+            columns_bf16(xt + r0 * in + r, width, wp, in, yp + r * pr.out, pr.out, std::min(kColumnRows, n - r), cols);
 #else
           if (n > kLanes)
             panel_product_bf16<2>(xt + r0 * in, wp, in, yp, pr.out, n, cols);
@@ -295,9 +377,10 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::RemainingAr
       return ffi::Error::InvalidArgument("dense: weights must be all float32 or all uint16 (bfloat16 bits), "
                                          "results float32");
     const auto wd = w->dimensions(), yd = (*y)->dimensions();
-    const bool ok = bf16 ? wd.size() == 4 && wd[1] == in2 && wd[2] == kPanel && wd[3] == 2
-                         : wd.size() == 3 && wd[1] == in && wd[2] == kPanel;
-    if (!ok || yd.size() != 2 || yd[0] != rows || wd[0] != (yd[1] + kPanel - 1) / kPanel)
+    constexpr int64_t P = bf16 ? kPanelBf16 : kPanel;
+    const bool ok = bf16 ? wd.size() == 4 && wd[1] == in2 && wd[2] == P && wd[3] == 2
+                         : wd.size() == 3 && wd[1] == in && wd[2] == P;
+    if (!ok || yd.size() != 2 || yd[0] != rows || wd[0] != (yd[1] + P - 1) / P)
       return ffi::Error::InvalidArgument("dense: need x [rows, in], w [ceil(out / panel), in, panel] float32 or "
                                          "[ceil(out / panel), ceil(in / 2), panel, 2] bfloat16 bits, y [rows, out]");
     call->products.push_back({reinterpret_cast<const T*>(w->untyped_data()), (*y)->typed_data(), yd[1], wd[0]});
@@ -345,6 +428,15 @@ ffi::Error DenseProducts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rem
 extern "C" int64_t loraplane_dense_panel() {
 #if defined(LORAPLANE_DENSE)
   return kPanel;
+#else
+  return 0;
+#endif
+}
+
+// Output columns per bfloat16 panel: 16 on AVX2 (columns_bf16), else as float32's; 0 without the kernel.
+extern "C" int64_t loraplane_dense_panel_bf16() {
+#if defined(LORAPLANE_DENSE)
+  return kPanelBf16;
 #else
   return 0;
 #endif
