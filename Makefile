@@ -26,7 +26,7 @@ postgres:
 
 test: kernels postgres
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 test-fast: kernels postgres
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
