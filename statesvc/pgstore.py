@@ -55,8 +55,8 @@ _READ = (f"SELECT {_COLUMNS} FROM events WHERE seq > %s AND (%s::bigint IS NULL 
 _BY_EVENT_IDS = f"SELECT {_COLUMNS} FROM events WHERE event_id = ANY(%s)"
 _TURN = "SELECT pg_advisory_xact_lock(%s)"
 _INTRANS, _IDLE = TransactionStatus.INTRANS, TransactionStatus.IDLE
-# a batch's events in one statement, with the NOTIFY (psycopg's per-statement work, not the
-# round trips, was most of the append's CPU); the same rows as one INSERT per event
+# a batch's events in one statement, with the NOTIFY: the same rows as one INSERT per event,
+# without psycopg sending and processing a statement per event (16 at 16 clients)
 _INSERT_EVENTS = (f"WITH rows AS (INSERT INTO events ({_COLUMNS}) SELECT * FROM unnest("
                   "%s::bigint[], %s::varchar[], %s::varchar[], %s::json[], %s::varchar[], "
                   "%s::varchar[])) SELECT pg_notify(%s, %s)")
