@@ -223,6 +223,23 @@ class TestPostgresEventStore(EventStoreContract):
         store.close()
         other.close()
 
+    def test_a_second_append_in_a_turn_takes_the_turn_again(self, tmp_path: Path) -> None:
+        """A batch that commits twice (writes, a read, writes): the first commit ends the
+        turn, so another instance may write in between; the second append takes the turn
+        again, reads the head under it, and finds it moved, writing nothing."""
+        store, other = self.make_store(tmp_path), self.make_store(tmp_path)
+        with store.turn(0, [ev(1).event_id]):
+            store.append([ev(1)])
+            assert _advisory_locks(other) == []
+            other.append([ev(2)])
+            with pytest.raises(HeadMoved) as moved:
+                store.append([ev(2, "00000000-0000-4000-8000-0000000000ff")])
+            assert moved.value.head == 2 and _advisory_locks(other) == []
+            store.append([ev(3)])
+        assert [e.seq for e in other.read(0, 10)] == [1, 2, 3] and _advisory_locks(other) == []
+        store.close()
+        other.close()
+
     def test_a_connection_lost_between_turn_and_append_writes_nothing(self, tmp_path: Path) -> None:
         """The turn's transaction dies with its connection: the append fails as a lost
         connection does (retryable), nothing of it is written, the turn is free for the
