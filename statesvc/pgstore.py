@@ -1,16 +1,17 @@
 """The event store on PostgreSQL (psycopg 3): several statesvc instances on one log.
 
-Seqs stay gapless and commit in seq order with several writers: every append takes one
-transaction-scoped advisory lock (`pg_advisory_xact_lock(APPEND_LOCK)`), then checks that the
-head is the seq before its first event, inserts, and commits, which releases the lock. So no
-append commits while another holds seqs below its own, and a reader following by seq never
-skips one that commits later (the bug Marten shipped with a high-water mark over a sequence).
-An advisory lock rather than `LOCK TABLE events IN EXCLUSIVE MODE` (pyeventsourcing's way):
-it serialises only appends, never touches the table's lock queue (autovacuum, `pg_dump`,
-readers), and is released by the transaction's end however it ends, a killed statesvc
-included. An append whose head moved raises HeadMoved and writes nothing: the service catches
-up and decides its batch again, so `--expect-head` and idempotency by event_id hold across
-instances.
+Seqs stay gapless and commit in seq order with several writers: a batch with writes runs in
+one transaction that first takes a transaction-scoped advisory lock, the writing turn
+(`pg_advisory_xact_lock(TURN_LOCK)`; waiters are granted it in order), then reads the head
+after the lock was granted, decides, appends after that head and commits, which releases the
+lock. So no append commits while another holds seqs below its own, and a reader following by
+seq never skips one that commits later (the bug Marten shipped with a high-water mark over a
+sequence). An advisory lock rather than `LOCK TABLE events IN EXCLUSIVE MODE`
+(pyeventsourcing's way): it serialises only the writers, never touches the table's lock queue
+(autovacuum, `pg_dump`, readers), and is released by the transaction's end however it ends, a
+killed statesvc included. An append whose first seq is not the head's next raises HeadMoved
+and writes nothing: the service catches up and decides its batch again, so `--expect-head`
+and idempotency by event_id hold across instances.
 
 Every append also NOTIFYs CHANNEL (delivered at its commit): `Doorbell` lets each instance
 hear that the log grew and read the new events by seq, so it publishes every event, its own
@@ -28,12 +29,13 @@ from typing import Any, Collection, Iterator, Sequence
 
 import psycopg
 from psycopg.conninfo import make_conninfo
+from psycopg.pq import TransactionStatus
 from psycopg.types.json import Json
 from sqlalchemy import Engine, create_engine, exc, make_url
 
 from shared.events import Event
-from statesvc.store import (APPEND_LOCK, TURN_LOCK, HeadMoved, NewBlob, NewEvent, Snapshot, SqlReads,
-                            StoreError, upgrade_to_head, utc_now)
+from statesvc.store import (CATCH_UP_PAGE, TURN_LOCK, Begun, HeadMoved, NewBlob, NewEvent,
+                            Snapshot, SqlReads, StoreError, upgrade_to_head, utc_now)
 
 CHUNK_BYTES = 1 << 20  # a blob's bytes, one row per MiB
 CHANNEL = "loraplane_events"  # NOTIFY'd by every append, with its last seq
@@ -51,10 +53,13 @@ _COLUMNS = "seq, event_id, type, payload, recorded_at, actor"
 _READ = (f"SELECT {_COLUMNS} FROM events WHERE seq > %s AND (%s::bigint IS NULL OR seq <= %s) "
          "ORDER BY seq LIMIT %s")
 _BY_EVENT_IDS = f"SELECT {_COLUMNS} FROM events WHERE event_id = ANY(%s)"
-_LOCK = "SELECT pg_advisory_xact_lock(%s)"
-_TURN, _UNTURN = "SELECT pg_advisory_lock(%s)", "SELECT pg_advisory_unlock(%s)"
-_NOTIFY = "SELECT pg_notify(%s, %s)"
-_INSERT_EVENT = f"INSERT INTO events ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s)"
+_TURN = "SELECT pg_advisory_xact_lock(%s)"
+_INTRANS, _IDLE = TransactionStatus.INTRANS, TransactionStatus.IDLE
+# a batch's events in one statement, with the NOTIFY: the same rows as one INSERT per event,
+# without psycopg sending and processing a statement per event (16 at 16 clients)
+_INSERT_EVENTS = (f"WITH rows AS (INSERT INTO events ({_COLUMNS}) SELECT * FROM unnest("
+                  "%s::bigint[], %s::varchar[], %s::varchar[], %s::json[], %s::varchar[], "
+                  "%s::varchar[])) SELECT pg_notify(%s, %s)")
 _INSERT_BLOB = ("INSERT INTO blobs (sha256, size, first_seq, created_at) VALUES (%s, %s, %s, %s) "
                 "ON CONFLICT DO NOTHING")
 _INSERT_CHUNK = ("INSERT INTO blob_chunks (sha256, idx, data) VALUES (%s, %s, %s) "
@@ -83,7 +88,8 @@ class PostgresEventStore(SqlReads):
         self._dsn = self.engine.url.set(drivername="postgresql").render_as_string(
             hide_password=False)
         self._db: psycopg.Connection[Any] | None = None
-        self._generation = 0  # connections made: a turn taken on one is released on it
+        self._generation = 0  # connections made: a turn taken on one is held by its transaction
+        self._open: tuple[int, int] | None = None  # the turn held: (generation, head at its start)
         self._lock = threading.Lock()  # the held connection: one statement at a time
         try:
             if migrate:
@@ -104,10 +110,12 @@ class PostgresEventStore(SqlReads):
 
     # ---- the command thread's connection --------------------------------------
     # The write path (the turn, the catch-up read, the event_id lookup, the append) runs
-    # plain SQL on one psycopg connection the store holds (autocommit; the append is one
-    # explicit transaction in two round trips), like SqliteEventStore's: through the pool,
-    # each of them cost a pre-ping round trip and SQLAlchemy's per-statement work, about
-    # 15 round trips a batch. Errors are raised as SQLAlchemy's, like the rest of the store's.
+    # plain SQL on one psycopg connection the store holds (autocommit outside a turn), like
+    # SqliteEventStore's: through the pool, each statement cost a pre-ping round trip and
+    # SQLAlchemy's per-statement work. A batch with writes costs two round trips (psycopg
+    # pipelines): its turn's start (BEGIN, the lock, the head, the events after the
+    # instance's head, the batch's event_ids), and its append (the rows, the NOTIFY, COMMIT).
+    # Errors are raised as SQLAlchemy's, like the rest of the store's.
 
     def _connection(self) -> psycopg.Connection[Any]:
         db = self._db
@@ -140,79 +148,121 @@ class PostgresEventStore(SqlReads):
 
     def read(self, since: int, limit: int, *, until: int | None = None) -> list[Event]:
         """Events with since < seq (<= until), oldest first, at most `limit`."""
-        rows = self._query(_READ, (since, until, until, limit))
-        return [Event(int(r[0]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        return [_event(r) for r in self._query(_READ, (since, until, until, limit))]
 
     def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
         if not event_ids:
             return {}
-        rows = self._query(_BY_EVENT_IDS, (list(event_ids),))
-        return {r[1]: Event(int(r[0]), r[1], r[2], r[3], r[4], r[5]) for r in rows}
+        return {r[1]: _event(r) for r in self._query(_BY_EVENT_IDS, (list(event_ids),))}
 
     def append(self, events: Sequence[NewEvent], *, blobs: Sequence[NewBlob] = (),
                snapshots: Sequence[Snapshot] = ()) -> list[Event]:
-        """One transaction, two round trips: BEGIN, the append lock and the head (read
-        committed: the head's snapshot is taken after the lock was granted), then the rows,
-        the NOTIFY and COMMIT. Never retried: a connection lost in COMMIT leaves the outcome
-        unknown (the service says so)."""
+        """In the turn's transaction (one round trip: the rows, the NOTIFY and COMMIT), or,
+        outside a turn (a second commit in a batch, a tool), in a transaction of its own that
+        takes the turn first (two). Never retried: a connection lost in COMMIT leaves the
+        outcome unknown (the service says so)."""
         now = utc_now()
-        sql = "BEGIN"
         with self._lock:
-            db = self._connection()
             try:
-                with db.pipeline() as pipe, db.transaction():
-                    sql = _LOCK
-                    db.execute(sql, (APPEND_LOCK,))
+                db = self._connection()
+                head = self._turn_head(db)
+                if head is None:
+                    head = self._begin(db, None, ())[0]
+                if events and head != events[0].seq - 1:
+                    self._end(db)  # writes nothing, and lets the others write meanwhile
+                    raise HeadMoved(head, events[0].seq - 1)
+                with db.pipeline():
                     if events:
-                        sql = _HEAD
-                        cur = db.execute(sql)
-                        pipe.sync()
-                        row = cur.fetchone()
-                        head = int(row[0]) if row else 0
-                        if head != events[0].seq - 1:
-                            raise HeadMoved(head, events[0].seq - 1)
-                        sql = _INSERT_EVENT
-                        db.cursor().executemany(sql, [
-                            (e.seq, e.event_id, e.type, Json(e.payload), now, e.actor)
-                            for e in events])
-                        sql = _NOTIFY
-                        db.execute(sql, (CHANNEL, str(events[-1].seq)))
+                        db.execute(_INSERT_EVENTS, (
+                            [e.seq for e in events], [e.event_id for e in events],
+                            [e.type for e in events], [Json(e.payload) for e in events],
+                            [now] * len(events), [e.actor for e in events],
+                            CHANNEL, str(events[-1].seq)))
                     if blobs:
-                        sql = _INSERT_BLOB
-                        db.cursor().executemany(sql, [(b.sha256, b.size, b.first_seq, now)
-                                                      for b in blobs])
+                        db.cursor().executemany(_INSERT_BLOB, [(b.sha256, b.size, b.first_seq, now)
+                                                               for b in blobs])
                         chunks = [(r["sha256"], r["idx"], r["data"]) for b in blobs
                                   if b.data is not None for r in chunk_rows(b.sha256, b.data)]
                         if chunks:
-                            sql = _INSERT_CHUNK
-                            db.cursor().executemany(sql, chunks)
+                            db.cursor().executemany(_INSERT_CHUNK, chunks)
                     if snapshots:
-                        sql = _INSERT_SNAPSHOT
-                        db.cursor().executemany(sql, [(s.seq, s.state, s.digest, now)
-                                                      for s in snapshots])
-                    sql = "COMMIT"
+                        db.cursor().executemany(_INSERT_SNAPSHOT, [(s.seq, s.state, s.digest, now)
+                                                                   for s in snapshots])
+                    db.execute("COMMIT")
+                self._open = None
             except psycopg.Error as err:
-                raise exc.DBAPIError.instance(sql, None, err, psycopg.Error) from err
+                if self._db is not None:
+                    self._end(self._db)
+                raise exc.DBAPIError.instance(_INSERT_EVENTS, None, err, psycopg.Error) from err
         return [Event(e.seq, e.event_id, e.type, e.payload, now, e.actor) for e in events]
 
     @contextmanager
-    def turn(self) -> Iterator[None]:
-        """The instances' turn to write, a session advisory lock (waiters are granted it in
-        order): without it, one that lost an append race catches up while the winner decides
-        its next batch on a head already current, and can lose again and again."""
-        self._query(_TURN, (TURN_LOCK,))
-        generation = self._generation
-        try:
-            yield
-        finally:
-            # a connection replaced meanwhile took the lock with its session
-            if generation == self._generation:
+    def turn(self, since: int, event_ids: Collection[str]) -> Iterator[Begun]:
+        """The instances' turn to write, held by the batch's transaction until its append
+        commits (or the turn ends without one: ROLLBACK). Without turns, one that lost an
+        append race catches up while the winner decides its next batch on a head already
+        current, and can lose again and again. A batch without writes only catches up."""
+        if not event_ids:
+            yield Begun(self.read(since, CATCH_UP_PAGE), {})
+            return
+        with self._lock:
+            for attempt in (1, 2):
                 try:
-                    self._query(_UNTURN, (TURN_LOCK,))
-                except exc.DBAPIError:
-                    with self._lock:
-                        if self._db is not None:
-                            self._db.close()  # its session is gone, and the lock with it
+                    head, events, recorded = self._begin(self._connection(), since, event_ids)
+                    break
+                except psycopg.Error as err:
+                    if self._db is not None:
+                        self._end(self._db)  # a connection lost is closed by it
+                    # one found lost (PostgreSQL restarted since its last use): nothing was
+                    # read or written on it, so once more on a new one
+                    if attempt == 2 or not (self._db is None or self._db.closed):
+                        raise exc.DBAPIError.instance(_TURN, None, err, psycopg.Error) from err
+            self._open = (self._generation, head)
+        try:
+            yield Begun(events, recorded)
+        finally:
+            with self._lock:
+                if self._open is not None and self._db is not None:
+                    self._end(self._db)
+
+    def _begin(self, db: psycopg.Connection[Any], since: int | None, event_ids: Collection[str],
+               ) -> tuple[int, list[Event], dict[str, Event]]:
+        """One round trip: BEGIN, the turn's lock, then what is read after it was granted (read
+        committed: each statement sees what committed before it started): the head, the
+        events after `since` and those recorded under `event_ids`."""
+        with db.pipeline():
+            db.execute("BEGIN")
+            db.execute(_TURN, (TURN_LOCK,))
+            head = db.execute(_HEAD)
+            after = None if since is None else db.execute(_READ, (since, None, None,
+                                                                  CATCH_UP_PAGE))
+            known = db.execute(_BY_EVENT_IDS, (list(event_ids),)) if event_ids else None
+        row = head.fetchone()
+        return (int(row[0]) if row else 0,
+                [] if after is None else [_event(r) for r in after.fetchall()],
+                {} if known is None else {r[1]: _event(r) for r in known.fetchall()})
+
+    def _turn_head(self, db: psycopg.Connection[Any]) -> int | None:
+        """The head read at the start of the turn this connection holds; None where it holds
+        none (not begun, committed, or lost with a connection replaced since)."""
+        if self._open is None:
+            return None
+        generation, head = self._open
+        if generation == self._generation and db.info.transaction_status == _INTRANS:
+            return head
+        self._end(db)
+        return None
+
+    def _end(self, db: psycopg.Connection[Any]) -> None:
+        """End the transaction open on `db`, if any, writing nothing: ROLLBACK releases the
+        turn; where it cannot be sent, closing the connection ends its session, and the turn."""
+        self._open = None
+        if db.closed or db.info.transaction_status == _IDLE:
+            return
+        try:
+            db.execute("ROLLBACK")
+        except psycopg.Error:
+            db.close()
 
     def doorbell(self) -> Doorbell:
         return Doorbell(self._dsn)
@@ -262,6 +312,10 @@ class Doorbell:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def _event(row: tuple[Any, ...]) -> Event:
+    return Event(int(row[0]), row[1], row[2], row[3], row[4], row[5])
 
 
 def _seq_of(payload: str) -> int:

@@ -30,8 +30,8 @@ from statesvc.blobserve import read_chunk
 from statesvc.decisions import CommandError, pool_init, storage_error, unload
 from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry
-from statesvc.store import (UNAVAILABLE, EventStore, HeadMoved, NewBlob, NewEvent, Snapshot,
-                            recovery_steps)
+from statesvc.store import (CATCH_UP_PAGE, UNAVAILABLE, EventStore, HeadMoved, NewBlob,
+                            NewEvent, Snapshot, recovery_steps)
 from statesvc.views import list_page, result_of
 
 log = logging.getLogger("statesvc")
@@ -135,15 +135,19 @@ class StateService:
             for ev in page:
                 state = apply(state, ev.seq, ev.body)
 
-    def catch_up(self) -> list[Event]:
-        """Apply (and return) the events other instances appended to a shared log since."""
+    def catch_up(self, page: list[Event] | None = None) -> list[Event]:
+        """Apply (and return) the events other instances appended to a shared log since;
+        `page`: the first page of them, already read (a turn's start)."""
         new: list[Event] = []
-        while page := self.store.read(self.state.seq, 1000):
+        page = self.store.read(self.state.seq, CATCH_UP_PAGE) if page is None else page
+        while page:
             state = self.state
             for ev in page:
                 state = apply(state, ev.seq, ev.body)
             self.state = state
             new += page
+            full = len(page) == CATCH_UP_PAGE  # else the head was reached: no read for nothing
+            page = self.store.read(self.state.seq, CATCH_UP_PAGE) if full else []
         if new:
             if self.log_id is None:
                 self.log_id = log_id_of(self.store.read(0, 1)[0])
@@ -191,32 +195,34 @@ class StateService:
             # the registry alone: no turn, no catch-up (no database round trip), so a fleet's
             # heartbeats cost a shared log nothing; the head they are told is the one read
             # at the last batch or CATCH_UP_S tick (statesvc/server.py)
-            return self._handle(requests, committed, None), committed
+            return self._handle(requests, committed, None, {}), committed
         why = "other statesvc instances kept appending"
         for _ in range(HEAD_MOVED_RETRIES):
             with ExitStack() as turn:
-                try:
-                    turn.enter_context(self.store.turn())
-                    committed += self.catch_up() if self.store.shared else []
-                except Exception as exc:  # the shared log could not be read: nothing decided
+                try:  # the turn starts with the catch-up and the event_ids' lookup
+                    begun = turn.enter_context(self.store.turn(self.state.seq, [
+                        r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]))
+                    committed += self.catch_up(begun.events) if self.store.shared else []
+                except Exception as exc:  # the log could not be read: nothing decided
                     log.warning("catching up with the log failed: %s", exc)
                     why = f"the log could not be read ({exc})"
                     break
                 try:
-                    return self._handle(requests, committed, more), committed
+                    return self._handle(requests, committed, more, begun.recorded), committed
                 except HeadMoved as moved:
                     log.info("another statesvc appended up to seq %d: deciding again",
                              moved.head)
         return [Answer(error=storage_error(why)) for _ in requests], committed
 
     def _handle(self, requests: list[tuple[Request, str]], committed: list[Event],
-                more: Callable[[], list[tuple[Request, str]]] | None) -> list[Answer]:
+                more: Callable[[], list[tuple[Request, str]]] | None,
+                recorded: dict[str, Event]) -> list[Answer]:
         answers = [Answer() for _ in requests]
-        known: dict[str, tuple[str, dict[str, Any]]] = {}
+        known: dict[str, tuple[str, dict[str, Any]]] = {}  # event_ids recorded or decided
+        self._remember(recorded, known)
         batch = _Batch(self.state, by_event_id=known)
         i = 0
         try:
-            self._recorded(requests, known)  # event_ids already recorded: one lookup per arrival
             while i < len(requests) or (more is not None and batch.events
                                         and self._extend(requests, answers, known, more)):
                 req, actor = requests[i]
@@ -253,11 +259,10 @@ class StateService:
                     answers[j].error = storage_error(f"the log could not be read ({lost})")
         return answers
 
-    def _recorded(self, requests: list[tuple[Request, str]],
+    @staticmethod
+    def _remember(recorded: dict[str, Event],
                   known: dict[str, tuple[str, dict[str, Any]]]) -> None:
-        """Add the recorded events of these requests' event_ids to `known`."""
-        ids = [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
-        for eid, ev in (self.store.by_event_ids(ids).items() if ids else ()):
+        for eid, ev in recorded.items():
             known.setdefault(eid, (ev.type, result_of(ev.type, ev.seq, ev.body)))
 
     def _extend(self, requests: list[tuple[Request, str]], answers: list[Answer],
@@ -267,9 +272,10 @@ class StateService:
         extra = more()
         if not extra:
             return False
-        requests += extra  # taken off the socket: answered whatever `_recorded` meets
+        requests += extra  # taken off the socket: answered whatever the lookup meets
         answers += [Answer() for _ in extra]
-        self._recorded(extra, known)
+        self._remember(self.store.by_event_ids(
+            [r.args["event_id"] for r, _ in extra if r.cmd in _EVENT_OF_CMD]), known)
         return True
 
     def _commit(self, batch: _Batch, answers: list[Answer]) -> list[Event]:

@@ -22,11 +22,11 @@ import json
 import os
 import re
 import sqlite3
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Collection, Protocol, Sequence
+from typing import Any, Collection, Iterator, Protocol, Sequence
 
 from alembic import command
 from alembic.config import Config
@@ -72,6 +72,19 @@ class NewBlob:
     data: bytes | bytearray | None = field(default=None, compare=False, repr=False)
 
 
+CATCH_UP_PAGE = 1000  # events read at a time when an instance catches up with a shared log
+
+
+@dataclass(frozen=True)
+class Begun:
+    """What a batch knows when its turn starts: on a shared log, the events appended after
+    the instance's head (at most CATCH_UP_PAGE: a full page means read on), and the events
+    already recorded under the batch's event_ids."""
+
+    events: list[Event]
+    recorded: dict[str, Event]
+
+
 class HeadMoved(RuntimeError):
     """A shared log's head is no longer where the batch was decided (another statesvc
     appended meanwhile): nothing was written; catch up and decide the batch again."""
@@ -104,9 +117,11 @@ class EventStore(Protocol):
 
     def blob_hashes(self) -> set[str]: ...
 
-    def turn(self) -> AbstractContextManager[None]:
-        """Held while a batch is caught up, decided and appended: on a shared log the
-        instances take turns (FIFO), so one that lost an append race cannot lose it forever."""
+    def turn(self, since: int, event_ids: Collection[str]) -> AbstractContextManager[Begun]:
+        """Held while a batch is caught up, decided and appended; starts by reading the events
+        after `since` (a shared log) and those recorded under `event_ids`. On a shared log the
+        instances take turns (FIFO) to write, so one that lost an append race cannot lose it
+        forever; a batch without writes (no event_ids) takes none."""
         ...
 
     # the head the store recorded after its last commit before this open (its high-water
@@ -196,8 +211,9 @@ def write_tx(engine: Engine) -> Any:
     return engine.execution_options(immediate=True).begin()
 
 
-# the PostgreSQL advisory lock keys: around every append and around migrations
-APPEND_LOCK, MIGRATE_LOCK, TURN_LOCK = 0x6C6F7261, 0x6C6F7262, 0x6C6F7263
+# the PostgreSQL advisory lock keys: around migrations, and the writing turn (statesvc/pgstore.py;
+# 0x6C6F7261 was the append lock of statesvc before the turn held its batch's transaction)
+MIGRATE_LOCK, TURN_LOCK = 0x6C6F7262, 0x6C6F7263
 
 
 def upgrade_to_head(engine: Engine) -> None:
@@ -266,8 +282,10 @@ class SqlReads:
 class SqliteEventStore(SqlReads):
     shared = False
 
-    def turn(self) -> AbstractContextManager[None]:
-        return nullcontext()  # one writer: its own thread
+    @contextmanager
+    def turn(self, since: int, event_ids: Collection[str]) -> Iterator[Begun]:
+        # one writer, its own thread: nothing to take turns with or to catch up on
+        yield Begun([], self.by_event_ids(event_ids))
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         database = make_url(url).database

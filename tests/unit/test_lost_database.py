@@ -7,14 +7,17 @@ three, when PostgreSQL stops between two statements of a batch; here one store o
 call of a real SQLite-backed service fails as a lost connection does (an OperationalError)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from statesvc.pgstore import PostgresEventStore
 from statesvc.service import StateService
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, request
+from statesvc.tools.inproc import call, init_pool, open_service, request
 
 
 def lost(*_: Any, **__: Any) -> Any:
@@ -58,6 +61,43 @@ def test_lost_mid_batch_keeps_what_was_committed(svc: StateService, example: Exa
     assert [a.result["seq"] for a in again] == [3, 4, 3, 2]  # each recorded once
     assert [e.type for e in svc.store.read(0, 10)] == [
         "pool.configured", "adapter.loaded", "adapter.loaded", "adapter.unloaded"]
+
+
+def test_lost_between_the_turn_and_the_append_on_postgres(tmp_path: Path, pg_url: str,
+                                                         example: ExampleAssets,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL: the connection is cut (pg_terminate_backend, as a restart does) after the
+    batch's turn began and before its append: nothing of the batch is written, its writes
+    are answered storage_error, another instance writes meanwhile, and the resends, same
+    event_ids, are each recorded once."""
+    svc, other = (open_service(tmp_path / d, db_url=pg_url) for d in ("a", "b"))
+    init_pool(svc, example.model_dir)
+    assert isinstance(svc.store, PostgresEventStore)
+    store, append = svc.store, svc.store.append
+    dirs = example.adapter_dirs
+    x, y = (request("load", name=n, path=str(dirs[d]))
+            for n, d in (("x", "attn-qv-r8"), ("y", "mlp-only-r16")))
+
+    def cut_then_append(*args: Any, **kwargs: Any) -> Any:
+        assert store._db is not None
+        with psycopg.connect(store._dsn, autocommit=True) as db:
+            db.execute("SELECT pg_terminate_backend(%s)", (store._db.info.backend_pid,))
+        return append(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "append", cut_then_append)
+        answers, committed = svc.handle([(x, "test"), (y, "test")])
+    assert [a.error.code if a.error else None for a in answers] == ["storage_error"] * 2
+    assert not committed and other.store.head() == 1 and other.store.blob_hashes() == set()
+    assert call(other, "load", name="z", path=str(dirs["attn-qv-r8"]))["seq"] == 2  # turn free
+    again, _ = svc.handle([(x, "test"), (y, "test")])  # the resends
+    assert [a.result["seq"] for a in again] == [3, 4]
+    twice, _ = svc.handle([(y, "test"), (x, "test")])
+    assert [a.result["seq"] for a in twice] == [4, 3]
+    assert [e.event_id for e in other.store.read(1, 10)][1:] == [x.args["event_id"],
+                                                                 y.args["event_id"]]
+    for s in (svc, other):
+        s.store.close()
 
 
 def test_heartbeats_need_no_database(svc: StateService, monkeypatch: pytest.MonkeyPatch) -> None:

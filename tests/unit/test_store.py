@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -174,6 +175,93 @@ class TestPostgresEventStore(EventStoreContract):
         assert store.head() == 2 and store.blob_hashes() == set()
         store.close()
 
+    def test_a_turn_starts_with_the_new_events_and_the_recorded_ids(self, tmp_path: Path) -> None:
+        """One round trip reads, under the turn's lock, what the batch needs: the events
+        after the instance's head and those recorded under its event_ids; its append then
+        commits after that head, and the turn is released with the commit."""
+        other, store = self.make_store(tmp_path), self.make_store(tmp_path)
+        other.append([ev(1), ev(2)])
+        unknown = "00000000-0000-4000-8000-999999999999"
+        with store.turn(1, [ev(2).event_id, unknown]) as begun:
+            assert [e.seq for e in begun.events] == [2]
+            assert list(begun.recorded) == [ev(2).event_id] and begun.recorded[ev(2).event_id].seq == 2
+            store.append([ev(3)])
+            assert _advisory_locks(other) == []  # committed: the turn is free
+        with store.turn(3, [unknown]) as begun:  # nothing new, nothing recorded
+            assert begun.events == [] and begun.recorded == {}
+            assert len(_advisory_locks(other)) == 1
+        assert _advisory_locks(other) == [] and store.head() == 3  # ended without an append
+        with store.turn(0, []) as begun:  # no writes: it only reads, and takes no turn
+            assert [e.seq for e in begun.events] == [1, 2, 3] and _advisory_locks(other) == []
+        store.close()
+        other.close()
+
+    def test_a_turn_holds_off_the_other_writers_until_it_commits(self, tmp_path: Path) -> None:
+        """While one instance holds the turn, another's append waits for it, then finds the
+        head moved and writes nothing: seqs stay gapless and commit in seq order."""
+        store, other = self.make_store(tmp_path), self.make_store(tmp_path)
+        outcome: list[BaseException | None] = []
+
+        def append_elsewhere() -> None:
+            try:
+                other.append([ev(1, "00000000-0000-4000-8000-0000000000ff")])
+                outcome.append(None)
+            except BaseException as err:  # noqa: BLE001 (the outcome is the assertion)
+                outcome.append(err)
+
+        with store.turn(0, [ev(1).event_id]):
+            waiter = threading.Thread(target=append_elsewhere)
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while [granted for _, granted in _advisory_locks(store)] != [True, False]:
+                assert time.monotonic() < deadline, "the other append never waited for the turn"
+                time.sleep(0.02)
+            store.append([ev(1)])
+        waiter.join()
+        assert isinstance(outcome[0], HeadMoved) and outcome[0].head == 1
+        assert [e.event_id for e in store.read(0, 10)] == [ev(1).event_id]
+        store.close()
+        other.close()
+
+    def test_a_second_append_in_a_turn_takes_the_turn_again(self, tmp_path: Path) -> None:
+        """A batch that commits twice (writes, a read, writes): the first commit ends the
+        turn, so another instance may write in between; the second append takes the turn
+        again, reads the head under it, and finds it moved, writing nothing."""
+        store, other = self.make_store(tmp_path), self.make_store(tmp_path)
+        with store.turn(0, [ev(1).event_id]):
+            store.append([ev(1)])
+            assert _advisory_locks(other) == []
+            other.append([ev(2)])
+            with pytest.raises(HeadMoved) as moved:
+                store.append([ev(2, "00000000-0000-4000-8000-0000000000ff")])
+            assert moved.value.head == 2 and _advisory_locks(other) == []
+            store.append([ev(3)])
+        assert [e.seq for e in other.read(0, 10)] == [1, 2, 3] and _advisory_locks(other) == []
+        store.close()
+        other.close()
+
+    def test_a_connection_lost_between_turn_and_append_writes_nothing(self, tmp_path: Path) -> None:
+        """The turn's transaction dies with its connection: the append fails as a lost
+        connection does (retryable), nothing of it is written, the turn is free for the
+        others, and the store's next turn, on a new connection, appends it once."""
+        store = self.make_store(tmp_path)
+        store.append([ev(1)])
+        with pytest.raises(exc.OperationalError):
+            with store.turn(1, [ev(2).event_id]) as begun:
+                assert begun.recorded == {}
+                _terminate(store)
+                store.append([ev(2)], blobs=[NewBlob("ab" * 32, 3, 2, b"abc")])
+        other = self.make_store(tmp_path)
+        assert other.head() == 1 and other.blob_hashes() == set() and _advisory_locks(other) == []
+        with store.turn(1, [ev(2).event_id]) as begun:
+            assert begun.recorded == {}
+            store.append([ev(2)])
+        with store.turn(2, [ev(2).event_id]) as begun:  # a resend finds it recorded
+            assert begun.recorded[ev(2).event_id].seq == 2
+        assert [e.seq for e in other.read(0, 10)] == [1, 2]
+        store.close()
+        other.close()
+
     def test_blobs_live_in_the_database(self, tmp_path: Path) -> None:
         store = self.make_store(tmp_path)
         data = bytes(range(256)) * (CHUNK_BYTES // 256 * 2 + 3)  # two chunks and a bit
@@ -226,3 +314,19 @@ class TestPostgresEventStore(EventStoreContract):
         assert blobs.read_chunk(sha, 0, len(data)) == data
         blobs.engine.dispose()
         store.close()
+
+
+def _advisory_locks(store: PostgresEventStore) -> list[tuple[int, bool]]:
+    """The advisory locks held or waited for on the store's database: (backend pid, granted)."""
+    with psycopg.connect(store._dsn, autocommit=True) as db:
+        return [(int(pid), bool(granted)) for pid, granted in db.execute(
+            "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "ORDER BY granted DESC, pid")]
+
+
+def _terminate(store: PostgresEventStore) -> None:
+    """Cut the store's held connection as PostgreSQL does when it restarts or its host goes."""
+    assert store._db is not None
+    with psycopg.connect(store._dsn, autocommit=True) as db:
+        db.execute("SELECT pg_terminate_backend(%s)", (store._db.info.backend_pid,))
