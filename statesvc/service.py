@@ -45,6 +45,11 @@ _EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
                  "unload": AdapterUnloaded.TYPE}
 
 
+def _event_ids(requests: list[tuple[Request, str]]) -> list[str]:
+    """The event_ids of the requests that append events (looked up before they are decided)."""
+    return [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
+
+
 @dataclass
 class Answer:
     result: Any = None
@@ -200,8 +205,8 @@ class StateService:
         for _ in range(HEAD_MOVED_RETRIES):
             with ExitStack() as turn:
                 try:  # the turn starts with the catch-up and the event_ids' lookup
-                    begun = turn.enter_context(self.store.turn(self.state.seq, [
-                        r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]))
+                    begun = turn.enter_context(self.store.turn(self.state.seq,
+                                                               _event_ids(requests)))
                     committed += self.catch_up(begun.events) if self.store.shared else []
                 except Exception as exc:  # the log could not be read: nothing decided
                     log.warning("catching up with the log failed: %s", exc)
@@ -274,8 +279,7 @@ class StateService:
             return False
         requests += extra  # taken off the socket: answered whatever the lookup meets
         answers += [Answer() for _ in extra]
-        self._remember(self.store.by_event_ids(
-            [r.args["event_id"] for r, _ in extra if r.cmd in _EVENT_OF_CMD]), known)
+        self._remember(self.store.by_event_ids(_event_ids(extra)), known)
         return True
 
     def _commit(self, batch: _Batch, answers: list[Answer]) -> list[Event]:

@@ -93,8 +93,14 @@ def flags() -> tuple[str, ...]:
 
 def _cpu_id(compiler: str) -> str:
     """What the build's -march means here, as the compiler resolves it (a VM's /proc/cpuinfo may hide
-    instruction sets the compiler still finds and uses); /proc/cpuinfo's flags where it cannot say."""
-    march = list(ISA_FLAGS[forced_isa()])
+    instruction sets the compiler still finds and uses); /proc/cpuinfo's flags where it cannot say.
+    Asked once per compiler and ISA: `flags` and `library_path` both need it at every load."""
+    return _resolve_target(compiler, forced_isa())
+
+
+@functools.lru_cache(maxsize=8)
+def _resolve_target(compiler: str, isa: str) -> str:
+    march = list(ISA_FLAGS[isa])
     try:
         done = subprocess.run([compiler, *march, "-Q", "--help=target"], capture_output=True,
                               text=True, timeout=30)

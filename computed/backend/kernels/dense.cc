@@ -84,6 +84,8 @@ constexpr int64_t kColumnRows = 6;          // rows at a time: 6 x 2 accumulator
 #else
 constexpr int64_t kPanelBf16 = kPanel;
 #endif
+template <typename T>  // output columns per panel of a weight of element type T (uint16: bfloat16 bits)
+constexpr int64_t kPanelOf = std::is_same_v<T, float> ? kPanel : kPanelBf16;
 constexpr int64_t kPrefetch = 4096;    // bytes ahead in a panel's stream
 constexpr int64_t kPanelsPerItem = 4;  // panels per work item
 constexpr int64_t kRowBlock = 256;     // rows per work item: a prefill's x, a block at a time, stays in cache
@@ -197,12 +199,10 @@ void panel_product_bf16(const float* xt, const uint16_t* w, int64_t in, float* y
 #endif
 
 #if defined(LORAPLANE_BF16_COLUMNS)
-// AVX2's bfloat16 products, vectorised over columns instead: a panel [in2][16][2] holds, for each pair of
-// k, two vectors of eight columns' pairs, each 32-bit lane one column's (k, k + 1); shifted left by 16
-// they are k's eight weights, masked to the upper half k + 1's, exactly. One load, a shift and an AND
-// widen 16 weights for every row of the block: 4 vector operations per pair of k for 4 x R FMAs,
-// where the rows-vectorised loop above pays a shift per weight for every 2 FMAs (16 rows), and
-// the panel (16 columns x in x 2 bytes: 32 KB at in 1024) stays in L1 for the chunk's 6-row blocks.
+// AVX2's bfloat16 products, vectorised over columns: a panel [in2][16][2] holds, per pair of k, two vectors
+// of eight columns' (k, k + 1) in 32-bit lanes; shifted left by 16 they are k's weights, masked to the
+// upper half k + 1's, exactly: 4 vector operations per pair of k for 4 x R FMAs (the broadcast loop
+// pays a shift per weight for 2 FMAs), the panel (32 KB at in 1024) in L1 for the chunk's 6-row blocks.
 alignas(32) constexpr uint32_t kUpper[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
                                             0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
 
@@ -224,10 +224,10 @@ void columns_bf16(const float* xc, int64_t width, const uint16_t* w, int64_t in,
                   int64_t cols) {
   typedef typename loraplane::Bits<Vec>::U U;
   Vec acc[R][2] = {};
-  const auto even = [w](int64_t k2, Vec& lo, Vec& hi) {  // k = 2 k2: the lower halves, shifted up
+  const auto even = [](const uint16_t* wk, Vec& lo, Vec& hi) {  // k = 2 k2: the lower halves, shifted up
     U a, b;
-    std::memcpy(&a, w + k2 * 2 * kPanelBf16, sizeof a);
-    std::memcpy(&b, w + (k2 * 2 + 1) * kPanelBf16, sizeof b);
+    std::memcpy(&a, wk, sizeof a);
+    std::memcpy(&b, wk + kPanelBf16, sizeof b);
     lo = (Vec)(a << 16);
     hi = (Vec)(b << 16);
   };
@@ -235,7 +235,7 @@ void columns_bf16(const float* xc, int64_t width, const uint16_t* w, int64_t in,
   for (int64_t k2 = 0; k2 < in / 2; ++k2) {
     const uint16_t* wk = w + k2 * 2 * kPanelBf16;
     _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
-    even(k2, lo, hi);
+    even(wk, lo, hi);
     columns_k<R>(acc, xc + 2 * k2 * width, lo, hi);
     std::memcpy(&lo, wk, sizeof lo);  // k + 1: the upper halves, masked
     std::memcpy(&hi, wk + kPanelBf16, sizeof hi);
@@ -247,7 +247,7 @@ void columns_bf16(const float* xc, int64_t width, const uint16_t* w, int64_t in,
     columns_k<R>(acc, xc + (2 * k2 + 1) * width, lo, hi);
   }
   if (in % 2) {  // an odd `in`: the last pair's k + 1 is padding, and x has no row there
-    even(in / 2, lo, hi);
+    even(w + in / 2 * 2 * kPanelBf16, lo, hi);
     columns_k<R>(acc, xc + (in - 1) * width, lo, hi);
   }
   alignas(32) float t[R][2 * kLanes];
@@ -321,7 +321,7 @@ struct Dense {
     const int64_t first = groups[item % n_groups].second, last = std::min(pr.panels, first + kPanelsPerItem);
     const int64_t row_end = std::min(rows, (block + 1) * kRowBlock);
     const int64_t in2 = (in + 1) / 2;  // a bfloat16 panel's pairs of k
-    constexpr int64_t P = std::is_same_v<T, float> ? kPanel : kPanelBf16;  // columns per panel
+    constexpr int64_t P = kPanelOf<T>;
     for (int64_t p = first; p < last; ++p) {
       const int64_t cols = std::min(P, pr.out - p * P);
       for (int64_t r0 = block * kRowBlock; r0 < row_end; r0 += kChunk) {
@@ -377,7 +377,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::RemainingAr
       return ffi::Error::InvalidArgument("dense: weights must be all float32 or all uint16 (bfloat16 bits), "
                                          "results float32");
     const auto wd = w->dimensions(), yd = (*y)->dimensions();
-    constexpr int64_t P = bf16 ? kPanelBf16 : kPanel;
+    constexpr int64_t P = kPanelOf<T>;
     const bool ok = bf16 ? wd.size() == 4 && wd[1] == in2 && wd[2] == P && wd[3] == 2
                          : wd.size() == 3 && wd[1] == in && wd[2] == P;
     if (!ok || yd.size() != 2 || yd[0] != rows || wd[0] != (yd[1] + P - 1) / P)
