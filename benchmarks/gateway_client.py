@@ -4,12 +4,15 @@ It reads one JSON command per line on stdin and answers one JSON line on stdout,
 measuring process shares neither its interpreter nor its event loop with the requests:
 
     {"path": "zmq" | "gateway", "reqs": [[adapter, [ids...]], ...], "tokens": N}
-    -> {"wall_s": S, "lat_s": [...], "ttft_s": [...], "cpu_s": C}
+    -> {"wall_s": S, "lat_s": [...], "ttft_s": [...], "over_s": [...], "cpu_s": C}
 
 Both paths stream and are timed the same way: all requests sent at once, each request's
 latency from its send to its last byte (the final reply frame; `data: [DONE]`) and to its
 first token (the first token frame; the first chunk), the round from the first send to the
-last reply. `cpu_s` is this process's CPU time over the round.
+last reply. `over_s` is each request's latency less the replica's own time for it (its
+`timings.total_ms`, from reading the request to its result; in the result on ZeroMQ, in the
+finish chunk through the gateway): what the path outside the replica took. `cpu_s` is this
+process's CPU time over the round.
 
 * zmq: `generate` with `stream: true` (a frame per token, then the result) on one DEALER
   per concurrent request (kept across rounds), every token frame read and counted;
@@ -44,7 +47,7 @@ class Dealers:
         self.socks: list[zmq.Socket[Any]] = []
 
     def run(self, reqs: list[list[Any]], tokens: int
-            ) -> tuple[float, list[float], list[float]]:
+            ) -> tuple[float, list[float], list[float], list[float]]:
         while len(self.socks) < len(reqs):
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -55,6 +58,7 @@ class Dealers:
         streamed: dict[str, int] = {}
         lat: list[float] = []
         ttft: list[float] = []
+        over: list[float] = []
         t0 = time.perf_counter()
         for sock, (adapter, ids) in zip(self.socks, reqs):
             rid = uuid.uuid4().hex
@@ -77,7 +81,8 @@ class Dealers:
                     got = len(reply["result"]["output_ids"])
                     assert got == tokens == streamed[reply["id"]], reply
                     lat.append(time.perf_counter() - sent[reply["id"]])
-        return time.perf_counter() - t0, lat, ttft
+                    over.append(lat[-1] - reply["result"]["timings"]["total_ms"] / 1e3)
+        return time.perf_counter() - t0, lat, ttft, over
 
     def close(self) -> None:
         for sock in self.socks:
@@ -91,9 +96,10 @@ class Http:
         self.host, self.port = host, port
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def stream(self, body: bytes) -> tuple[int, float]:
+    async def stream(self, body: bytes) -> tuple[int, float, float]:
         """POST a streaming completion; the number of `data: {` events, checked to end in
-        `data: [DONE]`, and when the first one came (perf_counter)."""
+        `data: [DONE]`, when the first one came (perf_counter), and the replica's
+        `total_ms` from the finish chunk."""
         request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                    b"application/json\r\nContent-Length: %d\r\n\r\n%s"
                    % (self.host.encode(), len(body), body))
@@ -119,7 +125,9 @@ class Http:
         await reader.readexactly(2)  # the last chunk's CRLF
         assert got.endswith(b"data: [DONE]\n\n"), bytes(got[-200:])
         self.idle.append((reader, writer))
-        return got.count(b"data: {"), first
+        last = got.rsplit(b"data: ", 2)[1]  # the finish chunk, before `[DONE]`
+        finish = json.loads(last)
+        return got.count(b"data: {"), first, finish["timings"]["total_ms"]
 
     def close(self) -> None:
         for _, writer in self.idle:
@@ -128,18 +136,20 @@ class Http:
 
 
 async def run_gateway(http: Http, reqs: list[list[Any]], tokens: int
-                      ) -> tuple[float, list[float], list[float]]:
-    async def one(adapter: str, ids: list[int]) -> tuple[float, float]:
+                      ) -> tuple[float, list[float], list[float], list[float]]:
+    async def one(adapter: str, ids: list[int]) -> tuple[float, float, float]:
         t = time.perf_counter()
         body = json.dumps({"model": adapter, "prompt": ids, "max_tokens": tokens,
                            "temperature": 0, "stream": True, "ignore_eos": True}).encode()
-        events, first = await http.stream(body)
+        events, first, replica_ms = await http.stream(body)
         assert events == tokens + 1, events  # one per token, then the finish chunk
-        return time.perf_counter() - t, first - t
+        lat = time.perf_counter() - t
+        return lat, first - t, lat - replica_ms / 1e3
 
     t0 = time.perf_counter()
     got = await asyncio.gather(*(one(a, ids) for a, ids in reqs))
-    return time.perf_counter() - t0, [g[0] for g in got], [g[1] for g in got]
+    return (time.perf_counter() - t0, [g[0] for g in got], [g[1] for g in got],
+            [g[2] for g in got])
 
 
 async def main_async(replica: str, url: str) -> None:
@@ -151,10 +161,10 @@ async def main_async(replica: str, url: str) -> None:
             cmd = json.loads(line)
             cpu = time.process_time()
             if cmd["path"] == "zmq":
-                wall, lat, ttft = dealers.run(cmd["reqs"], cmd["tokens"])
+                wall, lat, ttft, over = dealers.run(cmd["reqs"], cmd["tokens"])
             else:
-                wall, lat, ttft = await run_gateway(http, cmd["reqs"], cmd["tokens"])
-            print(json.dumps({"wall_s": wall, "lat_s": lat, "ttft_s": ttft,
+                wall, lat, ttft, over = await run_gateway(http, cmd["reqs"], cmd["tokens"])
+            print(json.dumps({"wall_s": wall, "lat_s": lat, "ttft_s": ttft, "over_s": over,
                               "cpu_s": time.process_time() - cpu}), flush=True)
     finally:
         http.close()

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -44,6 +44,34 @@ async def read_body(request: Request) -> dict[str, Any]:
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
     return parse_json(bytes(raw))
+
+
+class ClientGone(Exception):
+    """The HTTP client of an unstreamed request went away before its answer."""
+
+
+async def unless_gone(request: Request, work: Awaitable[Output]) -> Output:
+    """`work`'s output, or ClientGone once the HTTP client has disconnected: the request is
+    then cancelled, which tells its replica to drop it (ReplicaLinks), as a stream's is. With
+    the body read, the server's next ASGI message for this request is `http.disconnect`,
+    which comes when the client goes away (or after the response, when nothing waits)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})  # its replica is sent `cancel` meanwhile
+        raise ClientGone
+    return task.result()
 
 
 def build_app(gw: Gateway, *, max_pending: int = 256,
@@ -126,7 +154,10 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             if req.sampling.stream:
                 return await stream(req, stop_ids, label, endpoint, started, head, chat)
             try:
-                out = await gw.run(req)
+                out = await unless_gone(request, gw.run(req))
+            except ClientGone:
+                metrics.requests.labels(label, endpoint, CLIENT_GONE).inc()
+                return Response(status_code=499)  # nobody reads it: the connection is gone
             finally:
                 pending.release()
                 metrics.pending.dec()
@@ -139,8 +170,11 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [choice], "usage": usage(out)})
+        body = {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice], "usage": usage(out)}
+        if out.timings is not None:
+            body["timings"] = out.timings
+        return JSONResponse(body)
 
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion, chat=False)

@@ -52,6 +52,9 @@ class Output:
     text: str
     finish_reason: str  # "stop" or "length"
     replica: str
+    # the replica's own timings of the request (docs/protocol.md `generate`): queue_ms,
+    # prefill_ms, decode_ms, total_ms; None when the gateway ended it early (a stop string)
+    timings: dict[str, float] | None = None
 
 
 class StopWatch:
@@ -201,7 +204,8 @@ class Gateway:
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
-            return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id)
+            return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id,
+                                res.get("timings"))
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
                         seen: list[int], relay: Callable[[int], None] | None
@@ -249,7 +253,7 @@ class Gateway:
         return min(want, room)
 
     def _finish(self, prompt: list[int], out: list[int], stop_ids: set[int], s: Sampling,
-                replica: str) -> Output:
+                replica: str, timings: dict[str, float] | None) -> Output:
         ids, finish = out, "length"
         if out and out[-1] in stop_ids:
             ids, finish = out[:-1], "stop"
@@ -258,4 +262,4 @@ class Gateway:
         if cut >= 0:
             text, finish = text[:cut], "stop"
         return Output(prompt_tokens=len(prompt), ids=ids, completion_tokens=len(out),
-                      text=text, finish_reason=finish, replica=replica)
+                      text=text, finish_reason=finish, replica=replica, timings=timings)

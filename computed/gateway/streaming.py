@@ -82,13 +82,16 @@ class Chunks:
         """A chat stream's opening chunk: the assistant's role."""
         return self._event("", None, True)
 
-    def finish(self, text: str | None, reason: str) -> bytes:
-        return self._event(text, reason, False)
+    def finish(self, text: str | None, out: Output) -> bytes:
+        """The chunk with `finish_reason`, and the replica's `timings` (as the final chunk of
+        llama.cpp's server carries its own) when it ran to its end."""
+        return self._event(text, out.finish_reason, False, out.timings)
 
     def usage(self, out: Output) -> bytes:
         return _data({**self.head, "object": self.obj, "choices": [], "usage": usage(out)})
 
-    def _event(self, text: str | None, finish: str | None, role: bool) -> bytes:
+    def _event(self, text: str | None, finish: str | None, role: bool,
+               timings: dict[str, float] | None = None) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -100,6 +103,8 @@ class Chunks:
         body = {**self.head, "object": self.obj, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
+        if timings is not None:
+            body["timings"] = timings
         return _data(body)
 
 
@@ -130,8 +135,7 @@ async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
                 elif kind == "done":
                     o: Output = value
                     rest = text.rest(o.text)
-                    out.append(chunks.finish(rest or (None if chunks.chat else ""),
-                                             o.finish_reason))
+                    out.append(chunks.finish(rest or (None if chunks.chat else ""), o))
                     if chunks.include_usage:
                         out.append(chunks.usage(o))
                     out.append(DONE)

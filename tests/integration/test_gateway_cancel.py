@@ -1,10 +1,12 @@
 """Cancelling a request: the replica's `cancel` (docs/protocol.md §13b) frees the request's row
 at once and touches nothing else, and an HTTP client that leaves a stream makes the gateway
-cancel its request on the replica. Real statesvc, one replica whose steps are slowed (a
+cancel its request on the replica, streamed or not. Real statesvc, one replica whose steps are slowed (a
 test-only fault switch, so a request is still running when it is cancelled) and a real
 gateway, all subprocesses."""
 from __future__ import annotations
 
+import json
+import socket
 from typing import Any, Iterator
 
 import httpx
@@ -94,6 +96,16 @@ def gone_count(gateway: Gateway) -> float:
                and s.labels["status"] == "499")
 
 
+def cancelled_once(setup: Setup, before: int, gone: float, head: int) -> None:
+    """The replica cancelled one more request and runs none, the gateway counted one more
+    499, and the log is untouched."""
+    wait_for(lambda: setup.inference()["cancelled"] == before + 1,
+             what="the replica to cancel the request")
+    assert setup.inference()["running"] == 0
+    wait_for(lambda: gone_count(setup.gateway) == gone + 1, what="the gateway to count it")
+    assert setup.fleet.head() == head
+
+
 def test_a_client_that_leaves_a_stream_cancels_its_request(setup: Setup) -> None:
     head = setup.fleet.head()
     before = setup.inference()["cancelled"]
@@ -106,12 +118,32 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(setup: Setup) -> None
             lines = res.iter_lines()
             assert next(lines).startswith("data: {")  # the first token's chunk
         # leaving the block closed the connection mid-stream
-    wait_for(lambda: setup.inference()["cancelled"] == before + 1,
-             what="the replica to cancel the request")
-    assert setup.inference()["running"] == 0
-    wait_for(lambda: gone_count(setup.gateway) == gone + 1, what="the gateway to count it")
-    assert setup.fleet.head() == head
+    cancelled_once(setup, before, gone, head)
     # the gateway serves on
     res = httpx.post(setup.gateway.url + "/v1/completions", timeout=120, json={
         **body, "stream": False, "max_tokens": 3})
     assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_leaves_before_an_unstreamed_answer_cancels_its_request(
+        setup: Setup) -> None:
+    head = setup.fleet.head()
+    before = setup.inference()["cancelled"]
+    gone = gone_count(setup.gateway)
+    body = json.dumps({"model": "chat", "prompt": [5, 6, 7], "max_tokens": N,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    host, port = setup.gateway.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (host.encode(), len(body), body))
+        wait_for(lambda: setup.inference()["running"] == 1, what="the request to run")
+    # the connection closed with no answer read
+    cancelled_once(setup, before, gone, head)
+    # an unstreamed answer that runs to its end carries the replica's own timings
+    res = httpx.post(setup.gateway.url + "/v1/completions", timeout=120, json={
+        "model": "chat", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+    assert res.status_code == 200, res.text
+    timings = res.json()["timings"]
+    assert set(timings) == {"queue_ms", "prefill_ms", "decode_ms", "total_ms"}
+    assert 0 < timings["prefill_ms"] < timings["total_ms"]
