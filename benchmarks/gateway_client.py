@@ -9,10 +9,12 @@ measuring process shares neither its interpreter nor its event loop with the req
 Both paths stream and are timed the same way: all requests sent at once, each request's
 latency from its send to its last byte (the final reply frame; `data: [DONE]`) and to its
 first token (the first token frame; the first chunk), the round from the first send to the
-last reply. `over_s` is each request's latency less the replica's own time for it (its
-`timings.total_ms`, from reading the request to its result; in the result on ZeroMQ, in the
-finish chunk through the gateway): what the path outside the replica took. `cpu_s` is this
-process's CPU time over the round.
+last reply. `over_s` is each request's latency less the time its answer took past the
+client's hop: through the gateway, less the gateway's `timings.upstream_ms` (from the
+gateway sending it to the replica to its result, in the finish chunk): what the gateway and
+its HTTP hop added; on ZeroMQ, less the replica's own `timings.total_ms` (from reading the
+request to its result): the ZeroMQ hop and the time in the replica's socket. `cpu_s` is
+this process's CPU time over the round.
 
 * zmq: `generate` with `stream: true` (a frame per token, then the result) on one DEALER
   per concurrent request (kept across rounds), every token frame read and counted;
@@ -98,8 +100,8 @@ class Http:
 
     async def stream(self, body: bytes) -> tuple[int, float, float]:
         """POST a streaming completion; the number of `data: {` events, checked to end in
-        `data: [DONE]`, when the first one came (perf_counter), and the replica's
-        `total_ms` from the finish chunk."""
+        `data: [DONE]`, when the first one came (perf_counter), and the gateway's
+        `upstream_ms` from the finish chunk."""
         request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                    b"application/json\r\nContent-Length: %d\r\n\r\n%s"
                    % (self.host.encode(), len(body), body))
@@ -127,7 +129,7 @@ class Http:
         self.idle.append((reader, writer))
         last = got.rsplit(b"data: ", 2)[1]  # the finish chunk, before `[DONE]`
         finish = json.loads(last)
-        return got.count(b"data: {"), first, finish["timings"]["total_ms"]
+        return got.count(b"data: {"), first, finish["timings"]["upstream_ms"]
 
     def close(self) -> None:
         for _, writer in self.idle:
@@ -141,10 +143,10 @@ async def run_gateway(http: Http, reqs: list[list[Any]], tokens: int
         t = time.perf_counter()
         body = json.dumps({"model": adapter, "prompt": ids, "max_tokens": tokens,
                            "temperature": 0, "stream": True, "ignore_eos": True}).encode()
-        events, first, replica_ms = await http.stream(body)
+        events, first, upstream_ms = await http.stream(body)
         assert events == tokens + 1, events  # one per token, then the finish chunk
         lat = time.perf_counter() - t
-        return lat, first - t, lat - replica_ms / 1e3
+        return lat, first - t, lat - upstream_ms / 1e3
 
     t0 = time.perf_counter()
     got = await asyncio.gather(*(one(a, ids) for a, ids in reqs))

@@ -301,10 +301,10 @@ def gateway_figures(r: dict[str, Any]) -> list[Figure]:
     for shape, s in shapes.items():
         i = 0 if shape in ("bench", "") else 1  # 0: the targets apply
         rows, runs = s["rounds_detail"], s["rounds"]
-        # within each request: latency less the replica's own time, gateway minus ZeroMQ
+        # within each request: its latency less the gateway's upstream time for it
         # (results from before that measure: the end-to-end difference, run to run)
-        inside = "outside_p50_ms" in rows[0]["zmq"]
-        added = {q: [x["gateway"][f"outside_{q}_ms"] - x["zmq"][f"outside_{q}_ms"] if inside
+        inside = "outside_p50_ms" in rows[0]["gateway"]
+        added = {q: [x["gateway"][f"outside_{q}_ms"] if inside
                      else x["gateway"][f"{q}_ms"] - x["zmq"][f"{q}_ms"] for x in rows]
                  for q in ("p50", "p99")}
         on = f" ({shape} model)" if shape else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -52,8 +53,10 @@ class Output:
     text: str
     finish_reason: str  # "stop" or "length"
     replica: str
-    # the replica's own timings of the request (docs/protocol.md `generate`): queue_ms,
-    # prefill_ms, decode_ms, total_ms; None when the gateway ended it early (a stop string)
+    # the replica's own timings of the request (docs/protocol.md `generate`: queue_ms,
+    # prefill_ms, decode_ms, total_ms) and upstream_ms, from the gateway sending it to that
+    # replica to its result (as Envoy's x-envoy-upstream-service-time); None when the
+    # gateway ended it early (a stop string)
     timings: dict[str, float] | None = None
 
 
@@ -184,8 +187,12 @@ class Gateway:
             try:
                 # stop strings need the tokens as they come, streamed to the client or not:
                 # the request is cancelled on its replica as soon as one is complete
+                sent = time.perf_counter()
                 res = await self._generate(replica.address, args, watch, seen,
                                            relay if on_token is not None or watch else None)
+                timings = res.get("timings")
+                if timings is not None:
+                    timings = {**timings, "upstream_ms": (time.perf_counter() - sent) * 1e3}
             except Unavailable as exc:
                 self.router.failed(replica.address)
                 if streamed:
@@ -205,7 +212,7 @@ class Gateway:
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
             return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id,
-                                res.get("timings"))
+                                timings)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
                         seen: list[int], relay: Callable[[int], None] | None
