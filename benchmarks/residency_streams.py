@@ -20,7 +20,13 @@ each pair with a Zipf draw of its own:
   requests' TTFTs in the all-resident run (where the tail moved). A third run of the
   Zipf stream on the same schedule has the engine's wait for a queued miss's fetch switched
   off (`Engine(fetch_wait=0)`: such a request waits for the next step): "before" beside
-  "after" (computed/engine.py's `_admit`).
+  "after" (computed/engine.py's `_admit`). And within the Zipf run itself, each request's
+  *residency wait*: the engine's `timings.residency_ms`, from the first pass that had a batch
+  row for it but not its adapter's slot to its admission (the fetch's end and the slot
+  write, or a lease's end when every slot was leased), or its admission's own slot write (a
+  host-tier hit admitted at once): what non-residency added before its prefill, with no
+  second run to differ from (the control above says by how much two runs of one schedule
+  differ: tens of ms at p99, whole decode steps, against floors of 1-4 ms).
 
 Before each run the slots hold the `slots` most popular adapters; before each Zipf run the
 host tier and the on-disk blob cache are emptied, so every round's Zipf run starts from the
@@ -69,6 +75,7 @@ class Stream:
         self.tier: dict[str, str] = {}
         self.late: dict[str, float] = {}  # seconds from the scheduled arrival to the submit
         self.ttft_ms: dict[str, float] = {}
+        self.wait_ms: dict[str, float] = {}  # the engine's residency_ms: waiting for a slot
 
     def send(self, late_s: float = 0.0) -> None:
         rid, name = str(self.sent), self.adapters[self.sent]
@@ -88,6 +95,7 @@ class Stream:
             self.inflight -= 1
             t = d.result["timings"]
             self.ttft_ms[d.req_id] = self.late[d.req_id] * 1e3 + t["queue_ms"] + t["prefill_ms"]
+            self.wait_ms[d.req_id] = t["residency_ms"]
 
     @property
     def busy(self) -> bool:
@@ -105,7 +113,7 @@ def drive(engine: Engine, replica: Replica, adapters: list[str], prompts: np.nda
         s.step()
     seconds = time.perf_counter() - t0
     return {"tokens_per_s": len(adapters) * NEW_TOKENS / seconds, "seconds": seconds,
-            "tier": s.tier, "ttft_ms": s.ttft_ms}
+            "tier": s.tier, "ttft_ms": s.ttft_ms, "wait_ms": s.wait_ms}
 
 
 def drive_open(engine: Engine, replica: Replica, adapters: list[str], prompts: np.ndarray,
@@ -127,7 +135,8 @@ def drive_open(engine: Engine, replica: Replica, adapters: list[str], prompts: n
             time.sleep(max(0.0, t0 + s.sent / rate - time.perf_counter()))
             continue
         s.step(intake)
-    return {"seconds": time.perf_counter() - t0, "tier": s.tier, "ttft_ms": s.ttft_ms}
+    return {"seconds": time.perf_counter() - t0, "tier": s.tier, "ttft_ms": s.ttft_ms,
+            "wait_ms": s.wait_ms}
 
 
 def cold_tiers(replica: Replica) -> None:
@@ -204,6 +213,7 @@ def run_streams(engine: Engine, replica: Replica, order: list[str], rounds: int,
     opened: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}
     before: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}  # fetch_wait 0
     paired: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}  # their R TTFT
+    waited: dict[str, list[float]] = {"resident": [], "host": [], "miss": []}  # in the run
     fetch_wait = engine.fetch_wait
     moved = {k: 0 for k in counters(replica)}
     distinct: list[int] = []
@@ -249,6 +259,7 @@ def run_streams(engine: Engine, replica: Replica, order: list[str], rounds: int,
             opened[t].append(o["zipf"]["ttft_ms"][rid])
             paired[t].append(o["resident"]["ttft_ms"][rid])
             added[t].append(o["zipf"]["ttft_ms"][rid] - o["resident"]["ttft_ms"][rid])
+            waited[t].append(o["zipf"]["wait_ms"][rid])
         for rid, t in o["zipf-no-wait"]["tier"].items():
             before[t].append(o["zipf-no-wait"]["ttft_ms"][rid] - o["resident"]["ttft_ms"][rid])
     n = rounds * requests
@@ -269,6 +280,10 @@ def run_streams(engine: Engine, replica: Replica, order: list[str], rounds: int,
                  "ttft_resident": pct(opened["resident"]),
                  "added_resident": pct(added["resident"]),
                  "added": {t: over(pct(added[t]), floors.get(t, 0.0)) for t in TIERS},
+                 # within the Zipf run: each request's wait for its slot from when it first
+                 # had a row (the engine's residency_ms), its slot write included
+                 "waited": {t: over(pct(waited[t]), floors.get(t, 0.0))
+                            for t in (*TIERS, "resident")},
                  # p50 and p99 of the Zipf run's TTFTs - of the same requests' in the
                  # all-resident run: the shift of the distribution, less noisy at the tail than
                  # the p99 of per-request differences (where runs drift apart by whole steps)

@@ -257,13 +257,23 @@ def residency_figures(r: dict[str, Any]) -> list[Figure]:
                           "resident", v, "x", target=f">= {t['throughput']}x",
                           meets=v >= t["throughput"], spread=spread(runs) if runs else None,
                           runs=len(runs) if runs else 1))
+        waited = "waited" in st.get("open", {})  # results from before the in-run measure
         for tier, label in (("host", "host-tier hit"), ("miss", "miss")):
+            c = st.get("open", {}).get("waited", {}).get(tier, {})
+            if "p99_over_floor" in c:  # what non-residency adds, within the run (the target)
+                v = c["p99_over_floor"]
+                out.append(figure("residency", f"added TTFT p99 (residency wait in the run), "
+                                  f"{label}, {k} slots / its fill floor", v, "x",
+                                  target=f"<= {t['ttft_p99']}x", meets=v <= t["ttft_p99"],
+                                  runs=st.get("rounds", 1)))
             c = st.get("open", {}).get("added", {}).get(tier, {})
-            if "p99_over_floor" in c:  # what non-residency adds (open loop, paired runs;
-                v = max(0.0, c["p99_over_floor"])  # 0 where the Zipf run was no slower)
+            if "p99_over_floor" in c:  # the same, as paired runs' TTFT differences (noisier:
+                v = max(0.0, c["p99_over_floor"])  # runs differ by whole decode steps)
                 out.append(figure("residency", f"added TTFT p99, {label}, {k} slots / its fill "
-                                  "floor", v, "x", target=f"<= {t['ttft_p99']}x",
-                                  meets=v <= t["ttft_p99"], runs=st.get("rounds", 1)))
+                                  "floor" + (", paired runs" if waited else ""), v, "x",
+                                  target=None if waited else f"<= {t['ttft_p99']}x",
+                                  meets=None if waited else v <= t["ttft_p99"],
+                                  runs=st.get("rounds", 1)))
             c = st.get("open", {}).get("added_no_wait", {}).get(tier, {})
             if "p99_over_floor" in c:  # the same without the step's wait for a fetch
                 out.append(figure("residency", f"added TTFT p99, {label}, {k} slots / its fill "

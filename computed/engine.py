@@ -55,6 +55,8 @@ class Request:
     client: Hashable  # who sent it, for the per-client limit
     ticket: int = 0  # arrival order: the oldest waiter reserves the next slot (residency.py)
     arrived: float = field(default_factory=time.perf_counter)
+    # when it first had a row but not its adapter's slot (a fill, a full set of slots)
+    eligible: float | None = None
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Running:
     output: list[int] = field(default_factory=list)
     admitted: float = 0.0
     prefill_s: float = 0.0
+    residency_s: float = 0.0  # from first having a row to holding its slot (Request.eligible)
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,8 @@ class Engine:
             "timings": {"queue_ms": (r.admitted - r.req.arrived) * 1e3,
                         "prefill_ms": r.prefill_s * 1e3,
                         "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
-                        "total_ms": (now - r.req.arrived) * 1e3}}
+                        "total_ms": (now - r.req.arrived) * 1e3,
+                        "residency_ms": r.residency_s * 1e3}}
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
@@ -288,6 +292,7 @@ class Engine:
         """Admit `req` into a free row (not yet prefilled); None to keep it waiting."""
         a = req.args
         row = next((i for i, r in enumerate(self.rows) if r is None), None)
+        tried = time.perf_counter()
         try:
             # without a free row only the wait for min_seq can end now: ask as for the base
             # model, which holds nothing
@@ -300,6 +305,8 @@ class Engine:
         except SlotDraining as exc:
             if isinstance(exc, Fetching) and self._fetch is None:
                 self._fetch = exc  # the oldest such request of this pass
+            if row is not None and req.eligible is None:
+                req.eligible = tried  # from here on, it waits for residency alone
             # its slot is being rewritten, its weights are being fetched (Fetching), or no slot
             # can hold its adapter now (NoSlot): admit later; requests whose adapters are
             # resident go ahead meanwhile
@@ -308,6 +315,9 @@ class Engine:
             return None
         run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
         run.admitted = time.perf_counter()
+        # what residency added: the wait since it first had a row, or this admission's own
+        # slot write (a host-tier hit), or next to nothing (resident)
+        run.residency_s = run.admitted - (tried if req.eligible is None else req.eligible)
         return run
 
     def _prefill(self, runs: list[Running], done: list[Done]) -> None:

@@ -79,6 +79,7 @@ class Timings(TypedDict):
     prefill_ms: float
     decode_ms: float
     total_ms: float
+    residency_ms: float  # within queue_ms: waiting for the adapter to be made resident
 
 
 class AdapterVersion(TypedDict):

@@ -168,3 +168,8 @@ def test_a_step_waits_for_a_queued_miss_and_prefills_it_before_its_decode(
         assert set(running) == {"a", "c"}
         assert len(running["c"].output) == 2  # its first token from the prefill, then decoded
         assert where(replica)["c"] == running["c"].grant.slot
+        # what residency added to each: c waited from its first pass with a row to its fetch
+        # and slot write; a's adapter was resident, and it never waited for one
+        a, c = running["a"], running["c"]
+        assert a.req.eligible is None and c.req.eligible is not None
+        assert 0 <= a.residency_s < c.residency_s <= c.admitted - c.req.arrived

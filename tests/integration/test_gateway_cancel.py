@@ -145,5 +145,6 @@ def test_a_client_that_leaves_before_an_unstreamed_answer_cancels_its_request(
         "model": "chat", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
     assert res.status_code == 200, res.text
     timings = res.json()["timings"]
-    assert set(timings) == {"queue_ms", "prefill_ms", "decode_ms", "total_ms", "upstream_ms"}
+    assert set(timings) == {"queue_ms", "prefill_ms", "decode_ms", "total_ms",
+                            "residency_ms", "upstream_ms"}
     assert 0 < timings["prefill_ms"] < timings["total_ms"] < timings["upstream_ms"]

@@ -97,7 +97,8 @@ def test_mixed_batch_matches_transformers_and_peft(served: tuple[Fleet, Computed
         assert (res["adapter"] or {}).get("name") == name
         want = reference.greedy(None if name is None else dirs[chosen[name]], prompt, n)
         assert res["output_ids"] == want, (name, prompt)
-        assert set(res["timings"]) == {"queue_ms", "prefill_ms", "decode_ms", "total_ms"}
+        assert set(res["timings"]) == {"queue_ms", "prefill_ms", "decode_ms", "total_ms",
+                                       "residency_ms"}
         outputs[(name, tuple(prompt))] = res["output_ids"]
     # different adapters really give different outputs within the one mixed batch (on the
     # example model, two adapters happen to agree on the first prompt; never on these)
