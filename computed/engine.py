@@ -254,39 +254,46 @@ class Engine:
         must wait stay in the queue, where the limits `submit` checks count them while `intake`
         runs. Then again for what `intake` brought, until a pass admits nothing.
 
-        A pass that admits nothing while a request waits for its adapter's fetch (a miss, a
-        few ms) waits for that fetch, at most `fetch_wait` (half) of the last decode step in
-        all, and passes again: the request is prefilled before this step's decode instead of
-        after it, at the cost of that wait to the running requests (docs/residency.md)."""
+        A pass that leaves a request waiting for its adapter's fetch (a miss, a few ms) waits
+        for that fetch, at most `fetch_wait` (half) of the last decode step in all, and passes
+        again, so the miss is prefilled with the requests admitted beside it instead of after
+        their prefill or this step's decode, at the cost of that wait to them
+        (docs/residency.md)."""
         budget = time.perf_counter() + self.decode_s * self.fetch_wait
         while True:
-            admitted: list[Running] = []
-            self._fetch = None
-            i = 0
-            while i < len(self.waiting):
-                req = self.waiting[i]
-                try:
-                    run = self._try_admit(req)
-                except GenerateError as exc:
-                    del self.waiting[i]
-                    self.replica.withdraw(req.ticket)  # e.g. a waiter's not_ready: its slot goes
-                    done.append(Done(req.reply_to, req.req_id, error=exc))
-                    continue
-                if run is None:
-                    i += 1
-                    continue
-                del self.waiting[i]
-                self.rows[run.row] = run
-                admitted.append(run)
+            admitted = self._pass(done)
+            while (fetch := self._fetch) is not None and fetch.wait is not None \
+                    and (left := budget - time.perf_counter()) > 0 and fetch.wait(left):
+                admitted += self._pass(done)  # its weights are in the host tier now
             if not admitted:
-                fetch, left = self._fetch, budget - time.perf_counter()
-                if fetch is None or fetch.wait is None or left <= 0 or not fetch.wait(left):
-                    return
-                continue  # its weights are in the host tier now: the next pass writes its slot
+                return
             self._prefill(admitted, done)
             if intake is None:
                 return
             intake()  # what came meanwhile joins the queue's end, and the next pass
+
+    def _pass(self, done: list[Done]) -> list[Running]:
+        """One pass over the queue: the requests admitted into rows (not yet prefilled);
+        `_fetch` is then the oldest left waiting for its adapter's fetch, if any."""
+        admitted: list[Running] = []
+        self._fetch = None
+        i = 0
+        while i < len(self.waiting):
+            req = self.waiting[i]
+            try:
+                run = self._try_admit(req)
+            except GenerateError as exc:
+                del self.waiting[i]
+                self.replica.withdraw(req.ticket)  # e.g. a waiter's not_ready: its slot goes
+                done.append(Done(req.reply_to, req.req_id, error=exc))
+                continue
+            if run is None:
+                i += 1
+                continue
+            del self.waiting[i]
+            self.rows[run.row] = run
+            admitted.append(run)
+        return admitted
 
     def _try_admit(self, req: Request) -> Running | None:
         """Admit `req` into a free row (not yet prefilled); None to keep it waiting."""

@@ -173,3 +173,32 @@ def test_a_step_waits_for_a_queued_miss_and_prefills_it_before_its_decode(
         a, c = running["a"], running["c"]
         assert a.req.eligible is None and c.req.eligible is not None
         assert 0 <= a.residency_s < c.residency_s <= c.admitted - c.req.arrived
+
+
+def test_a_miss_queued_beside_resident_requests_joins_their_prefill(
+        tmp_path: Path, example: ExampleAssets) -> None:
+    """A miss submitted with a request whose adapter is resident is prefilled with it, once
+    its fetch ends within the step's budget, instead of after that prefill and the step's
+    decode (docs/residency.md, "What a miss adds")."""
+    from computed.engine import Engine
+    from computed.model.loader import load_model
+    from computed.model.runner import LlamaRunner
+    from shared.replica_protocol import generate_args
+    with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
+        load(cmd, replica, example, "a", "b", "c")
+        assert "a" in where(replica) and "c" not in where(replica)
+        config, params = load_model(example.model_dir)
+        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
+        engine.decode_s = 600.0  # here the wait ends with the fetch, never with its bound
+        replica.blobs._lock.acquire()  # c's fetch cannot end before the step begins
+        for name in ("a", "c"):
+            assert engine.submit(name, generate_args([5, 6, 7], adapter=name,
+                                                     max_new_tokens=8), name) is None
+        threading.Timer(0.3, replica.blobs._lock.release).start()
+        engine.step()
+        running = {r.req.req_id: r for r in engine.rows if r is not None}
+        assert set(running) == {"a", "c"}
+        # one prefill for both (the same admission pass set), then the step's decode
+        assert [len(running[n].output) for n in ("a", "c")] == [2, 2]
+        assert running["a"].prefill_s > running["c"].prefill_s  # a was admitted first
+        assert running["c"].req.eligible is not None and running["a"].req.eligible is None
