@@ -38,9 +38,10 @@ class Fleet:
         self.replicas.append(r)
         return r.start() if start else r
 
-    def gateway(self) -> Gateway:
+    def gateway(self, *extra_args: str) -> Gateway:
         """A `computed gateway` in front of this fleet's replicas, started and healthy."""
-        gateway = Gateway(self.example.model_dir, self.statesvc, log_file=self.tmp / "gateway.log")
+        gateway = Gateway(self.example.model_dir, self.statesvc, log_file=self.tmp / "gateway.log",
+                          extra_args=extra_args)
         self.gateways.append(gateway)
         gateway.start()
         wait_for(gateway.healthy, what="gateway healthy")

@@ -59,6 +59,11 @@ class _Link:
         self.done = self.loop.create_future()
         self.loop.add_reader(self.sock.fd, self._events)
         self.loop.add_reader(self.monitor.fd, self._monitor)
+        # read the monitor once now: its descriptor only fires for an event that finds the
+        # socket's pipe idle, and a pipe counts as idle only after a read found it empty (the
+        # first disconnect was never seen, and a stream on a killed replica waited out the
+        # request timeout)
+        self._monitor()
 
     def stop(self) -> None:
         if self.loop is not None:

@@ -64,7 +64,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
         # when test_a_replica_killed_mid_stream kills it
         replicas = [fleet.replica("r1", env={SLOW_STEP_ENV: "0.02"}), fleet.replica("r2")]
         wait_for(lambda: fleet.converged(*replicas), what="replicas at head")
-        yield Setup(fleet, fleet.gateway(), example)
+        # a request timeout past this module's test timeout: a stream on the killed replica
+        # that waited it out instead of seeing the disconnect would fail its test as a hang
+        yield Setup(fleet, fleet.gateway("--request-timeout", "3600"), example)
     finally:
         fleet.stop()
 
