@@ -25,8 +25,9 @@ postgres:
 	@.ci/postgres
 
 # two pytest-xdist workers, one test module per worker at a time (module fixtures and the order of a
-# module's tests stay as written); most tests wait on the processes they start (docs/testing.md)
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+# module's tests stay as written), modules in the order tests/conftest.py gives them (slow ones
+# first) rather than by test count; most tests wait on the processes they start (docs/testing.md)
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 test: kernels postgres
 	$(BIN)/python -m mypy
