@@ -24,12 +24,17 @@ kernels: $(STAMP)
 postgres:
 	@.ci/postgres
 
+# two pytest-xdist workers, one test module per worker at a time (module fixtures and the order of a
+# module's tests stay as written), modules in the order tests/conftest.py gives them (slow ones
+# first) rather than by test count; most tests wait on the processes they start (docs/testing.md)
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+
 test: kernels postgres
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(PYTEST) --durations=25 tests
 
 test-fast: kernels postgres
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 demo: kernels
 	$(BIN)/python -m statesvc.tools.demo

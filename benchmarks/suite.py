@@ -16,7 +16,7 @@ those files and writes
 writes into `--out` (default: a fresh temp dir) and a copy of the README there,
 never into the repository. `make test` runs it once so the suite cannot rot.
 
-    .venv/bin/python -m benchmarks [--quick] [--only events,replay] [--out DIR] [--collect-only] [--isa avx2]
+    .venv/bin/python -m benchmarks [--quick [--jobs 2]] [--only events,replay] [--out DIR] [--collect-only] [--isa avx2]
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -453,12 +454,36 @@ def summary_table(latest: dict[str, Any]) -> str:
 
 # ---- running ----------------------------------------------------------------------------
 
-def run_bench(bench: Bench, quick: bool, env: dict[str, str]) -> dict[str, Any]:
+def run_bench(bench: Bench, quick: bool, env: dict[str, str], log: Path | None = None) -> dict[str, Any]:
+    """One benchmark in a process of its own; its output to ours, or to `log` (printed after it,
+    whole, where it failed)."""
     cmd = [sys.executable, "-m", bench.module, *(bench.quick if quick else ())]
-    print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
+    print(f"== {bench.name}: {' '.join(cmd[1:])}" + (f" (output in {log})" if log else ""), flush=True)
     t0 = time.perf_counter()
-    rc = subprocess.run(cmd, env=env).returncode
-    return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "args": cmd[3:]}
+    if log is None:
+        rc = subprocess.run(cmd, env=env).returncode
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            print(f"== {bench.name} failed ({rc}):\n{log.read_text()}", flush=True)
+    seconds = round(time.perf_counter() - t0, 1)
+    if log is not None:
+        print(f"== {bench.name}: done in {seconds} s, exit {rc}", flush=True)
+    return {"rc": rc, "seconds": seconds, "args": cmd[3:]}
+
+
+def run_benches(chosen: list[Bench], quick: bool, env: dict[str, str], out: Path,
+                jobs: int) -> dict[str, dict[str, Any]]:
+    """Each chosen benchmark's run, in BENCHES order; `jobs` > 1 (a smoke run only: side by side
+    they would colour each other's timings) runs that many at once, each one's output in
+    OUT/logs/NAME.log."""
+    if jobs <= 1:
+        return {b.name: run_bench(b, quick, env) for b in chosen}
+    with ThreadPoolExecutor(jobs) as pool:
+        done = pool.map(lambda b: run_bench(b, quick, env, out / "logs" / f"{b.name}.log"), chosen)
+        return dict(zip((b.name for b in chosen), done))
 
 
 def figures_of(out: Path, runs: dict[str, dict[str, Any]]) -> list[Figure]:
@@ -502,10 +527,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="where results, plots and (for --quick) the README copy go")
     ap.add_argument("--collect-only", action="store_true",
                     help="run nothing: rebuild latest.json, plots and table from the results")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="with --quick: run this many benchmarks at once, each one's output in "
+                         "OUT/logs/NAME.log (a smoke run times nothing; `make test` uses 2)")
     ap.add_argument("--isa", choices=("native", "avx2"), default=None,
                     help="build the native kernels for this ISA in every bench process "
                          "(sets LORAPLANE_KERNEL_ISA; avx2 measures an AVX2+FMA CPU on an AVX-512 one)")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        ap.error(f"--jobs {a.jobs}: runs at least 1 benchmark at a time")
+    if a.jobs > 1 and not a.quick:
+        ap.error(f"--jobs {a.jobs} needs --quick: a full run times its benchmarks one at a time, "
+                 "since side by side they colour each other's timings")
     forced = a.isa == FORCED
     # a forced-ISA run redoes only what the ISA changes, unless --only says otherwise
     chosen = [b for b in BENCHES if (b.name in a.only.split(",") if a.only else b.isa_bound or not forced)]
@@ -532,8 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             if b.isa_bound or not forced:
                 runs.setdefault(b.name, {"rc": 0, "seconds": None, "args": []})
     if not a.collect_only:
-        for bench in chosen:
-            runs[bench.name] = run_bench(bench, a.quick, env)
+        runs.update(run_benches(chosen, a.quick, env, out, a.jobs))
     latest = collect(out, runs)
     latest["quick"] = a.quick
     latest["plots"] = [str(p.relative_to(out)) for p in plots.draw(out, out / "plots")]

@@ -48,16 +48,26 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> ExampleAssets:
 
 @pytest.fixture(scope="module")
 def runs(assets: ExampleAssets, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict[str, Any], Any]]:
-    """The worker's results for N = 1, 2 and 4."""
+    """The worker's results for N = 1, 2 and 4, the three processes side by side, not one after
+    another (docs/testing.md)."""
     out_dir = tmp_path_factory.mktemp("tp-runs")
-    results = {}
-    for n in (1, 2, 4):
-        out = out_dir / f"n{n}"
-        proc = subprocess.run([sys.executable, "-m", "tests.parity.tp_worker", str(n), str(assets.root), str(out)],
-                              env=forced(n), cwd=ROOT, capture_output=True, text=True, timeout=500)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[n] = (json.loads(out.with_suffix(".json").read_text()), np.load(out.with_suffix(".npz")))
-    return results
+    procs: dict[int, subprocess.Popen[str]] = {}
+    try:
+        for n in (1, 2, 4):
+            log = (out_dir / f"n{n}.log").open("w")
+            procs[n] = subprocess.Popen([sys.executable, "-m", "tests.parity.tp_worker", str(n), str(assets.root),
+                                         str(out_dir / f"n{n}")], env=forced(n), cwd=ROOT, stdout=log,
+                                        stderr=subprocess.STDOUT, text=True)
+            log.close()  # the child holds its own descriptor
+        for n, proc in procs.items():
+            assert proc.wait(timeout=500) == 0, (out_dir / f"n{n}.log").read_text()[-4000:]
+    finally:
+        for proc in procs.values():  # stopped by pid when one failed or hung
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {n: (json.loads((out_dir / f"n{n}.json").read_text()), np.load(out_dir / f"n{n}.npz"))
+            for n in (1, 2, 4)}
 
 
 @pytest.fixture(scope="module")
