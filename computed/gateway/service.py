@@ -18,7 +18,7 @@ from computed.gateway.routing import Router
 
 from computed.gateway.replicas import ReplicaLinks
 from shared.client import RemoteError, Unavailable
-from shared.replica_protocol import MAX_STOP_TOKENS, generate_args
+from shared.replica_protocol import MAX_STOP_TOKENS, Timings, generate_args
 from shared.text import REPLACEMENT, TextCodec
 
 log = logging.getLogger("computed.gateway")
@@ -53,11 +53,21 @@ class Output:
     text: str
     finish_reason: str  # "stop" or "length"
     replica: str
-    # the replica's own timings of the request (docs/protocol.md `generate`: queue_ms,
-    # prefill_ms, decode_ms, total_ms) and upstream_ms, from the gateway sending it to that
-    # replica to its result (as Envoy's x-envoy-upstream-service-time); None when the
-    # gateway ended it early (a stop string)
-    timings: dict[str, float] | None = None
+    timings: dict[str, float] | None = None  # passed_on(): None when ended early (a stop string)
+
+
+def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | None:
+    """What a client is told of a replica's `timings` (docs/protocol.md `generate`): its
+    known fields that are numbers, nothing else the replica sent, and upstream_ms, from the
+    gateway sending the request to that replica to its result (as Envoy's
+    x-envoy-upstream-service-time); None without a result's timings (a request the gateway
+    ended early, at a stop string)."""
+    got = result.get("timings")
+    if not isinstance(got, dict):
+        return None
+    out = {k: float(v) for k, v in got.items() if k in Timings.__required_keys__
+           and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**out, "upstream_ms": upstream_s * 1e3}
 
 
 class StopWatch:
@@ -190,9 +200,7 @@ class Gateway:
                 sent = time.perf_counter()
                 res = await self._generate(replica.address, args, watch, seen,
                                            relay if on_token is not None or watch else None)
-                timings = res.get("timings")
-                if timings is not None:
-                    timings = {**timings, "upstream_ms": (time.perf_counter() - sent) * 1e3}
+                timings = passed_on(res, time.perf_counter() - sent)
             except Unavailable as exc:
                 self.router.failed(replica.address)
                 if streamed:
