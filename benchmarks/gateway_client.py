@@ -3,13 +3,15 @@
 It reads one JSON command per line on stdin and answers one JSON line on stdout, so the
 measuring process shares neither its interpreter nor its event loop with the requests:
 
-    {"path": "zmq" | "gateway", "reqs": [[adapter, [ids...]], ...], "tokens": N}
+    {"path": "zmq" | "gateway", "reqs": [[adapter, [ids...], tokens], ...], "concurrency": C}
     -> {"wall_s": S, "lat_s": [...], "ttft_s": [...], "over_s": [...], "cpu_s": C}
 
-Both paths stream and are timed the same way: all requests sent at once, each request's
-latency from its send to its last byte (the final reply frame; `data: [DONE]`) and to its
-first token (the first token frame; the first chunk), the round from the first send to the
-last reply. `over_s` is each request's latency less the time its answer took past the
+Both paths stream, run the requests the same way and time them the same way: a closed loop
+of `concurrency` streams, each sending the next request of the list as soon as its last one
+ended (all of them at once when `concurrency` is the list's length: a burst); each
+request's latency from its send to its last byte (the final reply frame; `data: [DONE]`)
+and to its first token (the first token frame; the first chunk), listed in the requests'
+order; the round from the first send to the last reply. `over_s` is each request's latency less the time its answer took past the
 client's hop: through the gateway, less the gateway's `timings.upstream_ms` (from the
 gateway sending it to the replica to its result, in the finish chunk): what the gateway and
 its HTTP hop added; on ZeroMQ, less the replica's own `timings.total_ms` (from reading the
@@ -48,42 +50,54 @@ class Dealers:
         self.address = address
         self.socks: list[zmq.Socket[Any]] = []
 
-    def run(self, reqs: list[list[Any]], tokens: int
+    def run(self, reqs: list[list[Any]], concurrency: int
             ) -> tuple[float, list[float], list[float], list[float]]:
-        while len(self.socks) < len(reqs):
+        while len(self.socks) < concurrency:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address)
             self.socks.append(sock)
         poller = zmq.Poller()
-        sent: dict[str, float] = {}
-        streamed: dict[str, int] = {}
-        lat: list[float] = []
-        ttft: list[float] = []
-        over: list[float] = []
-        t0 = time.perf_counter()
-        for sock, (adapter, ids) in zip(self.socks, reqs):
+        n = len(reqs)
+        sent, lat, ttft, over = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        streamed = [0] * n
+        index: dict[str, int] = {}  # request id -> its place in reqs
+        todo = iter(range(n))
+
+        def send_next(sock: zmq.Socket[Any]) -> None:
+            i = next(todo, None)
+            if i is None:
+                return
+            adapter, ids, tokens = reqs[i]
             rid = uuid.uuid4().hex
-            sent[rid], streamed[rid] = time.perf_counter(), 0
+            index[rid], sent[i] = i, time.perf_counter()
             sock.send(msgpack.packb({"v": 1, "id": rid, "cmd": "generate", "args": generate_args(
                 ids, adapter=adapter, max_new_tokens=tokens, stream=True)}))
+
+        t0 = time.perf_counter()
+        for sock in self.socks[:concurrency]:
+            send_next(sock)
             poller.register(sock, zmq.POLLIN)
-        while len(lat) < len(reqs):
+        done = 0
+        while done < n:
             ready = poller.poll(300_000)
             assert ready, "no reply from the replica"
             for sock, _ in ready:
                 while sock.poll(0):
                     reply = msgpack.unpackb(sock.recv())
                     assert reply["ok"], reply
+                    i = index[reply["id"]]
                     if "token" in reply:
-                        if not streamed[reply["id"]]:
-                            ttft.append(time.perf_counter() - sent[reply["id"]])
-                        streamed[reply["id"]] += 1
+                        if not streamed[i]:
+                            ttft[i] = time.perf_counter() - sent[i]
+                        streamed[i] += 1
                         continue
                     got = len(reply["result"]["output_ids"])
-                    assert got == tokens == streamed[reply["id"]], reply
-                    lat.append(time.perf_counter() - sent[reply["id"]])
-                    over.append(lat[-1] - reply["result"]["timings"]["total_ms"] / 1e3)
+                    assert got == reqs[i][2] == streamed[i], reply
+                    lat[i] = time.perf_counter() - sent[i]
+                    over[i] = lat[i] - reply["result"]["timings"]["total_ms"] / 1e3
+                    done += 1
+                    send_next(sock)
         return time.perf_counter() - t0, lat, ttft, over
 
     def close(self) -> None:
@@ -137,21 +151,26 @@ class Http:
         self.idle = []
 
 
-async def run_gateway(http: Http, reqs: list[list[Any]], tokens: int
+async def run_gateway(http: Http, reqs: list[list[Any]], concurrency: int
                       ) -> tuple[float, list[float], list[float], list[float]]:
-    async def one(adapter: str, ids: list[int]) -> tuple[float, float, float]:
-        t = time.perf_counter()
-        body = json.dumps({"model": adapter, "prompt": ids, "max_tokens": tokens,
-                           "temperature": 0, "stream": True, "ignore_eos": True}).encode()
-        events, first, upstream_ms = await http.stream(body)
-        assert events == tokens + 1, events  # one per token, then the finish chunk
-        lat = time.perf_counter() - t
-        return lat, first - t, lat - upstream_ms / 1e3
+    n = len(reqs)
+    lat, ttft, over = [0.0] * n, [0.0] * n, [0.0] * n
+    todo = iter(range(n))
+
+    async def stream() -> None:
+        for i in todo:  # a closed loop: the next request once this stream's last one ended
+            adapter, ids, tokens = reqs[i]
+            t = time.perf_counter()
+            body = json.dumps({"model": adapter, "prompt": ids, "max_tokens": tokens,
+                               "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+            events, first, upstream_ms = await http.stream(body)
+            assert events == tokens + 1, events  # one per token, then the finish chunk
+            lat[i] = time.perf_counter() - t
+            ttft[i], over[i] = first - t, lat[i] - upstream_ms / 1e3
 
     t0 = time.perf_counter()
-    got = await asyncio.gather(*(one(a, ids) for a, ids in reqs))
-    return (time.perf_counter() - t0, [g[0] for g in got], [g[1] for g in got],
-            [g[2] for g in got])
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    return time.perf_counter() - t0, lat, ttft, over
 
 
 async def main_async(replica: str, url: str) -> None:
@@ -163,9 +182,9 @@ async def main_async(replica: str, url: str) -> None:
             cmd = json.loads(line)
             cpu = time.process_time()
             if cmd["path"] == "zmq":
-                wall, lat, ttft, over = dealers.run(cmd["reqs"], cmd["tokens"])
+                wall, lat, ttft, over = dealers.run(cmd["reqs"], cmd["concurrency"])
             else:
-                wall, lat, ttft, over = await run_gateway(http, cmd["reqs"], cmd["tokens"])
+                wall, lat, ttft, over = await run_gateway(http, cmd["reqs"], cmd["concurrency"])
             print(json.dumps({"wall_s": wall, "lat_s": lat, "ttft_s": ttft, "over_s": over,
                               "cpu_s": time.process_time() - cpu}), flush=True)
     finally:

@@ -13,8 +13,9 @@ from typing import Any, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from computed.gateway import admin
 from computed.gateway.auth import Operator, operator_of
@@ -22,7 +23,7 @@ from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
-from computed.gateway.streaming import Chunks, Item, StreamText, events, usage
+from computed.gateway.streaming import Chunks, EventStream, Item, StreamText, events, usage
 from shared.keys import ClientKeys
 
 log = logging.getLogger("computed.gateway")
@@ -75,7 +76,7 @@ async def unless_gone(request: Request, work: Awaitable[Output]) -> Output:
 
 
 def build_app(gw: Gateway, *, max_pending: int = 256,
-              operators: list[Operator] | None = None) -> Starlette:
+              operators: list[Operator] | None = None) -> ASGIApp:
     """operators: with --auth, who may load and unload (else anyone who reaches the
     gateway, as the gateway's own identity on statesvc)."""
     pending = threading.BoundedSemaphore(max_pending)
@@ -132,14 +133,12 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             return error_response(first[1])
         text = StreamText(gw.codec, stop_ids, req.sampling.stop)
         chunks = Chunks(head, chat, req.sampling.include_usage)
-        return StreamingResponse(events(text, queue, first, chunks, task),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(events(text, queue, first, chunks, task))
 
     async def generate(request: Request, parse: Callable[[dict[str, Any]], Completion | Chat],
                        chat: bool) -> Response:
         started, label = time.perf_counter(), UNRESOLVED
-        endpoint = request.url.path
+        endpoint = request.scope["path"]  # request.url builds a whole URL object
         try:
             req = parse(await read_body(request))
             target = gw.resolve(req.model)  # 404 before queueing
@@ -228,7 +227,7 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
     async def metrics_page(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/metrics", metrics_page, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
@@ -237,3 +236,18 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ])
+    generation = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        """A POST to a generation endpoint goes straight to its handler, which answers every
+        error itself; everything else goes through Starlette. Its middleware stack and route
+        matching cost each request of a burst a share of the one event loop that all of the
+        burst's requests queue on."""
+        handler = generation.get(scope["path"]) \
+            if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            return await app(scope, receive, send)
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)
+
+    return asgi

@@ -10,6 +10,9 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
 from computed.gateway.requests import ApiError
 from computed.gateway.service import Output
 from shared.text import IncrementalDecoder, TextCodec
@@ -116,13 +119,35 @@ def _data(body: dict[str, Any]) -> bytes:
     return b"data: %s\n\n" % json.dumps(body).encode()
 
 
+class EventStream(StreamingResponse):
+    """An event stream whose last chunk ends the body in the same write: `events` yields
+    each chunk with whether it is the last, and that one goes out with `more_body` false
+    (one write of the chunk and the body's end, where StreamingResponse writes an empty
+    last chunk after it). A 32-request burst finishing in one decode step had every
+    stream pay for both writes, one after another on the event loop."""
+
+    def __init__(self, chunks: AsyncIterator[tuple[bytes, bool]]) -> None:
+        super().__init__((), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.chunks = chunks
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk, last in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
-                 chunks: Chunks, task: asyncio.Task[None]) -> AsyncIterator[bytes]:
-    """The SSE body: a chunk per token as tokens come (the chunks of tokens that queued
-    meanwhile go out in one write), then the finish chunk, the usage chunk when asked and
-    `[DONE]`; a replica that fails mid-stream ends it with an `error` event in OpenAI's
-    shape. If the client goes away first (the body is cancelled), so does `task`, the
-    request, which tells its replica to stop."""
+                 chunks: Chunks, task: asyncio.Task[None]) -> AsyncIterator[tuple[bytes, bool]]:
+    """The SSE body, each chunk with whether it is the last: a chunk per token as tokens
+    come (the chunks of tokens that queued meanwhile go out in one write), then the finish
+    chunk, the usage chunk when asked and `[DONE]`; a replica that fails mid-stream ends it
+    with an `error` event in OpenAI's shape. If the client goes away first (the body is
+    cancelled), so does `task`, the request, which tells its replica to stop."""
     out: list[bytes] = [chunks.first()] if chunks.chat else []
     item: Item | None = first
     try:
@@ -139,16 +164,16 @@ async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
                     if chunks.include_usage:
                         out.append(chunks.usage(o))
                     out.append(DONE)
-                    yield b"".join(out)
+                    yield b"".join(out), True
                     return
                 else:
                     err: ApiError = value
                     out.append(_data(err.body()))
-                    yield b"".join(out)
+                    yield b"".join(out), True
                     return
                 item = queue.get_nowait() if not queue.empty() else None
             if out:
-                yield b"".join(out)
+                yield b"".join(out), False
                 out = []
             item = await queue.get()
     finally:
