@@ -87,8 +87,9 @@ buys at long context.
 
 The table is printed, written to benchmarks/results/decode.json and, where
 README.md has the `bench:decode` markers, into that section. `--quick` is a
-smoke run (a tiny model, one round of 4 steps, no long-cache figure) that
-writes nothing unless `python -m benchmarks --quick` points it elsewhere.
+smoke run (a tiny model, one round of 4 steps, the base model and 16 adapters
+only, a served replica of `--max-batch 4`, no long-cache figure) that writes
+nothing unless `python -m benchmarks --quick` points it elsewhere.
 """
 from __future__ import annotations
 
@@ -582,11 +583,11 @@ class ServedReplica:
 
     def __init__(self, root: Path, model_dir: Path, dirs: dict[str, Path], prompts: np.ndarray, *,
                  clients: int, new_tokens: int, max_len: int, slots: int, pool_dtype: str,
-                 dtype: str = "float32", name: str = "served") -> None:
+                 dtype: str = "float32", name: str = "served", max_batch: int = BATCH) -> None:
         self.prompts, self.clients, self.new_tokens = prompts, clients, new_tokens
         self.svc = StateSvc(root / f"{name}-data")
         self.replica = Computed(model_dir, self.svc, root / f"{name}-replica", replica_id="bench",
-                                extra_args=("--max-batch", str(BATCH), "--max-len", str(max_len),
+                                extra_args=("--max-batch", str(max_batch), "--max-len", str(max_len),
                                             "--dtype", dtype))
         self.ctx = zmq.Context()
         self.socks: list[zmq.Socket[Any]] = []
@@ -740,7 +741,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{args.served_tokens} new tokens each) ...")
             served_proc = ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
                                    new_tokens=args.served_tokens, max_len=max_len, slots=args.slots,
-                                   pool_dtype=args.pool_dtype)
+                                   pool_dtype=args.pool_dtype, max_batch=args.served_max_batch)
             replica = served_proc
             config, params = load_model(model_dir)
             # which backend the "decode" column ran on, as serving selects it here
@@ -925,6 +926,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "slots": args.slots, "pool_dtype": args.pool_dtype, "max_len": max_len,
                      "torch_threads": args.torch_threads, "quick": args.quick,
                      "served_clients": args.served_clients, "served_tokens": args.served_tokens,
+                     "served_max_batch": args.served_max_batch,
                      "xla_threads": os.cpu_count()},
         "results": table, "served": served_table, "targets": targets, "compiles_while_timing": len(compiles),
         "no_pool_base": no_pool_timing.as_dict(steps),
@@ -984,7 +986,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
         lines += ["", f"Whole requests, the same work three ways: {s['served_clients']} requests (row i: "
                   f"prompt i, adapter i % k), {s['served_tokens']} new tokens each (greedy), timed from the "
                   "first request to the last token, prefill included. Served: a real `statesvc serve` and "
-                  f"`computed serve --max-batch {s['batch']}` (subprocesses, the same model and adapters, "
+                  f"`computed serve --max-batch {s.get('served_max_batch', s['batch'])}` (subprocesses, the "
+                  "same model and adapters, "
                   "loaded through the state service), one ZeroMQ DEALER per request, all sent at once; in "
                   "process: `Engine.submit` of the same requests and `Engine.step` until the last one "
                   "finishes (prefills as the engine admits them, as in the replica); PEFT: the same prompts "
@@ -1119,18 +1122,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixes", default=",".join(map(str, MIXES)),
                     help=f"distinct adapters per batch to time, comma-separated (the targets need 0 and "
                          f"{TARGET_MIX}); fewer for a shorter run, with --no-write")
-    output_flags(ap, "decode", "a smoke run: a tiny model, one round of 4 steps, no long cache; writes "
-                 "nothing unless `python -m benchmarks --quick` points it elsewhere")
+    output_flags(ap, "decode", "a smoke run: a tiny model, one round of 4 steps, mixes 0 and 16, no long "
+                 "cache; writes nothing unless `python -m benchmarks --quick` points it elsewhere")
     args = ap.parse_args(argv)
     mixes = tuple(sorted({int(k) for k in args.mixes.split(",")}))
     if not {0, TARGET_MIX} <= set(mixes) <= set(MIXES):
         ap.error(f"--mixes must include 0 and {TARGET_MIX} (the targets') and be among {MIXES}; got {args.mixes!r}")
     if mixes != MIXES and not args.no_write:
         ap.error("--mixes other than all of them needs --no-write (results/ keeps every mix)")
-    MIXES = mixes  # read by run, render and notes alike
-    if args.quick:
+    if args.quick:  # the base model and the targets' mix: every path and figure kind, 2 of 5 mixes' compiles
         args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
         args.served_clients, args.served_tokens = 4, 4
+        mixes = (0, TARGET_MIX)
+    # the served replica's --max-batch: the batch, or in a smoke run its clients (fewer shapes to compile)
+    args.served_max_batch = args.served_clients if args.quick else BATCH
+    MIXES = mixes  # read by run, render and notes alike
     if not 1 <= args.served_clients <= BATCH:
         ap.error(f"--served-clients must be in [1, {BATCH}] (the batch, the replica's --max-batch)")
     if args.slots < ADAPTERS:

@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     served[dtype] = ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
                                                   new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
                                                   slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
-                                                  name=f"served-{dtype}")
+                                                  name=f"served-{dtype}",
+                                                  max_batch=args.served_clients if args.quick else BATCH)
             timings = {key: Timing() for key in loops}
             served_t = {(d, k): RequestTiming() for d in served for k in MIXES}
             with counting_compiles() as compiles:
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                  "`python -m benchmarks --quick` says")
     args = ap.parse_args(argv)
     if args.quick:
-        args.repeats, args.steps, args.served_tokens = 1, 4, 8
+        # as bench_decode's: 4 clients of 4 tokens, on a replica of --max-batch 4
+        args.repeats, args.steps, args.served_clients, args.served_tokens = 1, 4, 4, 4
     return run_and_publish("dtype", args, run, report)
 
 

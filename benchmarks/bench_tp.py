@@ -43,10 +43,11 @@ SHAPE = ModelShape(vocab_size=2048, hidden_size=512, intermediate_size=1408, num
 QUICK_SHAPE = ModelShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=16)
 ADAPTERS, BATCH, RANK, PROMPT = 16, 32, 8, 8
+QUICK_BATCH = 4
 DEGREES = (1, 2, 4)
 
 
-def worker(n: int, root: Path, steps: int, repeats: int) -> None:
+def worker(n: int, root: Path, steps: int, repeats: int, batch: int) -> None:
     """In a process with n devices: its bytes per device (one JSON line once warm), then one
     round of decode steps per line read from stdin, each answered with its seconds."""
     import jax
@@ -71,13 +72,13 @@ def worker(n: int, root: Path, steps: int, repeats: int) -> None:
                  for layer in range(config.num_layers) for m, (i, o) in config.module_dims.items()}
         pool.write_slot(s, SlotWeights(scaling=2.0, rank=RANK, pairs=pairs))
     max_len = PROMPT + (repeats + 1) * steps + 1
-    runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
+    runner = LlamaRunner(config, params, max_batch=batch, max_len=max_len)
     cache = runner.new_cache()
-    slots = np.arange(BATCH, dtype=np.int32) % ADAPTERS
-    prompts = [list(rng.integers(0, config.vocab_size, PROMPT)) for _ in range(BATCH)]
+    slots = np.arange(batch, dtype=np.int32) % ADAPTERS
+    prompts = [list(rng.integers(0, config.vocab_size, PROMPT)) for _ in range(batch)]
     runner.warmup(pool.shapes(), cache)  # every attention bucket and LoRA window: nothing compiles below
-    logits, cache = runner.prefill(pool.arrays, cache, prompts, list(range(BATCH)), slots.tolist())
-    tokens, pos, active = logits.argmax(-1).astype(np.int32), np.full(BATCH, PROMPT, np.int32), np.ones(BATCH, bool)
+    logits, cache = runner.prefill(pool.arrays, cache, prompts, list(range(batch)), slots.tolist())
+    tokens, pos, active = logits.argmax(-1).astype(np.int32), np.full(batch, PROMPT, np.int32), np.ones(batch, bool)
     weights, pool_bytes = sharding.device_bytes(params), sharding.device_bytes(pool.arrays)
     formula = {"weights": sharding.expected_param_bytes(params, n), "pool": sharding.expected_pool_bytes(spec, n, 4)}
     say({"n": n, "devices": len(weights),
@@ -114,7 +115,8 @@ def ask(proc: subprocess.Popen[str], line: str | None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = QUICK_SHAPE if args.quick else SHAPE
-    steps, repeats = (2, 1) if args.quick else (args.steps, args.repeats)
+    # a smoke run: 2 steps, one round, 4 rows (each worker's warm-up compiles per row bucket)
+    steps, repeats, batch = (2, 1, QUICK_BATCH) if args.quick else (args.steps, args.repeats, BATCH)
     adapters = (AdapterSpec("a0", r=RANK, lora_alpha=16, target_modules=MODULES),)  # the worker writes its own 16
     per_n: dict[str, Any] = {}
     load_before = os.getloadavg()[0]
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             env = {**os.environ, "XLA_FLAGS": " ".join(
                 [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}"]).strip()}
             procs[n] = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_tp", "--worker", str(n), tmp,
-                                         "--steps", str(steps), "--repeats", str(repeats)],
+                                         "--steps", str(steps), "--repeats", str(repeats),
+                                         "--batch", str(batch)],
                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             per_n[str(n)] = {**ask(procs[n], None), "seconds": []}
         try:
@@ -140,13 +143,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 proc.stdin.close()
                 proc.wait(timeout=60)
     for cell in per_n.values():
-        cell["tokens_per_s"] = [BATCH * steps / t for t in cell["seconds"]]
+        cell["tokens_per_s"] = [batch * steps / t for t in cell["seconds"]]
         # per round, beside N = 1's rate in the same round
         ratios = [a / b for a, b in zip(cell["tokens_per_s"], per_n["1"]["tokens_per_s"])]
         cell["over_one"], cell["over_one_spread"] = median(ratios), spread(ratios)
     return {"machine": machine_info(), "model": shape.__dict__,
             "load_average": {"before": load_before, "after": os.getloadavg()[0]},
-            "settings": {"steps": steps, "repeats": repeats, "batch": BATCH, "adapters": ADAPTERS, "rank": RANK,
+            "settings": {"steps": steps, "repeats": repeats, "batch": batch, "adapters": ADAPTERS, "rank": RANK,
                          "devices": "forced CPU host devices (overhead, not speed-up)"},
             "results": per_n,
             "targets": [{"name": f"bytes per device = formula, N = {k}", "measured": str(c["exact"]),
@@ -177,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     ap.add_argument("--worker", nargs=2, metavar=("N", "DIR"), help=argparse.SUPPRESS)
-    output_flags(ap, "tp", "a smoke run: a tiny model, one round")
+    ap.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)  # the worker's rows
+    output_flags(ap, "tp", f"a smoke run: a tiny model, {QUICK_BATCH} rows, one round")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(int(args.worker[0]), Path(args.worker[1]), args.steps, args.repeats)
+        worker(int(args.worker[0]), Path(args.worker[1]), args.steps, args.repeats, args.batch)
         return 0
     return run_and_publish("tp", args, run, report)
 
