@@ -577,6 +577,12 @@ def request_args(prompts: np.ndarray, distinct: int, clients: int, new_tokens: i
                           max_new_tokens=new_tokens, min_seq=min_seq) for i in range(clients)]
 
 
+def served_max_batch(quick: bool, clients: int) -> int:
+    """A served replica's --max-batch: the batch, or in a smoke run its clients (fewer shapes
+    to compile); bench_dtype's served replicas too."""
+    return clients if quick else BATCH
+
+
 class ServedReplica:
     """A real `statesvc serve` and `computed serve` (subprocesses), the pool and adapters loaded
     through the state service, and `clients` DEALER sockets that each send one `generate`."""
@@ -1134,8 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
         args.served_clients, args.served_tokens = 4, 4
         mixes = (0, TARGET_MIX)
-    # the served replica's --max-batch: the batch, or in a smoke run its clients (fewer shapes to compile)
-    args.served_max_batch = args.served_clients if args.quick else BATCH
+    args.served_max_batch = served_max_batch(args.quick, args.served_clients)
     MIXES = mixes  # read by run, render and notes alike
     if not 1 <= args.served_clients <= BATCH:
         ap.error(f"--served-clients must be in [1, {BATCH}] (the batch, the replica's --max-batch)")

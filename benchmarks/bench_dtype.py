@@ -53,6 +53,7 @@ from benchmarks.bench_decode import (
     agreement,
     loaded_event,
     row_adapters,
+    served_max_batch,
     write_assets,
 )
 from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
                                                   slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
                                                   name=f"served-{dtype}",
-                                                  max_batch=args.served_clients if args.quick else BATCH)
+                                                  max_batch=served_max_batch(args.quick, args.served_clients))
             timings = {key: Timing() for key in loops}
             served_t = {(d, k): RequestTiming() for d in served for k in MIXES}
             with counting_compiles() as compiles:

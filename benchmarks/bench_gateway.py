@@ -271,7 +271,7 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"| {label} | lone: {lone['requests']} one at a time | | | | "
                      f"{lone['added_p50_ms']:+.2f} ms | {lone['added_p99_ms']:+.2f} ms | | |")
     first = next(iter(res["shapes"].values()))
-    st = first.get("steady") or {}
+    lo_tokens, hi_tokens = first["steady"]["new_tokens"]
     lines += ["", f"{BATCH} streaming requests over {ADAPTERS} resident adapters, greedy, "
               "sent by ZeroMQ straight to one replica (`stream: true`) and as streaming "
               "`/v1/completions` through the gateway, from a client in its own process, "
@@ -279,9 +279,9 @@ def report(res: dict[str, Any]) -> str:
               f"{BATCH} requests sent at once, {first['rounds']} rounds (the throughput "
               "target's). Steady: "
               f"{BATCH} streams in a closed loop, each sending its next request when its last "
-              f"one ends, new tokens drawn from {st.get('new_tokens', ['?', '?'])[0]}-"
-              f"{st.get('new_tokens', ['?', '?'])[1]}, the first wave not counted, "
-              f"{st.get('rounds', 0)} rounds (the added-latency target's). Lone: one request "
+              f"one ends, new tokens drawn from {lo_tokens}-{hi_tokens}, the first wave not "
+              f"counted, {first['steady']['rounds']} rounds (the added-latency target's). "
+              "Lone: one request "
               "at a time. Added latency: each request's latency through the gateway less the "
               "gateway's upstream time for it (sent to the replica to its result); medians "
               "over rounds. `bench` is the decode benchmark's model and the targets' workload, "
