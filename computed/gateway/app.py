@@ -99,14 +99,23 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         with an error status when it fails before the first token, else with the event
         stream. A client that goes away mid-stream cancels the task (streaming.events)."""
         queue: asyncio.Queue[Item] = asyncio.Queue()
+        handed: list[Output] = []  # the output, once handed to the stream
 
         def token(t: int) -> None:
             queue.put_nowait(("token", t))
 
+        def output(out: Output) -> None:
+            """The output, in the turn of the loop that read it with the last tokens: the
+            stream sends them, the finish chunk and `[DONE]` in one write, where waiting for
+            this task to resume would take a turn of the loop behind every other stream's
+            tokens of that step, and a write of its own."""
+            handed.append(out)
+            queue.put_nowait(("done", out))
+
         async def work() -> None:
             result: Output | ApiError
             try:
-                result = await gw.run(req, on_token=token)
+                result = await gw.run(req, on_token=token, on_output=output)
             except ApiError as exc:
                 result = exc
             except asyncio.CancelledError:
@@ -119,7 +128,8 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
                 pending.release()
                 metrics.pending.dec()
             record(label, endpoint, started, result)
-            queue.put_nowait(("error" if isinstance(result, ApiError) else "done", result))
+            if not handed:
+                queue.put_nowait(("error" if isinstance(result, ApiError) else "done", result))
 
         task = asyncio.create_task(work())
         tasks.add(task)

@@ -4,7 +4,8 @@ and reused one request at a time (a request does not pay for a TCP connection an
 handshake; a replica's listen socket holds at most a few unread replies per connection,
 docs/protocol.md §13b, so streams do not share one). The loop watches the socket's file
 descriptor: when it fires, every frame that has arrived is read and handed on at once (a
-token to `on_token`, the result to the waiting request). A socket monitor reports a dropped
+token to `on_token`, the result to `on_result` and the waiting request). A socket monitor
+reports a dropped
 connection the same way, so a request to a replica that dies fails at once (Unavailable),
 and the gateway can try another replica instead of waiting out the request timeout."""
 from __future__ import annotations
@@ -45,6 +46,7 @@ class _Link:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.req_id = ""
         self.on_token: Callable[[int], None] | None = None
+        self.on_result: Callable[[dict[str, Any]], None] | None = None
         self.streamed = 0
         self.done: asyncio.Future[dict[str, Any]] | None = None
         self.writable: asyncio.Future[None] | None = None
@@ -53,9 +55,10 @@ class _Link:
         """The connection dropped since the link was last used."""
         return bool(self.monitor.poll(0))
 
-    def start(self, req_id: str, on_token: Callable[[int], None] | None) -> None:
+    def start(self, req_id: str, on_token: Callable[[int], None] | None,
+              on_result: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
-        self.req_id, self.on_token, self.streamed = req_id, on_token, 0
+        self.req_id, self.on_token, self.on_result, self.streamed = req_id, on_token, on_result, 0
         self.done = self.loop.create_future()
         self.loop.add_reader(self.sock.fd, self._events)
         self.loop.add_reader(self.monitor.fd, self._monitor)
@@ -71,6 +74,7 @@ class _Link:
             self.loop.remove_reader(self.monitor.fd)
             self.loop = None
         self.done = self.writable = None
+        self.on_token = self.on_result = None
 
     async def send(self, frame: bytes, timeout_s: float) -> None:
         """Send once the connection is up (IMMEDIATE: nothing queues before it is)."""
@@ -120,7 +124,10 @@ class _Link:
             except ProtocolError:
                 continue
             if reply.get("ok"):
-                done.set_result(dict(reply["result"]))
+                result = dict(reply["result"])
+                done.set_result(result)  # its waiter resumes on a later turn of the loop
+                if self.on_result is not None:
+                    self.on_result(result)
             else:
                 err = reply.get("error") or {}
                 done.set_exception(RemoteError(str(err.get("code")), str(err.get("message")),
@@ -142,6 +149,11 @@ class _Link:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(linger_ms)
+
+
+def _expire(done: asyncio.Future[dict[str, Any]], address: str, timeout_s: float) -> None:
+    if not done.done():
+        done.set_exception(Unavailable(f"no answer from {address} within {timeout_s:g} s"))
 
 
 class ReplicaLinks:
@@ -169,17 +181,20 @@ class ReplicaLinks:
             link.close()
 
     async def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
-                       timeout_s: float, on_token: Callable[[int], None] | None = None
+                       timeout_s: float, on_token: Callable[[int], None] | None = None,
+                       on_result: Callable[[dict[str, Any]], None] | None = None
                        ) -> dict[str, Any]:
         """The replica's result; RemoteError for its refusal, Unavailable when it cannot be
         reached within connect_timeout_s, goes away, or does not answer within timeout_s.
         With `on_token`, the request streams: each token is passed to it as it arrives.
+        `on_result` is handed the result as soon as it is read, in the same turn of the loop
+        as the tokens read with it (the request's own task resumes a turn later).
         Cancelled (the HTTP client went away), it tells the replica to drop the request."""
         link = self._take(address)
         req_id = uuid.uuid4().hex
         if on_token is not None:
             args = {**args, "stream": True}
-        link.start(req_id, on_token)
+        link.start(req_id, on_token, on_result)
         frame = encode_request(req_id, GENERATE, args)
         sent = False
         try:
@@ -190,11 +205,15 @@ class ReplicaLinks:
             await asyncio.sleep(0)
             await link.send(frame, connect_timeout_s)
             sent = True
-            assert link.done is not None
+            done = link.done
+            assert done is not None and link.loop is not None
+            # a timer rather than wait_for: wait_for passes the result on through a callback
+            # of its own, a turn of the loop later
+            timer = link.loop.call_later(timeout_s, _expire, done, address, timeout_s)
             try:
-                result = await asyncio.wait_for(link.done, timeout_s)
-            except asyncio.TimeoutError:
-                raise Unavailable(f"no answer from {address} within {timeout_s:g} s")
+                result = await done
+            finally:
+                timer.cancel()
         except RemoteError:
             self._give_back(link)
             raise

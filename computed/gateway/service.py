@@ -150,10 +150,13 @@ class Gateway:
         return req.prompt
 
     async def run(self, req: Completion | Chat,
-                  on_token: Callable[[int], None] | None = None) -> Output:
+                  on_token: Callable[[int], None] | None = None,
+                  on_output: Callable[[Output], None] | None = None) -> Output:
         """On the event loop. With `on_token` the replica streams and each token is passed on
         as it arrives; a replica that fails before its first token is replaced by the next
-        candidate, one that fails after it raises MidStream."""
+        candidate, one that fails after it raises MidStream. `on_output`, when the request
+        has no stop strings, is handed the output in the turn of the loop that read the
+        replica's result, with its last tokens (this coroutine returns it a turn later)."""
         target = self.resolve(req.model)
         if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
             ids = await asyncio.get_running_loop().run_in_executor(None, self.prompt_ids, req)
@@ -194,13 +197,25 @@ class Gateway:
                     streamed += 1
                     on_token(token)
 
+            early: list[Output] = []  # the output handed to on_output
+
+            def finish(res: dict[str, Any], sent: float, rid: str = replica.id) -> Output:
+                return self._finish(ids, list(res["output_ids"]), stop_ids, s, rid,
+                                    passed_on(res, time.perf_counter() - sent))
+
+            def result(res: dict[str, Any]) -> None:
+                early.append(finish(res, sent))
+                assert on_output is not None
+                on_output(early[0])
+
             try:
                 # stop strings need the tokens as they come, streamed to the client or not:
                 # the request is cancelled on its replica as soon as one is complete
                 sent = time.perf_counter()
                 res = await self._generate(replica.address, args, watch, seen,
-                                           relay if on_token is not None or watch else None)
-                timings = passed_on(res, time.perf_counter() - sent)
+                                           relay if on_token is not None or watch else None,
+                                           result if on_output is not None and watch is None
+                                           else None)
             except Unavailable as exc:
                 self.router.failed(replica.address)
                 if streamed:
@@ -219,16 +234,17 @@ class Gateway:
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
-            return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id,
-                                timings)
+            return early[0] if early else finish(res, sent)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
-                        seen: list[int], relay: Callable[[int], None] | None
+                        seen: list[int], relay: Callable[[int], None] | None,
+                        on_result: Callable[[dict[str, Any]], None] | None
                         ) -> dict[str, Any]:
         """The replica's result; with `watch`, ended early (the request cancelled there) once
         a stop string is complete, its output then the tokens seen so far."""
         call = self.links.generate(address, args, connect_timeout_s=CONNECT_TIMEOUT_S,
-                                   timeout_s=self.request_timeout_s, on_token=relay)
+                                   timeout_s=self.request_timeout_s, on_token=relay,
+                                   on_result=on_result)
         if watch is None:
             return await call
         task = asyncio.ensure_future(call)

@@ -147,9 +147,11 @@ async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
     come (the chunks of tokens that queued meanwhile go out in one write), then the finish
     chunk, the usage chunk when asked and `[DONE]`; a replica that fails mid-stream ends it
     with an `error` event in OpenAI's shape. If the client goes away first (the body is
-    cancelled), so does `task`, the request, which tells its replica to stop."""
+    cancelled), so does `task`, the request, which tells its replica to stop; the output can
+    come a turn before `task` ends (app.py), so `task` is left to end by itself once it has."""
     out: list[bytes] = [chunks.first()] if chunks.chat else []
     item: Item | None = first
+    ended = False  # the output or the error came: `task` ends by itself
     try:
         while True:
             while item is not None:
@@ -164,11 +166,13 @@ async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
                     if chunks.include_usage:
                         out.append(chunks.usage(o))
                     out.append(DONE)
+                    ended = True
                     yield b"".join(out), True
                     return
                 else:
                     err: ApiError = value
                     out.append(_data(err.body()))
+                    ended = True
                     yield b"".join(out), True
                     return
                 item = queue.get_nowait() if not queue.empty() else None
@@ -177,5 +181,5 @@ async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
                 out = []
             item = await queue.get()
     finally:
-        if not task.done():
+        if not ended and not task.done():
             task.cancel()
