@@ -41,7 +41,8 @@ class StreamText:
         text = self.dec.sent
         # the text is cut where a stop string first begins in the whole answer: release
         # neither what follows a stop string found so far nor what may still begin one
-        end = min([i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # (released text holds no stop string, nor the start of one: search past it)
+        end = min([i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
                   + [len(text) - self._held(text)])
         piece = text[self.sent:max(end, self.sent)]
         self.sent += len(piece)

@@ -62,3 +62,22 @@ def test_chat_template_renders_as_transformers(example: ExampleAssets) -> None:
         messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     for text in TEXTS:
         assert codec.encode(text) == tok(text).input_ids
+
+
+def test_incremental_pieces_keep_a_metaspace_decoders_spaces() -> None:
+    """A SentencePiece-style decoder drops the leading space of a sequence's first token:
+    pieces decoded from a window keep every space a whole decode has."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    words = ["▁Hello", "▁world", "!", "▁Grüße", "▁🎉", "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    codec = TextCodec(tokenizer=tok, chat_template=None, bos_token=None, eos_token=None,
+                      eos_token_id=None)
+    ids = [0, 1, 2, 3, 4, 1, 2, 2]
+    whole = codec.decode(ids)
+    assert whole == "Hello world! Grüße 🎉 world!!"
+    dec = IncrementalDecoder(codec)
+    pieces = [dec.push(t) for t in ids]
+    assert "".join(pieces) + dec.flush() == whole == dec.sent
+    assert pieces[1] == " world"
