@@ -112,6 +112,15 @@ class IncrementalDecoder:
         U+FFFD, as a whole decode would show it)."""
         return self._advance(final=True)
 
+    def pending(self) -> str:
+        """The text past what is released, less an incomplete character's U+FFFD."""
+        if self.read == len(self.ids):
+            return ""
+        window = self.codec.decode(self.ids[self.prefix:])
+        done = self.codec.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix \
+            else ""
+        return window[len(done):].rstrip(REPLACEMENT) if window.startswith(done) else ""
+
     def _advance(self, final: bool) -> str:
         window = self.codec.decode(self.ids[self.prefix:])
         if not final and window.endswith(REPLACEMENT):

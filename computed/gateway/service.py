@@ -19,7 +19,7 @@ from computed.gateway.routing import Router
 from computed.gateway.replicas import ReplicaLinks
 from shared.client import RemoteError, Unavailable
 from shared.replica_protocol import MAX_STOP_TOKENS, Timings, generate_args
-from shared.text import REPLACEMENT, TextCodec
+from shared.text import IncrementalDecoder, TextCodec
 
 log = logging.getLogger("computed.gateway")
 CONNECT_TIMEOUT_S = 2.0  # a replica not reachable this long is skipped for another
@@ -75,8 +75,7 @@ class StopWatch:
     tokens up to the one that completed the first stop string found (None until then)."""
 
     def __init__(self, codec: TextCodec, stops: Sequence[str]) -> None:
-        self.codec = codec
-        self.ids: list[int] = []
+        self.text = IncrementalDecoder(codec)
         self.stops = [st for st in stops if st]
         self.longest = max((len(st) for st in self.stops), default=0)
         self.checked = 0  # characters of the text before which no stop string can end
@@ -84,14 +83,15 @@ class StopWatch:
         self._future: asyncio.Future[None] | None = None
 
     def push(self, token: int) -> None:
-        self.ids.append(token)
-        # the text as the whole answer's would be cut (Gateway._finish), a character still
-        # incomplete included
-        text = self.codec.decode(self.ids)
+        # the text as the whole answer's would be cut (Gateway._finish), to the last whole
+        # character: a stop string the token completes is caught even when the token also
+        # begins a character that the next one completes
+        self.text.push(token)
+        text = self.text.sent + self.text.pending()
         tail = text[max(0, self.checked - self.longest + 1):]
-        self.checked = len(text.rstrip(REPLACEMENT))  # an incomplete character may change
+        self.checked = len(text)
         if any(st in tail for st in self.stops):
-            self.hit = len(self.ids)
+            self.hit = len(self.text.ids)
             if self._future is not None and not self._future.done():
                 self._future.set_result(None)
 
