@@ -23,7 +23,7 @@ from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
-from computed.gateway.streaming import Chunks, EventStream, Item, StreamText, events, usage
+from computed.gateway.streaming import Chunks, EventStream, Inbox, StreamText, events, usage
 from shared.keys import ClientKeys
 
 log = logging.getLogger("computed.gateway")
@@ -98,11 +98,11 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         """Run the request as a task whose replica streams its tokens into a queue; answer
         with an error status when it fails before the first token, else with the event
         stream. A client that goes away mid-stream cancels the task (streaming.events)."""
-        queue: asyncio.Queue[Item] = asyncio.Queue()
+        queue = Inbox()
         handed: list[Output] = []  # the output, once handed to the stream
 
         def token(t: int) -> None:
-            queue.put_nowait(("token", t))
+            queue.put(("token", t))
 
         def output(out: Output) -> None:
             """The output, in the turn of the loop that read it with the last tokens: the
@@ -110,7 +110,7 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             this task to resume would take a turn of the loop behind every other stream's
             tokens of that step, and a write of its own."""
             handed.append(out)
-            queue.put_nowait(("done", out))
+            queue.put(("done", out))
 
         async def work() -> None:
             result: Output | ApiError
@@ -129,7 +129,7 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
                 metrics.pending.dec()
             record(label, endpoint, started, result)
             if not handed:
-                queue.put_nowait(("error" if isinstance(result, ApiError) else "done", result))
+                queue.put(("error" if isinstance(result, ApiError) else "done", result))
 
         task = asyncio.create_task(work())
         tasks.add(task)

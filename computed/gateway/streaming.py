@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
@@ -20,6 +21,35 @@ from shared.text import IncrementalDecoder, TextCodec
 # what the request hands its event stream: ("token", id), ("done", Output) or
 # ("error", ApiError)
 Item = tuple[str, Any]
+
+
+class Inbox:
+    """The items a request hands its event stream, in order, for one reader: a deque and
+    at most one waiting future. asyncio.Queue does the same with more Python per item (its
+    getters and putters lists, its size checks), paid per token: 1.03 us against 0.39 us
+    for an item put and taken, no waiter woken (a loop of 100,000, this machine)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[Item] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Item) -> None:
+        self.items.append(item)
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> Item | None:
+        """The next item if there is one."""
+        return self.items.popleft() if self.items else None
+
+    async def get(self) -> Item:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.items.popleft()
 
 
 class StreamText:
@@ -142,7 +172,7 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
+async def events(text: StreamText, queue: Inbox, first: Item,
                  chunks: Chunks, task: asyncio.Task[None]) -> AsyncIterator[tuple[bytes, bool]]:
     """The SSE body, each chunk with whether it is the last: a chunk per token as tokens
     come (the chunks of tokens that queued meanwhile go out in one write), then the finish
@@ -176,7 +206,7 @@ async def events(text: StreamText, queue: asyncio.Queue[Item], first: Item,
                     ended = True
                     yield b"".join(out), True
                     return
-                item = queue.get_nowait() if not queue.empty() else None
+                item = queue.take()
             if out:
                 yield b"".join(out), False
                 out = []
