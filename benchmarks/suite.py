@@ -46,6 +46,9 @@ class Bench:
     module: str
     quick: tuple[str, ...]  # arguments for a smoke run
     isa_bound: bool = False  # its figures depend on the ISA the kernels are built for
+    # a figure times what a cold start compiles: never run with a JAX persistent compilation
+    # cache (the one `make test` gives the processes it starts, tests/conftest.py)
+    cold_compiles: bool = False
 
 
 BENCHES = (
@@ -55,7 +58,7 @@ BENCHES = (
     Bench("replay", "benchmarks.bench_replay", ("--quick",)),
     Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
     Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
-    Bench("residency", "benchmarks.bench_residency", ("--quick",)),
+    Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True),
     Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
     Bench("tp", "benchmarks.bench_tp", ("--quick",)),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
@@ -475,6 +478,8 @@ def run_bench(bench: Bench, quick: bool, env: dict[str, str], log: Path | None =
     whole, where it failed)."""
     cmd = [sys.executable, "-m", bench.module, *(bench.quick if quick else ())]
     print(f"== {bench.name}: {' '.join(cmd[1:])}" + (f" (output in {log})" if log else ""), flush=True)
+    if bench.cold_compiles:
+        env = {**env, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     t0 = time.perf_counter()
     if log is None:
         rc = subprocess.run(cmd, env=env).returncode

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -11,6 +15,36 @@ from statesvc.tools.example import ExampleAssets, make_example
 from statesvc.tools.inproc import init_pool, open_service
 from tests.helpers import Fleet
 from tests.pg import PgServer
+
+
+# A JAX persistent compilation cache for the session (docs/testing.md): a fresh directory that
+# every process the tests start inherits, both xdist workers and a pytest a test runs included,
+# so a replica's warm-up compiles the example model once per session instead of once per replica.
+# computed/jaxcount.py still counts a cache hit as a compile: "nothing compiles after warm-up"
+# keeps its meaning. A benchmark whose figure times a cold compile runs without it
+# (benchmarks/suite.py, `Bench.cold_compiles`).
+SESSION_CACHE = "LORAPLANE_TEST_JAX_CACHE"  # the directory, set by the session that made it
+_made_cache = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    inherited = os.environ.get(SESSION_CACHE)
+    if inherited and Path(inherited).is_dir():  # an xdist worker, or a pytest a test started
+        return
+    path = tempfile.mkdtemp(prefix="loraplane-jax-cache-")
+    config.stash[_made_cache] = path
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": path, SESSION_CACHE: path,
+                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})  # default: 1 s
+    if "jax" in sys.modules:  # imported before this hook: its flags were read already
+        import jax
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_made_cache, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
