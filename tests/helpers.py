@@ -23,6 +23,11 @@ from statesvc.tools.example import ExampleAssets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# a replica's warm-up compiles every bucket: about 13 s on a quiet 2-core machine, several
+# times that beside the other xdist worker's compiles (60 s, wait_for's default, timed out at
+# a load average of 4-5); the bound only guards against a hang
+WARMUP_TIMEOUT_S = 240.0
+
 
 class Fleet:
     def __init__(self, tmp: Path, example: ExampleAssets, **svc_kw: Any) -> None:

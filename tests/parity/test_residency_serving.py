@@ -10,7 +10,7 @@ import pytest
 
 from shared.fleet import wait_for
 from statesvc.tools.example import EXAMPLE_ADAPTERS, EXAMPLE_BASE_MODEL_NAME, write_adapter
-from tests.helpers import Fleet
+from tests.helpers import WARMUP_TIMEOUT_S, Fleet
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -34,7 +34,8 @@ def test_twelve_adapters_on_four_slots_all_match_peft(fleet: Fleet, tmp_path: Pa
     for name, path in dirs.items():
         fleet.cmd("load", name=name, path=str(path))
     wait_for(lambda: fleet.converged(replica), what="the registry applied")
-    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
+    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up",
+             timeout=WARMUP_TIMEOUT_S)
     reference = HFReference(fleet.example.model_dir)
     client = Client(replica.listen)
     try:
@@ -72,7 +73,8 @@ def test_a_resident_adapter_is_served_while_another_fetch_is_blocked(fleet: Flee
     for name, adapter in chosen.items():
         fleet.load(name, adapter)
     wait_for(lambda: fleet.converged(replica), what="the registry applied")
-    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
+    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up",
+             timeout=WARMUP_TIMEOUT_S)
     # the loads fill the two free slots (the newest two when they are applied together)
     held = {h["name"] for h in replica.status()["slots"].values()}
     assert len(held) == 2

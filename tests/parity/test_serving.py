@@ -12,7 +12,7 @@ import pytest
 
 from shared.fleet import Computed, wait_for
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import Fleet, dealer
+from tests.helpers import WARMUP_TIMEOUT_S, Fleet, dealer
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -66,7 +66,8 @@ def served(fleet: Fleet) -> Iterator[tuple[Fleet, Computed, Client]]:
     fleet.init(max_loras=4, max_rank=32)
     replica = fleet.replica("r1", args=("--max-batch", "8", "--max-len", "64",
                                         "--queue-limit", "64"))
-    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
+    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up",
+             timeout=WARMUP_TIMEOUT_S)
     client = Client(replica.listen)
     try:
         yield fleet, replica, client
@@ -201,7 +202,8 @@ def test_overload_and_min_seq(fleet: Fleet) -> None:
     replica = fleet.replica("r1", args=("--max-batch", "1", "--max-len", "64",
                                         "--queue-limit", "2", "--client-queue-limit", "2",
                                         "--min-seq-timeout", "2"))
-    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up")
+    wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up",
+             timeout=WARMUP_TIMEOUT_S)
     client, other = Client(replica.listen), Client(replica.listen)
     try:
         # one client past its own bound
