@@ -99,6 +99,7 @@ class IncrementalDecoder:
         self.codec = codec
         self.ids: list[int] = []
         self.sent = ""  # the text released so far
+        self.unsent = ""  # the text past it that an incomplete character holds back (no U+FFFD)
         self.prefix = 0  # where the window starts
         self.read = 0  # ids[:read] are released
 
@@ -112,24 +113,18 @@ class IncrementalDecoder:
         U+FFFD, as a whole decode would show it)."""
         return self._advance(final=True)
 
-    def pending(self) -> str:
-        """The text past what is released, less an incomplete character's U+FFFD."""
-        if self.read == len(self.ids):
-            return ""
-        window = self.codec.decode(self.ids[self.prefix:])
-        done = self.codec.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix \
-            else ""
-        return window[len(done):].rstrip(REPLACEMENT) if window.startswith(done) else ""
-
     def _advance(self, final: bool) -> str:
         window = self.codec.decode(self.ids[self.prefix:])
-        if not final and window.endswith(REPLACEMENT):
-            return ""
         done = self.codec.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix \
             else ""
         if not window.startswith(done):
+            self.unsent = ""
             return ""
         piece = window[len(done):]
+        if not final and piece.endswith(REPLACEMENT):
+            self.unsent = piece.rstrip(REPLACEMENT)
+            return ""
         self.sent += piece
+        self.unsent = ""
         self.prefix, self.read = self.read, len(self.ids)
         return piece

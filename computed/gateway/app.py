@@ -99,7 +99,6 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         with an error status when it fails before the first token, else with the event
         stream. A client that goes away mid-stream cancels the task (streaming.events)."""
         queue = Inbox()
-        handed: list[Output] = []  # the output, once handed to the stream
 
         def token(t: int) -> None:
             queue.put(("token", t))
@@ -108,8 +107,8 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
             """The output, in the turn of the loop that read it with the last tokens: the
             stream sends them, the finish chunk and `[DONE]` in one write, where waiting for
             this task to resume would take a turn of the loop behind every other stream's
-            tokens of that step, and a write of its own."""
-            handed.append(out)
+            tokens of that step, and a write of its own. The stream reads up to its first
+            "done" or "error": what work() puts after this one goes unread."""
             queue.put(("done", out))
 
         async def work() -> None:
@@ -128,8 +127,7 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
                 pending.release()
                 metrics.pending.dec()
             record(label, endpoint, started, result)
-            if not handed:
-                queue.put(("error" if isinstance(result, ApiError) else "done", result))
+            queue.put(("error" if isinstance(result, ApiError) else "done", result))
 
         task = asyncio.create_task(work())
         tasks.add(task)

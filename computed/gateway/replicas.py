@@ -5,9 +5,9 @@ handshake; a replica's listen socket holds at most a few unread replies per conn
 docs/protocol.md §13b, so streams do not share one). The loop watches the socket's file
 descriptor: when it fires, every frame that has arrived is read and handed on at once (a
 token to `on_token`, the result to `on_result` and the waiting request). A socket monitor
-reports a dropped
-connection the same way, so a request to a replica that dies fails at once (Unavailable),
-and the gateway can try another replica instead of waiting out the request timeout."""
+reports a dropped connection the same way, so a request to a replica that dies fails at
+once (Unavailable), and the gateway can try another replica instead of waiting out the
+request timeout."""
 from __future__ import annotations
 
 import asyncio

@@ -87,7 +87,7 @@ class StopWatch:
         # character: a stop string the token completes is caught even when the token also
         # begins a character that the next one completes
         self.text.push(token)
-        text = self.text.sent + self.text.pending()
+        text = self.text.sent + self.text.unsent
         tail = text[max(0, self.checked - self.longest + 1):]
         self.checked = len(text)
         if any(st in tail for st in self.stops):
@@ -197,16 +197,16 @@ class Gateway:
                     streamed += 1
                     on_token(token)
 
-            early: list[Output] = []  # the output handed to on_output
-
-            def finish(res: dict[str, Any], sent: float, rid: str = replica.id) -> Output:
-                return self._finish(ids, list(res["output_ids"]), stop_ids, s, rid,
+            def finish(res: dict[str, Any]) -> Output:
+                return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id,
                                     passed_on(res, time.perf_counter() - sent))
 
+            handed: list[Output] = []  # the output handed to on_output
+
             def result(res: dict[str, Any]) -> None:
-                early.append(finish(res, sent))
+                handed.append(finish(res))
                 assert on_output is not None
-                on_output(early[0])
+                on_output(handed[0])
 
             try:
                 # stop strings need the tokens as they come, streamed to the client or not:
@@ -234,7 +234,7 @@ class Gateway:
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
-            return early[0] if early else finish(res, sent)
+            return handed[0] if handed else finish(res)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
                         seen: list[int], relay: Callable[[int], None] | None,

@@ -197,12 +197,10 @@ async def events(text: StreamText, queue: Inbox, first: Item,
                     if chunks.include_usage:
                         out.append(chunks.usage(o))
                     out.append(DONE)
-                    ended = True
-                    yield b"".join(out), True
-                    return
                 else:
                     err: ApiError = value
                     out.append(_data(err.body()))
+                if kind != "token":
                     ended = True
                     yield b"".join(out), True
                     return
