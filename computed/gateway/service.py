@@ -154,9 +154,10 @@ class Gateway:
                   on_output: Callable[[Output], None] | None = None) -> Output:
         """On the event loop. With `on_token` the replica streams and each token is passed on
         as it arrives; a replica that fails before its first token is replaced by the next
-        candidate, one that fails after it raises MidStream. `on_output`, when the request
-        has no stop strings, is handed the output in the turn of the loop that read the
-        replica's result, with its last tokens (this coroutine returns it a turn later)."""
+        candidate, one that fails after it raises MidStream. Without stop strings, the output
+        (its upstream_ms included) is made in the turn of the loop that reads the replica's
+        result, streamed or not, and handed to `on_output` then, with its last tokens (this
+        coroutine returns it a turn later)."""
         target = self.resolve(req.model)
         if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
             ids = await asyncio.get_running_loop().run_in_executor(None, self.prompt_ids, req)
@@ -201,12 +202,12 @@ class Gateway:
                 return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id,
                                     passed_on(res, time.perf_counter() - sent))
 
-            handed: list[Output] = []  # the output handed to on_output
+            made: list[Output] = []  # the output, made as the replica's result is read
 
             def result(res: dict[str, Any]) -> None:
-                handed.append(finish(res))
-                assert on_output is not None
-                on_output(handed[0])
+                made.append(finish(res))
+                if on_output is not None:
+                    on_output(made[0])
 
             try:
                 # stop strings need the tokens as they come, streamed to the client or not:
@@ -214,8 +215,7 @@ class Gateway:
                 sent = time.perf_counter()
                 res = await self._generate(replica.address, args, watch, seen,
                                            relay if on_token is not None or watch else None,
-                                           result if on_output is not None and watch is None
-                                           else None)
+                                           None if watch else result)
             except Unavailable as exc:
                 self.router.failed(replica.address)
                 if streamed:
@@ -234,7 +234,7 @@ class Gateway:
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
-            return handed[0] if handed else finish(res)
+            return made[0] if made else finish(res)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
                         seen: list[int], relay: Callable[[int], None] | None,
