@@ -23,10 +23,12 @@ from computed.gateway.metrics import UNRESOLVED, Metrics
 from computed.gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion,
                                        parse_chat, parse_completion, parse_json)
 from computed.gateway.service import Gateway, Output
-from computed.gateway.streaming import Chunks, EventStream, Inbox, StreamText, events, usage
+from computed.gateway.streaming import (Chunks, EventStream, Inbox, StreamText, TokenGate, events,
+                                        usage)
 from shared.keys import ClientKeys
 
 log = logging.getLogger("computed.gateway")
+TOKENS_PER_TURN = 1  # streams woken for their tokens a turn of the loop (docs/gateway.md)
 CLIENT_GONE = "499"  # the status label of a stream whose client went away (nginx's code)
 
 
@@ -92,13 +94,14 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         metrics.latency.labels(label).observe(time.perf_counter() - started)
 
     tasks: set[asyncio.Task[None]] = set()  # requests running: held until they end
+    gate = TokenGate(TOKENS_PER_TURN)
 
     async def stream(req: Completion | Chat, stop_ids: set[int], label: str, endpoint: str,
                      started: float, head: dict[str, Any], chat: bool) -> Response:
         """Run the request as a task whose replica streams its tokens into a queue; answer
         with an error status when it fails before the first token, else with the event
         stream. A client that goes away mid-stream cancels the task (streaming.events)."""
-        queue = Inbox()
+        queue = Inbox(gate)
 
         def token(t: int) -> None:
             queue.put(("token", t))
