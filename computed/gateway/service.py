@@ -70,6 +70,19 @@ def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | N
     return {**out, "upstream_ms": upstream_s * 1e3}
 
 
+def output_ids_of(result: dict[str, Any], vocab_size: int, replica: str) -> list[int]:
+    """A replica's result's `output_ids`, checked: a result without a list of token ids in
+    the vocabulary (a faulty or spoofed replica) is a 502 for its request, never an
+    exception in the socket's read callback or the tokenizer."""
+    ids = result.get("output_ids")
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size
+                                            for t in ids):
+        raise ApiError(502, f"replica {replica} answered without a list of token ids in "
+                       f"[0, {vocab_size}) as output_ids; its operator should check its "
+                       f"version against docs/protocol.md", code="bad_replica_reply")
+    return ids
+
+
 class StopWatch:
     """Watches a request's text for its stop strings as tokens come: `hit` is the number of
     tokens up to the one that completed the first stop string found (None until then)."""
@@ -189,6 +202,8 @@ class Gateway:
 
             def relay(token: int) -> None:
                 nonlocal streamed
+                if not 0 <= token < self.vocab_size:
+                    return  # a faulty replica's frame; its result is then a 502 (output_ids_of)
                 if watch is not None:
                     if watch.hit is not None:
                         return  # past a stop string: the request is being cancelled
@@ -199,13 +214,17 @@ class Gateway:
                     on_token(token)
 
             def finish(res: dict[str, Any]) -> Output:
-                return self._finish(ids, list(res["output_ids"]), stop_ids, s, replica.id,
+                out = output_ids_of(res, self.vocab_size, replica.id)
+                return self._finish(ids, out, stop_ids, s, replica.id,
                                     passed_on(res, time.perf_counter() - sent))
 
             made: list[Output] = []  # the output, made as the replica's result is read
 
             def result(res: dict[str, Any]) -> None:
-                made.append(finish(res))
+                try:
+                    made.append(finish(res))
+                except ApiError:
+                    return  # a faulty result: the request's task raises it when it resumes
                 if on_output is not None:
                     on_output(made[0])
 

@@ -1,9 +1,13 @@
 """What the gateway passes on of a replica's `timings` (computed/gateway/service.py
 `passed_on`): the protocol's numeric fields and its own upstream_ms, never anything else a
-replica (a faulty or spoofed one) puts there."""
+replica (a faulty or spoofed one) puts there; and what it takes of a result's `output_ids`
+(`output_ids_of`): a list of token ids in the vocabulary, else a 502 for the request."""
 from __future__ import annotations
 
-from computed.gateway.service import passed_on
+import pytest
+
+from computed.gateway.requests import ApiError
+from computed.gateway.service import output_ids_of, passed_on
 from shared.replica_protocol import Timings
 
 
@@ -19,3 +23,15 @@ def test_anything_else_a_replica_sends_is_dropped() -> None:
     for bad in ([1, 2], "x", 7, None):
         assert passed_on({"timings": bad}, 0.5) is None
     assert passed_on({}, 0.5) is None  # ended early by the gateway: no result's timings
+
+
+def test_a_result_without_token_ids_in_the_vocabulary_is_a_502() -> None:
+    assert output_ids_of({"output_ids": [0, 5, 511]}, 512, "r1") == [0, 5, 511]
+    assert output_ids_of({"output_ids": []}, 512, "r1") == []
+    for bad in ({}, {"output_ids": None}, {"output_ids": "abc"}, {"output_ids": [1, 512]},
+                {"output_ids": [-1]}, {"output_ids": [1.0]}, {"output_ids": [True]},
+                {"output_ids": {"0": 1}}):
+        with pytest.raises(ApiError) as err:
+            output_ids_of(bad, 512, "r1")
+        assert err.value.status == 502 and err.value.code == "bad_replica_reply"
+        assert "replica r1" in err.value.message and "[0, 512)" in err.value.message
