@@ -351,9 +351,10 @@ class EngineDecode:
     """Engine.step over 32 running requests, admitted (prefilled) before the first round."""
 
     def __init__(self, runner: LlamaRunner, serving: Serving, prompts: np.ndarray, rows: list[int],
-                 max_new_tokens: int) -> None:
+                 max_new_tokens: int, *, warm: bool = True) -> None:
         self.engine = Engine(runner, serving)
-        self.engine.warmup()  # what serving compiles; only the first engine compiles (shared jit caches)
+        if warm:  # what serving compiles; only the first engine compiles (shared jit caches)
+            self.engine.warmup()
         names = adapter_names()
         for i in range(BATCH):
             done = self.engine.submit(f"r{i}", generate_args(
@@ -547,9 +548,10 @@ class EngineRequests:
     request prefilled as the engine admits it, as the replica does."""
 
     def __init__(self, runner: LlamaRunner, serving: Serving, prompts: np.ndarray, *, clients: int,
-                 new_tokens: int) -> None:
+                 new_tokens: int, warm: bool = True) -> None:
         self.engine = Engine(runner, serving)
-        self.engine.warmup()  # compiled already: the jit caches are shared
+        if warm:
+            self.engine.warmup()  # compiled already: the jit caches are shared
         self.prompts, self.clients, self.new_tokens = prompts, clients, new_tokens
         self.outputs: list[list[int]] = []
 
@@ -589,12 +591,14 @@ class ServedReplica:
 
     def __init__(self, root: Path, model_dir: Path, dirs: dict[str, Path], prompts: np.ndarray, *,
                  clients: int, new_tokens: int, max_len: int, slots: int, pool_dtype: str,
-                 dtype: str = "float32", name: str = "served", max_batch: int = BATCH) -> None:
+                 dtype: str = "float32", name: str = "served", max_batch: int = BATCH,
+                 warm: bool = True) -> None:
         self.prompts, self.clients, self.new_tokens = prompts, clients, new_tokens
         self.svc = StateSvc(root / f"{name}-data")
+        # without its warm-up (a smoke run), the replica compiles what the warm-up round sends it
         self.replica = Computed(model_dir, self.svc, root / f"{name}-replica", replica_id="bench",
                                 extra_args=("--max-batch", str(max_batch), "--max-len", str(max_len),
-                                            "--dtype", dtype))
+                                            "--dtype", dtype, *(() if warm else ("--no-warmup",))))
         self.ctx = zmq.Context()
         self.socks: list[zmq.Socket[Any]] = []
         self.outputs: list[list[int]] = []
@@ -747,7 +751,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{args.served_tokens} new tokens each) ...")
             served_proc = ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
                                    new_tokens=args.served_tokens, max_len=max_len, slots=args.slots,
-                                   pool_dtype=args.pool_dtype, max_batch=args.served_max_batch)
+                                   pool_dtype=args.pool_dtype, max_batch=args.served_max_batch,
+                                   warm=not args.quick)
             replica = served_proc
             config, params = load_model(model_dir)
             # which backend the "decode" column ran on, as serving selects it here
@@ -769,7 +774,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raw = {k: RawDecode(runner, pool, prompts, np.asarray(row_adapters(k))) for k in MIXES}
             alternatives = {a: {k: RawDecode(others[a], pool, prompts, np.asarray(row_adapters(k)))
                                 for k in MIXES if k or a == LOOP} for a in ALTERNATIVES}
-            engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new) for k in MIXES}
+            # a smoke run skips the engines' warm-up (every prefill and decode shape of a 32-row
+            # batch): its warm-up round compiles the few it runs, before anything is timed
+            warm = not args.quick
+            engines = {k: EngineDecode(runner, serving, prompts, row_adapters(k), max_new, warm=warm)
+                       for k in MIXES}
             no_pool = RawDecode(runner, None, prompts, np.full(BATCH, -1))
             timings = {p: {k: Timing() for k in MIXES} for p in PATHS}
             for a, by_mix in alternatives.items():
@@ -777,7 +786,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             no_pool_timing = Timing()
             # the served path's work three ways, timed whole: served, in process, PEFT
             requests = EngineRequests(runner, serving, prompts, clients=args.served_clients,
-                                      new_tokens=args.served_tokens)
+                                      new_tokens=args.served_tokens, warm=warm)
             whole = {w: {k: RequestTiming() for k in (PEFT_WHOLE_MIXES if w == "peft" else MIXES)}
                      for w in WHOLE}
             whole_tokens: dict[str, dict[int, list[list[int]]]] = {w: {} for w in WHOLE}

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 data = (dirs[name] / "adapter_model.safetensors").read_bytes()
                 pool.write_slot(slot, slot_weights(data, loaded_event(name, slot, data)))
             runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
-            runner.warmup(pool.arrays, runner.new_cache())
+            if not args.quick:  # a smoke run's warm-up round compiles the few shapes it runs
+                runner.warmup(pool.arrays, runner.new_cache())
             info[dtype] = {"backend": repr(params.backend),
                            "weight_bytes": sum(int(np.asarray(a).nbytes) for a in _leaves(params))}
             for k in MIXES:
@@ -104,20 +105,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
                                                   slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
                                                   name=f"served-{dtype}",
-                                                  max_batch=served_max_batch(args.quick, args.served_clients))
+                                                  max_batch=served_max_batch(args.quick, args.served_clients),
+                                                  warm=not args.quick)
             timings = {key: Timing() for key in loops}
             served_t = {(d, k): RequestTiming() for d in served for k in MIXES}
-            with counting_compiles() as compiles:
-                for r in range(args.repeats + 1):
-                    count = r > 0  # round 0 warms up
+            compiles: list[str] = []  # in the timed rounds
+            for r in range(args.repeats + 1):
+                count = r > 0  # round 0 warms up
+                with counting_compiles() as seen:
                     for k in MIXES:
                         for dtype in DTYPES:
                             loops[dtype, k].round(args.steps, timings[dtype, k] if count else None)
                         for dtype, replica in served.items():
                             replica.round(k, served_t[dtype, k] if count else None)
-                    print(f"round {r}: " + ", ".join(
-                        f"{d} k={k} {BATCH * args.steps / t.seconds[-1]:.0f}" for (d, k), t in timings.items()
-                        if t.seconds), flush=True)
+                if count:
+                    compiles += seen
+                print(f"round {r}: " + ", ".join(
+                    f"{d} k={k} {BATCH * args.steps / t.seconds[-1]:.0f}" for (d, k), t in timings.items()
+                    if t.seconds), flush=True)
         finally:
             for replica in served.values():
                 replica.stop()

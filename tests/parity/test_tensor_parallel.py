@@ -137,7 +137,9 @@ def test_a_four_device_replica_agrees_with_a_one_device_one_in_the_drill(assets:
     fleet = Fleet(tmp_path, assets)
     fleet.statesvc.start()
     try:
-        fleet.init(max_loras=3, max_rank=16)
+        # tp_worker's pool (4 slots, rank 32): the four-device replica's warm-up then compiles what
+        # the `runs` fixture's N = 4 worker compiled, and reads it from the session's JAX cache
+        fleet.init(max_loras=4, max_rank=32)
         fleet.cmd("load", name="every", path=str(assets.adapter_dirs["rslora-all-r8"]))
         fleet.cmd("load", name="attn", path=str(assets.adapter_dirs["attn-r4"]))
         one = fleet.replica("one", args=("--max-batch", "4", "--max-len", "32"))

@@ -84,6 +84,7 @@ def main(n: int, root: Path, out: Path) -> None:
     else:
         config, params = load_model(root / "model", tensor_parallel=n)
     assert len(jax.devices()) == n, f"XLA_FLAGS gave {len(jax.devices())} devices, not {n}"
+    # the drill test's replicas init the same pool (4 slots, rank 32): they warm up from the JAX cache
     spec = PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims,
                     slots=len(adapter_dirs) + 2, max_rank=32, dtype="float32")
     mesh = getattr(params.backend, "mesh", None)
