@@ -34,7 +34,7 @@ class Inbox:
 
     __slots__ = ("items", "waiter", "gate", "queued")
 
-    def __init__(self, gate: TokenGate | None = None) -> None:
+    def __init__(self, gate: TokenGate) -> None:
         self.items: deque[Item] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.gate = gate
@@ -44,7 +44,7 @@ class Inbox:
         self.items.append(item)
         if self.waiter is None:
             return
-        if item[0] == "token" and self.gate is not None:
+        if item[0] == "token":
             self.gate.later(self)
         else:
             self.wake()
