@@ -10,23 +10,24 @@ import threading
 from typing import Any
 
 import msgpack
-import pytest
 import zmq
 
 from computed.gateway.requests import ApiError, parse_completion
 from computed.gateway.routing import FleetView, ReplicaView, Router
 from computed.gateway.service import Gateway
-from shared.fleet import free_port
 from shared.protocol import ok_reply, pack
 from statesvc.tools.example import ExampleAssets
 
 
-def _replica(address: str, answers: list[tuple[list[Any], Any]], stop: threading.Event) -> None:
-    """Answers each `generate`, in order, with (token ids as frames, output_ids)."""
+def _replica(bound: list[str], answers: list[tuple[list[Any], Any]], ready: threading.Event,
+             stop: threading.Event) -> None:
+    """Answers each `generate`, in order, with (token ids as frames, output_ids); its
+    address (a port the OS picked: no other test can hold it) goes to `bound`."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
+    bound.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    ready.set()
     try:
         for tokens, output_ids in answers:
             while not sock.poll(100):
@@ -44,15 +45,17 @@ def _replica(address: str, answers: list[tuple[list[Any], Any]], stop: threading
 
 def test_a_spoofed_replicas_tokens_and_result_never_reach_the_client(
         example: ExampleAssets) -> None:
-    address = f"tcp://127.0.0.1:{free_port()}"
     answers: list[tuple[list[Any], Any]] = [
         ([-5, 10**6], [-5, 10**6]),  # ids outside the vocabulary
         ([7], {"not": "a list"}),  # a result that is no list of ids
         ([7, 8], [7, 8]),  # an honest answer: served
     ]
-    stop = threading.Event()
-    fake = threading.Thread(target=_replica, args=(address, answers, stop), daemon=True)
+    bound: list[str] = []
+    ready, stop = threading.Event(), threading.Event()
+    fake = threading.Thread(target=_replica, args=(bound, answers, ready, stop), daemon=True)
     fake.start()
+    assert ready.wait(10), "the stand-in replica did not bind"  # before the gateway connects
+    address = bound[0]
     router = Router("tcp://127.0.0.1:1")  # not started: the view is set below
     router.view = FleetView(ok=True, error="", replicas=(
         ReplicaView(id="spoof", address=address, applied_seq=0, queued=0,
