@@ -58,6 +58,12 @@ class Backend(ABC):
         checking a caller's `window` (None: the backend picks). One of `windows(len(slots))` or
         another that fits; ValueError for one that cannot serve this mix."""
 
+    def decode_rows(self, max_batch: int) -> tuple[int, ...]:
+        """The entry counts a decode step of a `max_batch`-row cache compiles for, ascending, the
+        last `max_batch`: a step runs over the smallest that holds its active rows. Only
+        `max_batch` by default (every step computes every row)."""
+        return (max_batch,)
+
     @abstractmethod
     def prepare(self, slots: jax.Array, num_slots: int, window: int | None) -> Any:
         """In the graph, once per forward pass: each row's slot `slots [N]` (BASE for the base model)

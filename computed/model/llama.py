@@ -28,7 +28,9 @@ donating the cache so it is updated in place:
   `lengths[i] - 1`. The LoRA terms group the n * P tokens by slot, as a decode step's rows.
 - `decode_jit(params, lora_pool, cache, tokens[B], positions[B], slots[B], active[B], tables, ...)`:
   one step for every row; row b writes its K/V at positions[b] and attends to [0, positions[b]]
-  by the backend's decode attention. Inactive rows write nothing.
+  by the backend's decode attention. Inactive rows write nothing. With `rows[n]` the step runs
+  over n entries instead, entry i for cache row rows[i]: the projections, the bulk of a step,
+  cost what n rows cost, not what max_batch rows do (computed/model/runner.py picks n).
 - `forward_full_jit(params, lora_pool, tokens[B, T], slots[B])`: every position's logits, no cache.
 
 Layers are a Python loop over per-layer parameters, unrolled at trace time: in a CPU measurement
@@ -168,16 +170,25 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
 
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
             positions: jax.Array, slots: jax.Array, active: jax.Array, tables: RopeTables, attend_len: int,
-            window: int | None) -> tuple[jax.Array, KVCache]:
+            window: int | None, rows: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """One decode step. `attend_len` (static) bounds the positions a bucket attention reads (one
-    compile per length bucket); `window` (static) is the LoRA window where the backend has them."""
+    compile per length bucket); `window` (static) is the LoRA window where the backend has them.
+    `rows [n]`: entry i is cache row rows[i] (the others attend as inactive rows; an entry of
+    `max_batch` is padding), so the projections run over n rows, not the cache's max_batch."""
     backend = params.backend
 
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         # q [B, kv, g, d]; k and v [B, kv, d], written at position positions[b] of row b
         nonlocal cache
-        out, cache = backend.decode_attention(q, k, v, cache, i, positions, active, attend_len)
-        return out
+        if rows is None:
+            out, cache = backend.decode_attention(q, k, v, cache, i, positions, active, attend_len)
+            return out
+
+        def spread(x: jax.Array) -> jax.Array:  # entry i to cache row rows[i]; padding dropped
+            return jnp.zeros((cache.max_batch, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop")
+        out, cache = backend.decode_attention(spread(q), spread(k), spread(v), cache, i, spread(positions),
+                                              spread(active), attend_len)
+        return jnp.take(out, rows, axis=0, mode="clip")
 
     batch = None if lora_pool is None else backend.prepare(slots, lora_pool.scaling.shape[0], window)
     h = _decoder(params, tokens, positions, _Projections(backend, lora_pool, batch), attend, tables)

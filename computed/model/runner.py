@@ -127,7 +127,7 @@ def prefill_batch(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCach
 
 def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
            slots: Any, active: Any, attend_len: int | None = None, *,
-           window: int | None = None) -> tuple[jax.Array, KVCache]:
+           window: int | None = None, rows: Any = None) -> tuple[jax.Array, KVCache]:
     """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
 
     Row b appends `tokens[b]` at `positions[b]` (< max_len) and attends to
@@ -138,14 +138,27 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     row's own and one compile serves every length). `window` is the LoRA window where
     the backend has them (the XLA backend's window loop, one compile per size): by
     default the backend picks one for this mix (`params.backend.window`).
+
+    `rows [n]` runs the step over n entries instead, entry i for cache row rows[i] (each argument
+    then `[n]`; an inactive entry's row may be max_batch, padding): the projections cost what n
+    rows cost. One compile per n (`LlamaRunner` takes n from `backend.decode_rows`).
     """
     tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
                                 _host_i32(slots, "slots"))
     active = np.asarray(active, np.bool_)
     b = cache.max_batch
+    what = "the cache's max_batch"
+    if rows is not None:
+        rows = _host_i32(rows, "rows")
+        b, what = rows.size, "one per entry of rows"
+        live = rows[active] if rows.shape == active.shape else rows
+        if rows.ndim != 1 or live.size != len(set(live.tolist())) or \
+                (live.size and not (0 <= live.min() and live.max() < cache.max_batch)):
+            raise ValueError(f"rows must be [n] with distinct cache rows in [0, {cache.max_batch}) for the "
+                             f"active entries; got {rows.tolist()}")
     for name, arr in (("tokens", tokens), ("positions", positions), ("slots", slots), ("active", active)):
         if arr.shape != (b,):
-            raise ValueError(f"decode takes {name} of shape [{b}] (the cache's max_batch); got {arr.shape}")
+            raise ValueError(f"decode takes {name} of shape [{b}] ({what}); got {arr.shape}")
     live = positions[active]
     if live.size and not (0 <= live.min() and live.max() < cache.max_len):
         raise ValueError(f"active rows need positions in [0, {cache.max_len}) (the cache's max_len); "
@@ -168,7 +181,7 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     out: tuple[jax.Array, KVCache] = decode_jit(
         params, lora_pool, cache, tokens, positions, slots, active,
         rope_tables(positions, params.config),
-        attend_len=backend.attend_len(cache, attend_len), window=window)
+        attend_len=backend.attend_len(cache, attend_len), window=window, rows=rows)
     return out
 
 
@@ -202,15 +215,22 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
         per_prompt = np.zeros(n, np.int32)
         prefill_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
                           per_prompt).compile()
-    rows = np.zeros(cache.max_batch, np.int32)
-    windows = backend.windows(cache.max_batch) if lora_pool is not None else (None,)
-    for attend_len in sorted({backend.attend_len(cache, n) for n in attend_lens}):  # as `decode` calls it
-        for window in windows:
-            decode_jit.lower(params, pool_s, cache_s, rows, rows, rows, np.zeros(cache.max_batch, np.bool_),
-                             rope_tables(rows, params.config), attend_len=attend_len, window=window).compile()
+    for n in backend.decode_rows(cache.max_batch):  # as `decode` calls it
+        zeros = np.zeros(n, np.int32)
+        windows = backend.windows(n) if lora_pool is not None else (None,)
+        for attend_len in sorted({backend.attend_len(cache, p) for p in attend_lens}):
+            for window in windows:
+                decode_jit.lower(params, pool_s, cache_s, zeros, zeros, zeros, np.zeros(n, np.bool_),
+                                 rope_tables(zeros, params.config), attend_len=attend_len, window=window,
+                                 rows=None if n == cache.max_batch else zeros).compile()
 
 
 PREFILL_TOKENS = 256  # tokens one prefill forward takes at most (LlamaRunner's prefill_tokens): docs/benchmarks.md
+
+
+def _binary_parts(n: int) -> list[int]:
+    """`n` as a sum of distinct powers of two, largest first (12: [8, 4])."""
+    return [1 << i for i in range(n.bit_length() - 1, -1, -1) if n >> i & 1]
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -227,13 +247,16 @@ class LlamaRunner:
 
     `prefill` takes every prompt the engine admitted in a step at once: prompts are grouped by
     their power-of-two length bucket (from 16 up to max_len) and each group runs as forwards of
-    n prompts, n a power of two up to max_batch (padded with copies of the first) and n * P at most
-    `prefill_tokens` (or one prompt, where a single one is longer). So prefill compiles once per
-    (n, P) of `prefill_shapes`, whatever the prompts' adapters. With the native backend decode
-    compiles once: each row attends over its own positions and the LoRA kernel takes any mix.
-    With the XLA backend a decode step attends over the bucket that holds its longest sequence,
-    and decode compiles once per bucket and LoRA window (`backend.windows(max_batch)`; each
-    step's mix picks its window). `warmup` compiles them all up front, so nothing compiles while
+    n prompts, n * P at most `prefill_tokens` (or one prompt, where a single one is longer) and n
+    a power of two up to max_batch: a group that is not splits into them (12 prompts: 8, then 4;
+    padding them to 16 cost a third more). So prefill compiles once per (n, P) of
+    `prefill_shapes`, whatever the prompts' adapters. A decode step runs over the smallest of
+    `backend.decode_rows(max_batch)` that holds its active rows (the native backend: quarters of
+    max_batch; the others: max_batch). With the native backend decode compiles once per such
+    count: each row attends over its own positions and the LoRA kernel takes any mix. With the
+    XLA backend a decode step attends over the bucket that holds its longest sequence, and
+    decode compiles once per bucket and LoRA window (`backend.windows(max_batch)`; each step's
+    mix picks its window). `warmup` compiles them all up front, so nothing compiles while
     serving.
     """
 
@@ -245,6 +268,7 @@ class LlamaRunner:
         self.max_len = max_len
         self.buckets = _powers_of_two(16, max_len) if max_len > 16 else (max_len,)
         self.row_buckets = _powers_of_two(1, max_batch)
+        self.decode_rows = params.backend.decode_rows(max_batch)
         self.prefill_tokens = prefill_tokens
 
     def bucket(self, length: int) -> int:
@@ -289,19 +313,42 @@ class LlamaRunner:
                 tokens = np.zeros((len(part), p), np.int32)
                 for j, i in enumerate(part):
                     tokens[j, :lengths[i]] = prompts[i]
-                logits, cache = prefill_batch(
-                    self.params, pool, cache, tokens, [lengths[i] for i in part], [rows[i] for i in part],
-                    [slots[i] for i in part], pad_to=next(n for n in self.row_buckets if n >= len(part)))
-                out[part] = logits
+                # forwards of power-of-two counts (12 prompts: 8 then 4), not one padded to the
+                # next (16): a forward costs about its tokens, padding included
+                for size in [len(part)] if len(part) in self.row_buckets else _binary_parts(len(part)):
+                    chunk, part = part[:size], part[size:]
+                    logits, cache = prefill_batch(
+                        self.params, pool, cache, tokens[:size], [lengths[i] for i in chunk],
+                        [rows[i] for i in chunk], [slots[i] for i in chunk])
+                    tokens = tokens[size:]
+                    out[chunk] = logits
         return out, cache
 
     def decode(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, KVCache]:
+        """One step of the active rows; arguments `[max_batch]`, logits `[max_batch, vocab]` (an
+        inactive row's are zero). It runs over the smallest of `backend.decode_rows` that holds the
+        active rows, so a step of few rows costs what few rows cost (docs/kernels.md)."""
         # attention over the smallest bucket that holds every running sequence
         longest = int(positions[active].max()) + 1 if active.any() else 1
-        logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active,
-                               attend_len=self.bucket(longest))
-        return np.asarray(logits), cache
+        live = np.flatnonzero(active)
+        n = next((k for k in self.decode_rows if k >= live.size), self.max_batch)
+        if n >= self.max_batch:
+            logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active,
+                                   attend_len=self.bucket(longest))
+            return np.asarray(logits), cache
+        rows = np.full(n, self.max_batch, np.int32)
+        rows[:live.size] = live
+
+        def packed(x: np.ndarray) -> np.ndarray:
+            out = np.zeros(n, x.dtype)
+            out[:live.size] = x[live]
+            return out
+        part, cache = decode(self.params, pool, cache, packed(tokens), packed(positions), packed(slots),
+                             packed(active), attend_len=self.bucket(longest), rows=rows)
+        every = np.zeros((self.max_batch, self.vocab_size), np.float32)
+        every[live] = np.asarray(part)[:live.size]
+        return every, cache
 
     def warmup(self, pool: LoraPool, cache: KVCache) -> None:
         """Compile prefill for every shape of `prefill_shapes` and decode for every bucket and LoRA

@@ -428,6 +428,32 @@ def test_inactive_rows_leave_the_cache_alone(example_setup: Setup) -> None:
     np.testing.assert_array_equal(np.array(cache.v), before_v)
 
 
+def test_a_step_of_few_rows_computes_only_them(example_setup: Setup) -> None:
+    """The runner runs a step whose active rows are few (2 of 6, with holes) over the smallest of
+    the backend's `decode_rows` that holds them: its logits and cache are, bit for bit, those of
+    the step over every row, and its inactive rows' logits are zero."""
+    s = example_setup
+    runner = LlamaRunner(s.config, s.params, max_batch=MAX_BATCH, max_len=MAX_LEN)
+    if runner.decode_rows == (MAX_BATCH,):
+        pytest.skip("this backend computes every row of every step (decode_rows)")
+    assert runner.decode_rows[0] < 3
+    names = [a.name for a in s.assets.adapters]
+    prompts = [prompt_of(s, 30 + i, 5 + i) for i in range(MAX_BATCH)]
+    row_slots = [s.slot(names[i % len(names)]) if i % 3 else lora.BASE for i in range(MAX_BATCH)]
+    _, cache = runner.prefill(s.pool.arrays, runner.new_cache(), prompts, list(range(MAX_BATCH)), row_slots)
+    twin = jax.tree.map(jnp.copy, cache)
+    active = np.isin(np.arange(MAX_BATCH), [1, 4])
+    tokens = np.array([p[-1] for p in prompts], np.int32)
+    positions = np.array([len(p) for p in prompts], np.int32)
+    slots = np.array(row_slots, np.int32)
+    few, cache = runner.decode(s.pool.arrays, cache, tokens, positions, slots, active)
+    every, twin = decode(s.params, s.pool.arrays, twin, tokens, positions, slots, active)
+    np.testing.assert_array_equal(few[active], np.asarray(every)[active])
+    np.testing.assert_array_equal(few[~active], 0.0)
+    np.testing.assert_array_equal(np.asarray(cache.k), np.asarray(twin.k))
+    np.testing.assert_array_equal(np.asarray(cache.v), np.asarray(twin.v))
+
+
 def test_base_rows_ignore_an_adapter_in_slot_zero(example: ExampleAssets) -> None:
     """A base row (-1) gets no LoRA term even with slot 0, which -1 is clamped to for indexing, in use."""
     config, params = load_model(example.model_dir)
