@@ -255,12 +255,14 @@ class Engine:
         runs. Then again for what `intake` brought, until a pass admits nothing.
 
         A pass that leaves a request waiting for its adapter's fetch (a miss, a few ms) waits
-        for that fetch, at most `fetch_wait` (half) of the last decode step in all, and passes
-        again, so the miss is prefilled with the requests admitted beside it instead of after
-        their prefill or this step's decode, at the cost of that wait to them
-        (docs/residency.md)."""
-        budget = time.perf_counter() + self.decode_s * self.fetch_wait
+        for that fetch, at most `fetch_wait` (half) of the last decode step, and passes again,
+        so the miss is prefilled with the requests admitted beside it instead of after their
+        prefill or this step's decode, at the cost of that wait to them (docs/residency.md).
+        The passes after each prefill and `intake` have that budget afresh: a miss that came
+        during a prefill (its fetch started then) is not left to the next step because the
+        prefill spent the first pass's budget."""
         while True:
+            budget = time.perf_counter() + self.decode_s * self.fetch_wait
             admitted = self._pass(done)
             while (fetch := self._fetch) is not None and fetch.wait is not None \
                     and (left := budget - time.perf_counter()) > 0 and fetch.wait(left):
