@@ -146,19 +146,22 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
                                 _host_i32(slots, "slots"))
     active = np.asarray(active, np.bool_)
-    b = cache.max_batch
-    what = "the cache's max_batch"
+    b, what = cache.max_batch, "the cache's max_batch"
     if rows is not None:
         rows = _host_i32(rows, "rows")
-        b, what = rows.size, "one per entry of rows"
-        live = rows[active] if rows.shape == active.shape else rows
-        if rows.ndim != 1 or live.size != len(set(live.tolist())) or \
-                (live.size and not (0 <= live.min() and live.max() < cache.max_batch)):
-            raise ValueError(f"rows must be [n] with distinct cache rows in [0, {cache.max_batch}) for the "
-                             f"active entries; got {rows.tolist()}")
-    for name, arr in (("tokens", tokens), ("positions", positions), ("slots", slots), ("active", active)):
+        if rows.ndim != 1:
+            raise ValueError(f"rows must be [n], one cache row per entry; got shape {rows.shape}")
+        b, what = rows.shape[0], "one per entry of rows"
+    named = [("tokens", tokens), ("positions", positions), ("slots", slots), ("active", active)]
+    for name, arr in named + ([] if rows is None else [("rows", rows)]):
         if arr.shape != (b,):
             raise ValueError(f"decode takes {name} of shape [{b}] ({what}); got {arr.shape}")
+    if rows is not None:
+        taken = rows[active]
+        if taken.size != len(set(taken.tolist())) or \
+                (taken.size and not (0 <= taken.min() and taken.max() < cache.max_batch)):
+            raise ValueError(f"rows must name distinct cache rows in [0, {cache.max_batch}) for the active "
+                             f"entries; got {rows.tolist()}")
     live = positions[active]
     if live.size and not (0 <= live.min() and live.max() < cache.max_len):
         raise ValueError(f"active rows need positions in [0, {cache.max_len}) (the cache's max_len); "
@@ -315,13 +318,14 @@ class LlamaRunner:
                     tokens[j, :lengths[i]] = prompts[i]
                 # forwards of power-of-two counts (12 prompts: 8 then 4), not one padded to the
                 # next (16): a forward costs about its tokens, padding included
+                at = 0
                 for size in [len(part)] if len(part) in self.row_buckets else _binary_parts(len(part)):
-                    chunk, part = part[:size], part[size:]
+                    chunk = part[at:at + size]
                     logits, cache = prefill_batch(
-                        self.params, pool, cache, tokens[:size], [lengths[i] for i in chunk],
+                        self.params, pool, cache, tokens[at:at + size], [lengths[i] for i in chunk],
                         [rows[i] for i in chunk], [slots[i] for i in chunk])
-                    tokens = tokens[size:]
                     out[chunk] = logits
+                    at += size
         return out, cache
 
     def decode(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,

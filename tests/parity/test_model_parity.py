@@ -454,6 +454,17 @@ def test_a_step_of_few_rows_computes_only_them(example_setup: Setup) -> None:
     np.testing.assert_array_equal(np.asarray(cache.v), np.asarray(twin.v))
 
 
+def test_decode_refuses_rows_that_name_a_cache_row_twice_or_none(example_setup: Setup) -> None:
+    s = example_setup
+    cache = init_cache(s.config, MAX_BATCH, MAX_LEN)
+    two = np.zeros(2, np.int32)
+    for rows, message in (([1, 1], "distinct cache rows"), ([1, MAX_BATCH], "distinct cache rows"),
+                          ([[1, 2]], "must be \\[n\\]")):
+        with pytest.raises(ValueError, match=message):
+            decode(s.params, s.pool.arrays, cache, two, two, np.full(2, lora.BASE), np.ones(2, bool),
+                   rows=np.array(rows))
+
+
 def test_base_rows_ignore_an_adapter_in_slot_zero(example: ExampleAssets) -> None:
     """A base row (-1) gets no LoRA term even with slot 0, which -1 is clamped to for indexing, in use."""
     config, params = load_model(example.model_dir)
