@@ -147,7 +147,10 @@ class NativeBackend(Backend):
 
     def decode_rows(self, max_batch: int) -> tuple[int, ...]:
         # quarters of the batch: a step of 5 running requests in a 32-row cache computes 8 rows,
-        # not 32 (the dense kernel costs about its rows once they outweigh streaming the weights)
+        # not 32 (the dense kernel costs about its rows once they outweigh streaming the weights).
+        # Below 8 rows streaming the weights is the whole cost: one compile, every row.
+        if max_batch < 8:
+            return (max_batch,)
         return tuple(sorted({-(-max_batch * i // 4) for i in range(1, 5)}))
 
     def prepare(self, slots: jax.Array, num_slots: int, window: int | None) -> Any:
