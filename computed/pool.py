@@ -18,18 +18,20 @@ the bfloat16 bytes either way; `read_slot` returns bfloat16 arrays.
 An adapter of rank r occupies A[..., :r, :] and B[..., :r] of its slot; the padding, and
 every module or layer the adapter lacks, is zero, so it adds nothing to the LoRA term.
 
-Writes. `write_slot` pads the adapter on the host to fixed shapes (a module it lacks: a zero
-block made once, `_absent`) and writes it with one jitted function that donates the pool
-(`_write`); `clear_slot` zeroes a slot with another (`_clear`). The slot index is a traced
-int32, so after one compile of each, loading any adapter into any slot never recompiles,
-and donation makes the update in place: the big buffers are never reallocated.
+Writes. `write_slot` pads the adapter on the host to fixed shapes and writes, one jitted
+call each (computed/poolops.py), the modules it has, the modules the slot's last holder had and
+it lacks (with a zero block made once, `_absent`), and the slot's scaling and rank; every other
+module of the slot is zero already (`_held` says which modules of each slot may not be). Each
+call donates what it updates; `clear_slot` zeroes the held modules and the scaling and rank the
+same way. The slot index is a traced int32, so after one compile per array shape (made when the
+pool is), loading any adapter into any slot never recompiles, and donation makes the update in
+place: the big buffers are never reallocated.
 Keep no numpy view of a pool array (`np.asarray`, `jax.device_get` on CPU are zero-copy)
 across a write: while a view is alive, XLA cannot reuse the buffer and the write silently
 copies the whole array instead; `read_slot` and `digest` copy or drop their views.
 
 Sharded pools. A tensor-parallel replica passes `shardings` (computed/model/sharding.py): the
-arrays are made in place on its mesh, and the write and the clear are jitted with in and out
-shardings equal, so each device writes its own part of the slot, still in place and compiled
+arrays are made in place on its mesh, and the writes are jitted with in and out shardings equal, so each device writes its own part of the slot, still in place and compiled
 once; digests read the same bytes in the same order as an unsharded pool's.
 
 In-flight protection (leases with pending writes). An inference request takes
@@ -57,14 +59,14 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
+from computed.poolops import plain_ops, sharded_ops, slot_of
 from computed.slotdigest import slot_digest_in_place, zeros_digest
 from shared.config import POOL_DTYPES
 from shared.llama import MODULES
@@ -150,83 +152,12 @@ class Lease:
         self.pool.release(self)
 
 
-def _put(buf: jax.Array, value: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
-    out: jax.Array = jax.lax.dynamic_update_index_in_dim(buf, value, slot, axis)
-    return out
-
-
-@partial(jax.jit, donate_argnums=0)
-def _write(
-    pool: LoraPool,
-    slot: jax.Array,
-    A: dict[str, jax.Array],
-    B: dict[str, jax.Array],
-    scaling: jax.Array,
-    rank: jax.Array,
-) -> LoraPool:
-    """Write one padded adapter into `slot`, in place."""
-    return LoraPool(
-        A={m: _put(a, A[m], slot, 1) for m, a in pool.A.items()},
-        B={m: _put(b, B[m], slot, 1) for m, b in pool.B.items()},
-        scaling=_put(pool.scaling, scaling, slot, 0),
-        rank=_put(pool.rank, rank, slot, 0),
-    )
-
-
-@jax.jit
-def _slot_of(pool: LoraPool, slot: jax.Array) -> tuple[dict[str, jax.Array],
-                                                       dict[str, jax.Array], jax.Array, jax.Array]:
-    """One slot's arrays (A, B per module over all layers, scaling, rank), slot traced."""
-    def take(buf: jax.Array, axis: int) -> jax.Array:
-        out: jax.Array = jax.lax.dynamic_index_in_dim(buf, slot, axis, keepdims=False)
-        return out
-    return ({m: take(a, 1) for m, a in pool.A.items()}, {m: take(b, 1) for m, b in pool.B.items()},
-            take(pool.scaling, 0), take(pool.rank, 0))
-
-
-@partial(jax.jit, donate_argnums=0)
-def _clear(pool: LoraPool, slot: jax.Array) -> LoraPool:
-    """Zero `slot`, in place."""
-
-    def zero(buf: jax.Array, axis: int) -> jax.Array:
-        shape = buf.shape[:axis] + buf.shape[axis + 1 :]
-        return _put(buf, jnp.zeros(shape, buf.dtype), slot, axis)
-
-    return LoraPool(
-        A={m: zero(a, 1) for m, a in pool.A.items()},
-        B={m: zero(b, 1) for m, b in pool.B.items()},
-        scaling=zero(pool.scaling, 0),
-        rank=zero(pool.rank, 0),
-    )
-
-
 _Op = tuple[Callable[..., LoraPool], tuple[Any, ...]]
 
 
 def storage_dtype(dtype: str) -> np.dtype:
     """The dtype of a pool's A and B arrays for a pool dtype: bfloat16 as its uint16 bits."""
     return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(jnp.dtype(dtype))
-
-
-def _without_slot_axis(sharding: NamedSharding) -> NamedSharding:
-    """A pool array's sharding for one slot's update (its slot axis, axis 1, dropped)."""
-    spec = tuple(sharding.spec)
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:1], *spec[2:]))
-
-
-def _sharded_ops(shardings: LoraPool) -> tuple[Callable[..., LoraPool], Callable[..., LoraPool]]:
-    """`_write` and `_clear` for a pool laid out by `shardings`: each device writes its own part
-    of the slot in place (in and out shardings equal, the pool donated); the host arrays of the
-    update go to each device as its part only."""
-    mesh = next(iter(jax.tree.leaves(shardings))).mesh
-    whole = NamedSharding(mesh, PartitionSpec())
-    A = {m: _without_slot_axis(cast(NamedSharding, s)) for m, s in shardings.A.items()}
-    B = {m: _without_slot_axis(cast(NamedSharding, s)) for m, s in shardings.B.items()}
-    write = jax.jit(_write.__wrapped__, donate_argnums=0, out_shardings=shardings,  # type: ignore[attr-defined]
-                    in_shardings=(shardings, whole, A, B, whole, whole))
-    clear = jax.jit(_clear.__wrapped__, donate_argnums=0, out_shardings=shardings,  # type: ignore[attr-defined]
-                    in_shardings=(shardings, whole))
-    return write, clear
 
 
 class MemoryPool:
@@ -238,9 +169,7 @@ class MemoryPool:
     def __init__(self, spec: PoolSpec, *, shardings: LoraPool | None = None) -> None:
         self.spec = spec
         self.shardings = shardings
-        self._write: Callable[..., LoraPool]
-        self._clear: Callable[..., LoraPool]
-        self._write, self._clear = (_write, _clear) if shardings is None else _sharded_ops(shardings)
+        self._ops = plain_ops(spec.modules) if shardings is None else sharded_ops(shardings)
         def zeros() -> LoraPool:
             return cast(LoraPool, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.shapes()))
         # a sharded pool is made in place, never whole on one device
@@ -254,6 +183,12 @@ class MemoryPool:
             * storage_dtype(spec.dtype).itemsize)
         self._slot_digests: list[str | None] = [self._cleared] * spec.slots
         self._zero_blocks: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None  # `_absent`
+        # the modules of each slot that may hold non-zero bytes (every other one is zero)
+        self._held: list[frozenset[str]] = [frozenset()] * spec.slots
+        # compile every write now, writing zeros into zeros: none compiles while serving
+        zA, zB = self._absent()
+        self._arrays = self._put(self._arrays, 0, zA, zB, np.float32(0), np.int32(0))
+        self._held[0] = frozenset()
         # the buffers are host memory: digests read them in place (computed/slotdigest.py)
         self._host_memory = shardings is None and self._arrays.rank.devices().pop().platform == "cpu"
 
@@ -309,13 +244,13 @@ class MemoryPool:
         """Load `weights` into `slot`; True if applied now, False if deferred (see the module docstring)."""
         self._check_slot(slot)
         A, B = self._padded(weights)
-        args = (np.int32(slot), A, B, np.float32(weights.scaling), np.int32(weights.rank))
-        return self._submit(slot, (self._write, args))
+        return self._submit(slot, (self._put, (slot, A, B, np.float32(weights.scaling),
+                                                np.int32(weights.rank))))
 
     def clear_slot(self, slot: int) -> bool:
         """Zero `slot`; True if applied now, False if deferred (see the module docstring)."""
         self._check_slot(slot)
-        return self._submit(slot, (self._clear, (np.int32(slot),)))
+        return self._submit(slot, (self._zero, (slot,)))
 
     def busy(self, slot: int) -> bool:
         """True while `slot` has readers or a write that waits for them."""
@@ -357,7 +292,24 @@ class MemoryPool:
             fn, args = self._pending.pop(slot)
             self._arrays = fn(self._arrays, *args)
             # a cleared slot is known to be zero: it is not read again to be hashed
-            self._slot_digests[slot] = self._cleared if fn is self._clear else None
+            self._slot_digests[slot] = self._cleared if fn == self._zero else None
+
+    def _zero(self, arrays: LoraPool, slot: int) -> LoraPool:
+        return self._put(arrays, slot, {}, {}, np.float32(0), np.int32(0))
+
+    def _put(self, arrays: LoraPool, slot: int, A: dict[str, np.ndarray], B: dict[str, np.ndarray],
+             scaling: np.float32, rank: np.int32) -> LoraPool:
+        """`arrays` with `slot` holding modules `A` and `B` (host arrays of one slot's shapes),
+        `scaling` and `rank`, and zero in every other module (lock held)."""
+        zA, zB = self._absent()
+        newA, newB, at = dict(arrays.A), dict(arrays.B), np.int32(slot)
+        for m in self.spec.modules:
+            if m in A or m in self._held[slot]:
+                newA[m], newB[m] = self._ops.module[m](newA[m], newB[m], at, A.get(m, zA[m]),
+                                                       B.get(m, zB[m]))
+        scalings, ranks = self._ops.meta(arrays.scaling, arrays.rank, at, scaling, rank)
+        self._held[slot] = frozenset(A)
+        return LoraPool(A=newA, B=newB, scaling=scalings, rank=ranks)
 
     def _padded(self, weights: SlotWeights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Host arrays of the pool's fixed per-slot shapes holding `weights`, zero elsewhere."""
@@ -386,14 +338,12 @@ class MemoryPool:
             A[module][layer, :r] = a
             B[module][layer, :, :r] = b
         stored = storage_dtype(spec.dtype)
-        zA, zB = self._absent()  # host arrays, as the others: a mix is another jit cache entry
-        return ({**zA, **{m: a.view(stored) for m, a in A.items()}},
-                {**zB, **{m: b.view(stored) for m, b in B.items()}})
+        return ({m: a.view(stored) for m, a in A.items()}, {m: b.view(stored) for m, b in B.items()})
 
     def _absent(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """A read-only zero block per module, made once, for the modules an adapter lacks (a q+v
-        adapter's write into a pool of seven modules allocated and filled the other five's
-        zeros every time: 2.6 -> 1.7 ms a write on the bench model)."""
+        """A read-only zero block per module, made once, for a held module an adapter lacks
+        (host arrays, as the others: a mix of host and device arrays is another jit cache
+        entry)."""
         if self._zero_blocks is None:
             spec, stored = self.spec, storage_dtype(self.spec.dtype)
             self._zero_blocks = (
@@ -407,7 +357,7 @@ class MemoryPool:
         """A host copy of `slot`, extracted on the device (one compile for every slot)."""
         self._check_slot(slot)
         with self.reading() as pool:
-            A, B, scaling, rank = jax.device_get(_slot_of(pool, np.int32(slot)))
+            A, B, scaling, rank = jax.device_get(slot_of(pool, np.int32(slot)))
         dtype = jnp.dtype(self.spec.dtype)  # a bfloat16 pool's uint16 bits, viewed as bfloat16
         return SlotContents(A={m: np.asarray(a).view(dtype) for m, a in A.items()},
                             B={m: np.asarray(b).view(dtype) for m, b in B.items()},

@@ -11,7 +11,8 @@ import pytest
 
 
 from computed.jaxcount import BACKEND_COMPILE, buffer_pointers, counting_compiles
-from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights, _clear, _write
+from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights
+from computed.poolops import put_meta, put_module
 
 # Dict order differs from MODULES order on purpose: the pool must not depend on it.
 DIMS = {"v_proj": (32, 16), "q_proj": (32, 32), "down_proj": (48, 32)}
@@ -162,11 +163,13 @@ def test_a_pending_clear_keeps_the_slot_digest_until_it_applies() -> None:
 
 
 def test_writes_are_in_place_and_never_recompile() -> None:
+    """A pool compiles its writes when it is made; after that, writes and clears of adapters
+    with any rank and any set of modules, in any slot, compile nothing and keep the buffers;
+    and a slot holds only its last adapter, whatever modules its earlier holders had."""
     pool = MemoryPool(SPEC)
-    pool.write_slot(0, adapter(0, 8))
-    pool.clear_slot(0)
+    pool.read_slot(0)  # a host read compiles on its first use (not a write; never on the step's path)
     pointers = buffer_pointers(pool)
-    cache_sizes = (_write._cache_size(), _clear._cache_size())
+    cache_sizes = (put_module._cache_size(), put_meta._cache_size())
     rng = np.random.default_rng(7)
     weights = [adapter(seed, rank, modules=modules) for seed, (rank, modules) in enumerate(
         [(1, None), (8, None), (3, ("q_proj",)), (5, ("down_proj", "v_proj")), (2, None)]
@@ -186,7 +189,7 @@ def test_writes_are_in_place_and_never_recompile() -> None:
                 pool.digest()
         jax.block_until_ready(pool.arrays)
     assert compiles == []
-    assert (_write._cache_size(), _clear._cache_size()) == cache_sizes
+    assert (put_module._cache_size(), put_meta._cache_size()) == cache_sizes
     assert buffer_pointers(pool) == pointers
 
     replayed = MemoryPool(SPEC)
