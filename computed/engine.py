@@ -322,11 +322,13 @@ class Engine:
             return None
         if row is None:
             return None
+        granted = time.perf_counter()
         run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
         run.admitted = time.perf_counter()
         # what residency added: the wait since it first had a row, or this admission's own
-        # slot write (a host-tier hit), or next to nothing (resident)
-        run.residency_s = run.admitted - (tried if req.eligible is None else req.eligible)
+        # slot write (a host-tier hit), or next to nothing (resident); to the grant (making
+        # the request's sampler is not residency)
+        run.residency_s = granted - (tried if req.eligible is None else req.eligible)
         return run
 
     def _prefill(self, runs: list[Running], done: list[Done]) -> None:
