@@ -19,20 +19,21 @@ An adapter of rank r occupies A[..., :r, :] and B[..., :r] of its slot; the padd
 every module or layer the adapter lacks, is zero, so it adds nothing to the LoRA term.
 
 Writes. `write_slot` pads the adapter on the host to fixed shapes and writes, one jitted
-call each (computed/poolops.py), the modules it has, the modules the slot's last holder had and
-it lacks (with a zero block made once, `_absent`), and the slot's scaling and rank; every other
-module of the slot is zero already (`_held` says which modules of each slot may not be). Each
-call donates what it updates; `clear_slot` zeroes the held modules and the scaling and rank the
-same way. The slot index is a traced int32, so after one compile per array shape (made when the
-pool is), loading any adapter into any slot never recompiles, and donation makes the update in
-place: the big buffers are never reallocated.
-Keep no numpy view of a pool array (`np.asarray`, `jax.device_get` on CPU are zero-copy)
-across a write: while a view is alive, XLA cannot reuse the buffer and the write silently
-copies the whole array instead; `read_slot` and `digest` copy or drop their views.
+call each (computed/poolops.py), the modules it has, the modules the slot's last holder had
+and it lacks (with read-only zero blocks made with the pool, `_zeros`), and the slot's
+scaling and rank; every other module of the slot is zero already (`_held` says which
+modules of each slot may not be). Each call donates what it updates; `clear_slot` zeroes
+the held modules and the scaling and rank the same way. The slot index is a traced int32,
+so after one compile per array shape (made when the pool is), loading any adapter into any
+slot never recompiles, and donation makes the update in place: the big buffers are never
+reallocated. Keep no numpy view of a pool array (`np.asarray`, `jax.device_get` on CPU are
+zero-copy) across a write: while a view is alive, XLA cannot reuse the buffer and the write
+silently copies the whole array instead; `read_slot` and `digest` copy or drop their views.
 
 Sharded pools. A tensor-parallel replica passes `shardings` (computed/model/sharding.py): the
-arrays are made in place on its mesh, and the writes are jitted with in and out shardings equal, so each device writes its own part of the slot, still in place and compiled
-once; digests read the same bytes in the same order as an unsharded pool's.
+arrays are made in place on its mesh, and the writes are jitted with in and out shardings
+equal, so each device writes its own part of the slot, still in place and compiled once;
+digests read the same bytes in the same order as an unsharded pool's.
 
 In-flight protection (leases with pending writes). An inference request takes
 `acquire(slot)` when it is admitted and releases the lease when it finishes.
@@ -182,12 +183,13 @@ class MemoryPool:
             spec.num_layers * spec.max_rank * (i + o) for i, o in spec.module_dims.values())
             * storage_dtype(spec.dtype).itemsize)
         self._slot_digests: list[str | None] = [self._cleared] * spec.slots
-        self._zero_blocks: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None  # `_absent`
+        # one read-only zero block per module, for a held module an adapter lacks (host arrays,
+        # as the others: a mix of host and device arrays is another jit cache entry)
+        self._zeros = self._zero_blocks()
         # the modules of each slot that may hold non-zero bytes (every other one is zero)
         self._held: list[frozenset[str]] = [frozenset()] * spec.slots
         # compile every write now, writing zeros into zeros: none compiles while serving
-        zA, zB = self._absent()
-        self._arrays = self._put(self._arrays, 0, zA, zB, np.float32(0), np.int32(0))
+        self._arrays = self._put(self._arrays, 0, *self._zeros, np.float32(0), np.int32(0))
         self._held[0] = frozenset()
         # the buffers are host memory: digests read them in place (computed/slotdigest.py)
         self._host_memory = shardings is None and self._arrays.rank.devices().pop().platform == "cpu"
@@ -301,7 +303,7 @@ class MemoryPool:
              scaling: np.float32, rank: np.int32) -> LoraPool:
         """`arrays` with `slot` holding modules `A` and `B` (host arrays of one slot's shapes),
         `scaling` and `rank`, and zero in every other module (lock held)."""
-        zA, zB = self._absent()
+        zA, zB = self._zeros
         newA, newB, at = dict(arrays.A), dict(arrays.B), np.int32(slot)
         for m in self.spec.modules:
             if m in A or m in self._held[slot]:
@@ -312,7 +314,8 @@ class MemoryPool:
         return LoraPool(A=newA, B=newB, scaling=scalings, rank=ranks)
 
     def _padded(self, weights: SlotWeights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Host arrays of the pool's fixed per-slot shapes holding `weights`, zero elsewhere."""
+        """Host arrays of the pool's per-slot shapes for the modules `weights` has, zero in the
+        layers and ranks it lacks."""
         spec, r = self.spec, weights.rank
         if r < 1:
             raise ValueError(f"adapter has rank {r}; a LoRA rank is at least 1")
@@ -340,18 +343,13 @@ class MemoryPool:
         stored = storage_dtype(spec.dtype)
         return ({m: a.view(stored) for m, a in A.items()}, {m: b.view(stored) for m, b in B.items()})
 
-    def _absent(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """A read-only zero block per module, made once, for a held module an adapter lacks
-        (host arrays, as the others: a mix of host and device arrays is another jit cache
-        entry)."""
-        if self._zero_blocks is None:
-            spec, stored = self.spec, storage_dtype(self.spec.dtype)
-            self._zero_blocks = (
-                {m: np.zeros((spec.num_layers, spec.max_rank, i), stored) for m, (i, _) in self._dims()},
-                {m: np.zeros((spec.num_layers, o, spec.max_rank), stored) for m, (_, o) in self._dims()})
-            for block in (*self._zero_blocks[0].values(), *self._zero_blocks[1].values()):
-                block.setflags(write=False)
-        return self._zero_blocks
+    def _zero_blocks(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        spec, stored = self.spec, storage_dtype(self.spec.dtype)
+        zA = {m: np.zeros((spec.num_layers, spec.max_rank, i), stored) for m, (i, _) in self._dims()}
+        zB = {m: np.zeros((spec.num_layers, o, spec.max_rank), stored) for m, (_, o) in self._dims()}
+        for block in (*zA.values(), *zB.values()):
+            block.setflags(write=False)
+        return zA, zB
 
     def read_slot(self, slot: int) -> SlotContents:
         """A host copy of `slot`, extracted on the device (one compile for every slot)."""
