@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -322,10 +322,7 @@ class MemoryPool:
         if r > spec.max_rank:
             raise ValueError(f"adapter has rank {r}, above the pool's max_rank {spec.max_rank}; "
                              "configure the pool with a larger max_rank")
-        dtype = jnp.dtype(spec.dtype)
-        present = {module for _, module in weights.pairs}
-        A = {m: np.zeros((spec.num_layers, spec.max_rank, i), dtype) for m, (i, _) in self._dims() if m in present}
-        B = {m: np.zeros((spec.num_layers, o, spec.max_rank), dtype) for m, (_, o) in self._dims() if m in present}
+        A, B = self._blocks(jnp.dtype(spec.dtype), {module for _, module in weights.pairs})
         for (layer, module), (a, b) in weights.pairs.items():
             if module not in spec.module_dims:
                 raise ValueError(f"adapter targets {module}, which is not a target module of this pool "
@@ -343,10 +340,18 @@ class MemoryPool:
         stored = storage_dtype(spec.dtype)
         return ({m: a.view(stored) for m, a in A.items()}, {m: b.view(stored) for m, b in B.items()})
 
+    def _blocks(self, dtype: Any, modules: Collection[str],
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Zero host arrays of one slot's shapes for `modules`: A [layers, max_rank, in] and
+        B [layers, out, max_rank]."""
+        spec = self.spec
+        return ({m: np.zeros((spec.num_layers, spec.max_rank, i), dtype)
+                 for m, (i, _) in self._dims() if m in modules},
+                {m: np.zeros((spec.num_layers, o, spec.max_rank), dtype)
+                 for m, (_, o) in self._dims() if m in modules})
+
     def _zero_blocks(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        spec, stored = self.spec, storage_dtype(self.spec.dtype)
-        zA = {m: np.zeros((spec.num_layers, spec.max_rank, i), stored) for m, (i, _) in self._dims()}
-        zB = {m: np.zeros((spec.num_layers, o, spec.max_rank), stored) for m, (_, o) in self._dims()}
+        zA, zB = self._blocks(storage_dtype(self.spec.dtype), self.spec.module_dims)
         for block in (*zA.values(), *zB.values()):
             block.setflags(write=False)
         return zA, zB
