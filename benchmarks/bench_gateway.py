@@ -34,8 +34,15 @@ latencies, run to run, the ZeroMQ path's latency outside the replica (less its
 32 lone requests, one at a time, alternating the path: the added latency of a request with
 no burst to queue behind. In `make bench` (benchmarks/suite.py).
 
-    .venv/bin/python -m benchmarks.bench_gateway [--shapes bench,tiny] [--rounds 5] [--quick]
-        [--no-write] [--profile DIR]
+Each run is a model shape in a CPU layout (`--runs`, default bench:split, bench:shared,
+tiny:split), each its own fleet. `split`: the replica pinned to every CPU but the last, the
+gateway and the client to the last one (the front door on a core of its own, as it sits on
+a host of its own in front of a fleet); the targets are the first run's, bench:split.
+`shared`: every process on every CPU, the replica's compute threads taking all of them
+during a step, so that a request's bytes also wait for a CPU (reported beside it).
+
+    .venv/bin/python -m benchmarks.bench_gateway [--runs bench:split,bench:shared,tiny:split]
+        [--rounds 5] [--quick] [--no-write] [--profile DIR]
 
 `--profile DIR` runs the gateway under cProfile (LORAPLANE_GATEWAY_PROFILE) and writes
 DIR/gateway-SHAPE.prof when it stops.
@@ -45,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,6 +103,35 @@ def cpu_s(pid: int) -> float:
 Request = tuple[str, list[int], int]  # adapter, prompt ids, new tokens
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Which CPUs the processes run on: `shared`, every process on every CPU (the replica's
+    compute threads take all of them during a step); `split`, the replica on all CPUs but
+    the last, the gateway and the client on the last (the front door on a core of its own,
+    as it would sit on a host of its own in front of a fleet)."""
+
+    name: str
+    replica: tuple[str, ...] = ()  # a command prefix: `taskset -c CPUS`
+    front: tuple[str, ...] = ()
+
+    @staticmethod
+    def shared() -> Layout:
+        return Layout("shared")
+
+    @staticmethod
+    def split() -> Layout:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2 or shutil.which("taskset") is None:
+            raise SystemExit("a split layout needs 2 CPUs or more and `taskset` (util-linux); "
+                             "run with --runs bench:shared,tiny:shared instead")
+        rest = ",".join(str(c) for c in cpus[:-1])
+        return Layout("split", ("taskset", "-c", rest), ("taskset", "-c", str(cpus[-1])))
+
+
+LAYOUTS = {"split": Layout.split, "shared": Layout.shared}
+LAYOUT_LABELS = {"split": "gateway on a CPU of its own", "shared": "all on all CPUs"}
+
+
 def requests(w: Workload, seed: int, n: int = BATCH, vary: bool = False) -> list[Request]:
     """n requests, adapter i % 16, random prompts; `vary`: new tokens drawn uniformly from
     half to one and a half times the workload's (the same mean), so that streams in a
@@ -106,20 +143,24 @@ def requests(w: Workload, seed: int, n: int = BATCH, vary: bool = False) -> list
 
 
 def measure(name: str, w: Workload, rounds: int, profile: Path | None,
-            lone_n: int = BATCH, steady_rounds: int = STEADY_ROUNDS) -> dict[str, Any]:
+            lone_n: int = BATCH, steady_rounds: int = STEADY_ROUNDS,
+            layout: Layout | None = None) -> dict[str, Any]:
+    layout = layout or Layout.shared()
     load_before = os.getloadavg()[0]
-    root = Path(tempfile.mkdtemp(prefix=f"bench-gateway-{name}-"))
+    slug = name.replace(", ", "-").replace(" ", "-")
+    root = Path(tempfile.mkdtemp(prefix=f"bench-gateway-{slug}-"))
     specs = tuple(AdapterSpec(f"a{i:02d}", r=w.rank, lora_alpha=2 * w.rank,
                               target_modules=w.modules) for i in range(ADAPTERS))
     ex = make_example(root / "example", adapters=specs, shape=w.shape)
     svc = StateSvc(root / "data")
     replica = Computed(ex.model_dir, svc, root / "replicas" / "r1", replica_id="r1",
-                       extra_args=("--max-batch", str(BATCH), "--max-len", "256"))
+                       extra_args=("--max-batch", str(BATCH), "--max-len", "256"),
+                       wrapper=layout.replica)
     gateway = Gateway(ex.model_dir, svc, log_file=root / "gateway.log",
-                      extra_args=("--max-pending", str(4 * BATCH)))
+                      extra_args=("--max-pending", str(4 * BATCH)), wrapper=layout.front)
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
-        os.environ["LORAPLANE_GATEWAY_PROFILE"] = str(profile.resolve() / f"gateway-{name}.prof")
+        os.environ["LORAPLANE_GATEWAY_PROFILE"] = str(profile.resolve() / f"gateway-{slug}.prof")
     client: subprocess.Popen[str] | None = None
     try:
         svc.start()
@@ -133,7 +174,7 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None,
         gateway.start()
         os.environ.pop("LORAPLANE_GATEWAY_PROFILE", None)
         wait_for(gateway.healthy, what="gateway healthy")
-        client = subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_client",
+        client = subprocess.Popen([*layout.front, sys.executable, "-m", "benchmarks.gateway_client",
                                    replica.listen, gateway.url], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
         assert client.stdin is not None and client.stdout is not None
@@ -246,9 +287,10 @@ def report(res: dict[str, Any]) -> str:
     for name, r in res["shapes"].items():
         m, (lo, hi) = r["model"], r["ratio_range"]
         cpu = r["cpu_ms_per_token"]
-        target = name == "bench"
-        label = (f"{name} (hidden {m['hidden_size']}, {m['layers']} layers; "
-                 f"{r['prompt_tokens']}+{r['new_tokens']} tokens)")
+        target = name == res["shape"]
+        where = LAYOUT_LABELS.get(r.get("layout", "shared"), "")
+        label = (f"{r.get('shape', name)} (hidden {m['hidden_size']}, {m['layers']} layers; "
+                 f"{r['prompt_tokens']}+{r['new_tokens']} tokens), {where}")
         load = f"{r['load_average']['before']:.1f} / {r['load_average']['after']:.1f}"
         lines.append(
             f"| {label} | burst: {r['batch']} at once | {r['zmq_tok_s']:,.0f} | "
@@ -285,39 +327,59 @@ def report(res: dict[str, Any]) -> str:
               "at a time. Added latency: each request's latency through the gateway less the "
               "gateway's upstream time for it (sent to the replica to its result); medians "
               "over rounds. `bench` is the decode benchmark's model and the targets' workload, "
-              f"`tiny` the example model (the gateway's worst case); on {res['cpu']}. "
+              "`tiny` the example model (the gateway's worst case). Gateway on a CPU of its "
+              "own: the replica pinned to the other CPUs, the gateway and the client to the "
+              "last one (`taskset`), as a front door sits in front of a fleet; the targets "
+              "are this layout's. All on all CPUs: the replica's compute threads and the "
+              "gateway share every CPU, so the gateway's figures also hold the wait for a "
+              f"CPU the replica's step keeps busy. On {res['cpu']}. "
               "`python -m benchmarks.bench_gateway` reproduces it; docs/gateway.md says what "
               "the figures mean."]
     return "\n".join(lines)
 
 
+RUNS = "bench:split,bench:shared,tiny:split"  # the first is the targets'
+
+
+def run_key(shape: str, layout: str) -> str:
+    """A run's key in the results: the shape's name, with the layout unless it is split."""
+    return shape if layout == "split" else f"{shape}, {layout} CPUs"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="bench,tiny", help="comma-separated: bench, tiny")
+    p.add_argument("--runs", default=RUNS,
+                   help="comma-separated SHAPE:LAYOUT, each its own fleet, the first the "
+                   "targets'; SHAPE bench or tiny, LAYOUT split (the gateway and the client on "
+                   "a CPU of their own) or shared (every process on every CPU)")
     p.add_argument("--rounds", type=int, default=5, help="burst rounds")
     p.add_argument("--steady-rounds", type=int, default=STEADY_ROUNDS,
                    help="rounds of the steady stream (the added-latency target's)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens (default: per shape)")
-    output_flags(p, "gateway", "the tiny model only, one round of 8 tokens; writes only where "
-                 "`python -m benchmarks --quick` says")
+    output_flags(p, "gateway", "the tiny model only, split, one round of 8 tokens; writes only "
+                 "where `python -m benchmarks --quick` says")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the gateway under cProfile, one DIR/gateway-SHAPE.prof per shape")
     a = p.parse_args(argv)
     if a.quick:
-        a.shapes, a.rounds, a.tokens = "tiny", 1, 8
+        a.runs, a.rounds, a.tokens = "tiny:split", 1, 8
     known = workloads()
-    shapes = a.shapes.split(",")
-    if not set(shapes) <= set(known):
-        p.error(f"--shapes takes {', '.join(known)}")
+    runs = [tuple(r.split(":", 1)) if ":" in r else (r, "split") for r in a.runs.split(",")]
+    if not all(shape in known and layout in LAYOUTS for shape, layout in runs):
+        p.error(f"--runs takes SHAPE:LAYOUT, SHAPE one of {', '.join(known)}, LAYOUT one of "
+                f"{', '.join(LAYOUTS)}")
     res: dict[str, Any] = {"cpu": f"{cpu_model()}, {os.cpu_count()} CPUs", "machine": machine_info(), "shapes": {}}
-    for name in shapes:
-        w = known[name]
+    for shape, layout in runs:
+        w = known[shape]
         if a.tokens:
             w = Workload(w.shape, w.rank, w.modules, w.prompt, a.tokens)
-        res["shapes"][name] = measure(name, w, a.rounds, a.profile, 4 if a.quick else BATCH,
-                                      1 if a.quick else a.steady_rounds)
-    # the figures with targets (benchmarks/suite.py) are the first shape's
-    res.update({k: v for k, v in res["shapes"][shapes[0]].items() if k != "model"}, shape=shapes[0])
+        key = run_key(shape, layout)
+        res["shapes"][key] = {**measure(key, w, a.rounds, a.profile, 4 if a.quick else BATCH,
+                                        1 if a.quick else a.steady_rounds, LAYOUTS[layout]()),
+                              "shape": shape, "layout": layout}
+    # the figures with targets (benchmarks/suite.py) are the first run's
+    first = run_key(*runs[0])
+    res.update({k: v for k, v in res["shapes"][first].items() if k != "model"}, shape=first)
     markdown = report(res)
     print(markdown)
     print(json.dumps({n: r["cpu_ms_per_token"] for n, r in res["shapes"].items()}, indent=1))

@@ -315,7 +315,7 @@ def gateway_figures(r: dict[str, Any]) -> list[Figure]:
     out = []
     shapes = r.get("shapes") or {"": r}  # results from before the two shapes: one, targeted
     for shape, s in shapes.items():
-        i = 0 if shape in ("bench", "") else 1  # 0: the targets apply
+        i = 0 if shape == r.get("shape", "bench") or shape == "" else 1  # 0: the targets apply
         rows, runs = s["rounds_detail"], s["rounds"]
         # within each request: its latency less the gateway's upstream time for it
         # (results from before that measure: the end-to-end difference, run to run)
@@ -323,7 +323,9 @@ def gateway_figures(r: dict[str, Any]) -> list[Figure]:
         added = {q: [x["gateway"][f"outside_{q}_ms"] if inside
                      else x["gateway"][f"{q}_ms"] - x["zmq"][f"{q}_ms"] for x in rows]
                  for q in ("p50", "p99")}
-        on = f" ({shape} model)" if shape else ""
+        where = {"split": ", gateway on its own CPU", "shared": ", all on all CPUs"}.get(
+            s.get("layout", ""), "")  # results from before the layouts: all on all CPUs
+        on = f" ({s.get('shape', shape)} model{where})" if shape else ""
         steady = s.get("steady") or {}
         burst = " in a burst of 32" if steady.get("rounds") else ""
         out.append(figure("gateway", f"gateway + streaming / ZeroMQ, batch 32, 16 adapters{on}",

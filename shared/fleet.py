@@ -230,6 +230,7 @@ class Gateway(_Process):
     log_file: Path
     port: int = field(default_factory=free_port)
     extra_args: tuple[str, ...] = ()
+    wrapper: tuple[str, ...] = ()  # a command that execs the gateway (`taskset -c 1` ...)
     proc: subprocess.Popen[Any] | None = None
     ready: str = ""
 
@@ -248,7 +249,7 @@ class Gateway(_Process):
 
     def start(self) -> Gateway:
         self.proc, self.ready = start_ready(
-            [str(BIN / "computed"), "gateway", "--model", str(self.model_dir), "--state",
+            [*self.wrapper, str(BIN / "computed"), "gateway", "--model", str(self.model_dir), "--state",
              self.state.control, "--port", str(self.port), "--poll-interval", "0.2",
              *self.extra_args], log=self.log_file)
         return self
