@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from computed.gateway.requests import ApiError
 from computed.gateway.service import Output
@@ -202,12 +202,40 @@ class EventStream(StreamingResponse):
     each chunk with whether it is the last, and that one goes out with `more_body` false
     (one write of the chunk and the body's end, where StreamingResponse writes an empty
     last chunk after it). A 32-request burst finishing in one decode step had every
-    stream pay for both writes, one after another on the event loop."""
+    stream pay for both writes, one after another on the event loop.
+
+    It watches for the client going away with one task of its own that cancels the
+    stream's task, where StreamingResponse (under uvicorn's ASGI spec 2.3) runs the
+    stream in an anyio task group beside its watcher: two tasks, cancel scopes and their
+    teardown for every stream. A/B in one fleet (two gateways on one CPU, decode model,
+    4 interleaved steady rounds): added p50 1.66 ms (1.62-1.73) against 1.75 (1.66-1.84)."""
 
     def __init__(self, chunks: AsyncIterator[tuple[bytes, bool]]) -> None:
         super().__init__((), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self.chunks = chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streaming.cancel()  # `events` ends, which cancels the request (app.py)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()  # the client went away: nothing more to send
+        finally:
+            watcher.cancel()
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
