@@ -1,15 +1,18 @@
 """Cancelling a request: the replica's `cancel` (docs/protocol.md §13b) frees the request's row
 at once and touches nothing else, and an HTTP client that leaves a stream makes the gateway
-cancel its request on the replica, streamed or not. Real statesvc, one replica whose steps are slowed (a
-test-only fault switch, so a request is still running when it is cancelled) and a real
-gateway, all subprocesses."""
+cancel its request on the replica, streamed or not; a replica whose queue is full gives the
+gateway's client OpenAI's 429. Real statesvc, one replica whose steps are slowed (a
+test-only fault switch, so a request is still running when it is cancelled) with one row
+and room for one more request in its queue, and a real gateway, all subprocesses."""
 from __future__ import annotations
 
 import json
 import socket
+import threading
 from typing import Any, Iterator
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,7 +43,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
         fleet.statesvc.start()
         fleet.init()
         fleet.load("chat", "attn-qv-r8")
-        replica = fleet.replica("r1", env={SLOW_STEP_ENV: "0.05"})
+        replica = fleet.replica("r1", env={SLOW_STEP_ENV: "0.05"},
+                                args=("--no-warmup", "--max-batch", "1", "--queue-limit", "1"))
         wait_for(lambda: fleet.converged(replica), what="replica at head")
         yield Setup(fleet, replica, fleet.gateway())
     finally:
@@ -148,3 +152,40 @@ def test_a_client_that_leaves_before_an_unstreamed_answer_cancels_its_request(
     assert set(timings) == {"queue_ms", "prefill_ms", "decode_ms", "total_ms",
                             "residency_ms", "upstream_ms"}
     assert 0 < timings["prefill_ms"] < timings["total_ms"] < timings["upstream_ms"]
+
+
+def test_an_overloaded_replica_is_openais_429_and_changes_nothing(setup: Setup) -> None:
+    """One request runs (the replica's one row), one waits (its queue of one), and the next is
+    refused by the replica as `overloaded`: the only replica, so the gateway answers 429 in
+    OpenAI's shape, which the official client raises as RateLimitError. The running and the
+    waiting requests are untouched, and the log too."""
+    head = setup.fleet.head()
+    client = openai.OpenAI(base_url=setup.gateway.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=120)  # the client retries a 429 by default
+    body = {"model": "chat", "prompt": [5, 6, 7], "max_tokens": N, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    waited: list[Any] = []
+    with httpx.Client(base_url=setup.gateway.url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # kept: a dropped iterator closes the response
+            assert next(lines).startswith("data: {")  # it holds the row
+            waiter = threading.Thread(target=lambda: waited.append(client.completions.create(
+                model="chat", prompt=[5, 6, 7], max_tokens=3, temperature=0)))
+            waiter.start()
+            try:
+                wait_for(lambda: setup.inference()["waiting"] == 1, what="a request waiting")
+                with pytest.raises(openai.RateLimitError) as refused:
+                    client.completions.create(model="chat", prompt=[5, 6, 7], max_tokens=3,
+                                              temperature=0)
+                assert refused.value.status_code == 429 and refused.value.code == "overloaded"
+                error = refused.value.response.json()["error"]
+                assert set(error) >= {"message", "type", "code"} and "queued" in error["message"]
+                assert setup.inference()["running"] == 1 and setup.inference()["waiting"] == 1
+            finally:
+                running.close()  # leaving the stream cancels it: the waiting request runs
+                waiter.join(120)
+    assert not waiter.is_alive() and len(waited) == 1
+    assert waited[0].usage.completion_tokens == 3
+    assert setup.fleet.head() == head
+    assert httpx.get(setup.gateway.url + "/health").status_code == 200
