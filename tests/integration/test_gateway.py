@@ -175,6 +175,29 @@ def test_errors_are_openai_shaped(setup: Setup) -> None:
     assert httpx.get(setup.gateway.url + "/health").status_code == 200  # still up
 
 
+def test_hostile_fields_are_400_naming_the_field_and_change_nothing(setup: Setup) -> None:
+    """Thousands of stop strings or stop ids, an over-long stop string or model name, a
+    huge prompt: 400 in OpenAI's shape naming the field (docs/security.md's limits), the
+    log untouched, and the gateway serves on."""
+    head = setup.fleet.head()
+    ok = {"model": setup.base, "prompt": "hi", "max_tokens": 2}
+    for field, value in (("stop", ["x"] * 5000), ("stop", ["y" * 5000]),
+                         ("stop_token_ids", list(range(5000))), ("stop_token_ids", [10 ** 9]),
+                         ("model", "m" * 300_000), ("prompt", "p" * 300_000),
+                         ("max_tokens", 10 ** 12), ("seed", 2 ** 70)):
+        r = post(setup.gateway.url + "/v1/completions", json={**ok, field: value})
+        assert r.status_code == 400, (field, r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert set(error) >= {"message", "type", "code"} and error["param"] == field, error
+        assert len(r.content) < 4096  # the refusal does not echo the input back
+    with pytest.raises(openai.BadRequestError) as many:
+        setup.client.chat.completions.create(model=setup.base, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}] * 5000)
+    assert many.value.param == "messages"
+    assert setup.fleet.head() == head
+    assert setup.client.completions.create(**ok).usage.completion_tokens >= 1
+
+
 def test_loractl_generate_takes_text(setup: Setup) -> None:
     import json
     import subprocess
