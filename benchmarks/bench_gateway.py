@@ -143,9 +143,8 @@ def requests(w: Workload, seed: int, n: int = BATCH, vary: bool = False) -> list
 
 
 def measure(name: str, w: Workload, rounds: int, profile: Path | None,
-            lone_n: int = BATCH, steady_rounds: int = STEADY_ROUNDS,
-            layout: Layout | None = None) -> dict[str, Any]:
-    layout = layout or Layout.shared()
+            lone_n: int = BATCH, steady_rounds: int = STEADY_ROUNDS, *,
+            layout: Layout) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     slug = name.replace(", ", "-").replace(" ", "-")
     root = Path(tempfile.mkdtemp(prefix=f"bench-gateway-{slug}-"))
@@ -233,6 +232,7 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None,
     ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in rows]
     steady_ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in steady]
     return {
+        "layout": layout.name,
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
         "rounds": rounds, "batch": BATCH, "adapters": ADAPTERS, "rank": w.rank,
         "prompt_tokens": w.prompt, "new_tokens": w.tokens,
@@ -375,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             w = Workload(w.shape, w.rank, w.modules, w.prompt, a.tokens)
         key = run_key(shape, layout)
         res["shapes"][key] = {**measure(key, w, a.rounds, a.profile, 4 if a.quick else BATCH,
-                                        1 if a.quick else a.steady_rounds, LAYOUTS[layout]()),
-                              "shape": shape, "layout": layout}
+                                        1 if a.quick else a.steady_rounds,
+                                        layout=LAYOUTS[layout]()), "shape": shape}
     # the figures with targets (benchmarks/suite.py) are the first run's
     first = run_key(*runs[0])
     res.update({k: v for k, v in res["shapes"][first].items() if k != "model"}, shape=first)
