@@ -4,6 +4,7 @@ until its READY line and stopped by pid (tests, benchmarks, drill, demo and up),
 from __future__ import annotations
 
 import os
+import random
 import select
 import signal
 import socket
@@ -19,8 +20,54 @@ from shared.replica_protocol import STATUS
 BIN = Path(sys.executable).parent
 
 
+_LOWEST_PORT = 10000
+_WORKER_SLABS = 8  # pytest-xdist workers gw0..gw6 get a slab each; everything else slab 0
+_issued: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _slab() -> range:
+    """This process's share of the ports below the kernel's ephemeral range. A port from that
+    range (what binding port 0 gives) can be taken by any outgoing connection between a
+    service's stop and its restart on the same address, and two test workers picking at once
+    can collide; below the range, split by worker, only this process's family picks."""
+    start = _ephemeral_start()
+    if start - _LOWEST_PORT < 1000 * _WORKER_SLABS:
+        return range(0)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker[2:].isdigit() else 0
+    size = (start - _LOWEST_PORT) // _WORKER_SLABS
+    first = _LOWEST_PORT + (index % _WORKER_SLABS) * size
+    return range(first, first + size)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing listens on right now and this process has not
+    handed out before: a random one from this process's slab below the ephemeral range
+    (`_slab`), or the kernel's pick where that range leaves no room below it."""
+    slab = _slab()
+    for _ in range(200):
+        if not slab:
+            break
+        port = random.choice(slab)
+        if port not in _issued and _bindable(port):
+            _issued.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

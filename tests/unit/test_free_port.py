@@ -1,0 +1,30 @@
+"""Ports the fleet launcher hands out: below the kernel's ephemeral range, one slab per test
+worker, never the same one twice in a process (a statesvc restarted on its address must find
+it free: an outgoing connection's ephemeral port once took it, CI stop 34)."""
+from __future__ import annotations
+
+import pytest
+
+from shared import fleet
+
+
+def test_ports_come_from_the_workers_own_slab_below_the_ephemeral_range(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    slabs = {}
+    for worker in ["", "gw0", "gw1", "gw5"]:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        slabs[worker] = fleet._slab()
+        ports = [fleet.free_port() for _ in range(50)]
+        assert len(set(ports)) == 50
+        assert all(p in slabs[worker] for p in ports), (worker, ports)
+        assert all(p < fleet._ephemeral_start() for p in ports)
+    bounds = sorted((s.start, s.stop) for s in slabs.values())
+    assert all(a[1] <= b[0] for a, b in zip(bounds, bounds[1:])), bounds
+
+
+def test_with_no_room_below_the_ephemeral_range_the_kernel_picks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet, "_ephemeral_start", lambda: 1024)
+    assert fleet._slab() == range(0)
+    port = fleet.free_port()
+    assert 0 < port < 65536
