@@ -251,7 +251,7 @@ def measure_replica(settings: Settings, root: Path, model_dir: Path,
             pool = replica.pool
             assert pool is not None
             for _ in range(10):
-                fetch.append(timed(lambda: replica.blobs._fetch(body.sha256)))
+                fetch.append(timed(lambda: replica.blobs._fetch(replica.blobs.client, body.sha256, "statesvc")))
                 data = replica.blobs.get(body.sha256)
                 cache_read.append(timed(lambda: replica.blobs.get(body.sha256)))
                 parse.append(timed(lambda: slot_weights(data, body)))

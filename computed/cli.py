@@ -1,6 +1,7 @@
 """`computed serve`: a replica of the adapter pool, kept in step with statesvc."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -82,14 +83,17 @@ def main() -> None:
 @click.option("--prefetch", is_flag=True,
               help="Parse each newly loaded adapter into the host tier when its event is "
                    "applied, before any request asks for it.")
+@click.option("--peer-blobs/--no-peer-blobs", default=True, show_default=True,
+              help="On a bootstrap or catch-up, fetch each missing blob from a replica that "
+                   "applied its event (statesvc's status names them) before statesvc.")
 def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | None,
           cache_dir: Path | None, dtype: str, max_batch: int, max_len: int | None,
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
           client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
-          tensor_parallel: int, prefetch: bool) -> None:
+          tensor_parallel: int, prefetch: bool, peer_blobs: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
-    from computed.daemon import Daemon
+    from computed.daemon import Daemon, PeerList
     from computed.replica import ModelMismatch, Replica
     from shared import runfile
     from shared.client import ControlClient
@@ -114,16 +118,20 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
                                  param_hint="--replica-id")
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
     # the client's socket is made on first use, in the sync thread that alone uses it
-    from shared.keys import KeyError_, client_keys
+    from shared.keys import KeyError_, client_keys, public_key_of
     try:
         keys = client_keys(key, server_key)
+        # peers serve with the server key of their --auth dir, which a fleet shares
+        peer_keys = keys if keys is None or auth_dir is None else dataclasses.replace(
+            keys, server=public_key_of(auth_dir / "server.key"))
     except KeyError_ as exc:
         raise click.UsageError(str(exc)) from None
     pool_layout = _tensor_parallel(model, tensor_parallel, log) if tensor_parallel > 1 else None
     client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
                       faults=Faults.from_env(), host_cache_mb=host_cache_mb,
-                      prefetch=prefetch, pool_layout=pool_layout)
+                      prefetch=prefetch, pool_layout=pool_layout,
+                      peers=PeerList(client, replica_id, peer_keys) if peer_blobs else None)
     engine = None
     if inference:
         from computed.engine import Engine

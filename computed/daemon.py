@@ -16,10 +16,18 @@ which the engine batches continuously, and `cancel` of a client's own
 the engine between polls. Under --auth, slot reads and the process details in
 `status` are for operator keys only; without it the socket is loopback-only and
 every local caller gets everything.
+
+Peer replicas fetch blobs this one has cached with `blob` (statesvc's command): the chunks are
+read on a thread of their own (shared/blobserve.py), so a peer's fetch never holds up a
+decode step. Under --auth only replica and operator keys may read them (they are adapter
+weights); a replica key may call nothing but `blob` and `status`. When this replica applies
+events that are not the live tail (a bootstrap, a catch-up), it fetches their blobs from
+peers first (`PeerList`, computed/weights.py).
 """
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import socket
 import threading
@@ -34,17 +42,19 @@ import zmq
 from computed.engine import Done, Engine, Request
 from computed.replica import SAVE_EVERY_S, ForeignLog, GapError, Phase, Replica
 from computed.weights import BlobError
-from shared.client import RemoteError, Unavailable
+from shared.blobserve import BlobServer, read_chunk
+from shared.client import ControlClient, RemoteError, Unavailable
 from shared.config import (HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS, MAX_WIRE_BYTES,
                            REPLICA_SILENCE_S)
 from shared.endpoints import check_bind, connect, split_addresses
 from shared.events import Body, EventError
 from shared.keys import INFERENCE_ROLES, ClientKeys, ServerAuth
+from shared.protocol import Request as WireRequest
 from shared.protocol import (PUBLISHED_HEARTBEAT, ProtocolError, encode_request, error_reply_of,
                              ok_reply, pack, request_id_of, unpack, validate)
 from shared.reducer import ReducerError, body_of_diff
-from shared.replica_protocol import (CANCEL, CANCEL_ARGS, GENERATE, SLOT_ARGS, STATUS, decode_replica_request,
-                                     token_frame)
+from shared.replica_protocol import (BLOB, BLOB_ARGS, CANCEL, CANCEL_ARGS, GENERATE, SLOT_ARGS,
+                                     STATUS, decode_replica_request, token_frame)
 from shared.router import Replies, serving_router, split_request
 
 log = logging.getLogger("computed")
@@ -56,6 +66,42 @@ WAITING_POLL_MS = 2
 IDLE_POLL_MS = 250
 SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError,
                ForeignLog)
+PEER_LIST_TTL_S = 2.0  # statesvc's replica rows are read again after this
+PEER_TIMEOUT_S = 1.0  # a peer that does not answer a chunk this fast is passed over ...
+PEER_BACKOFF_S = 60.0  # ... and not asked again for this long (a refused key, a cut link)
+
+
+class PeerList:
+    """The fleet's other replicas to fetch a blob from (computed/weights.py `Peers`):
+    statesvc's `status` rows, read at most every PEER_LIST_TTL_S, of ACTIVE replicas whose
+    last heartbeat says they have applied the event that introduced the blob. In random
+    order, so a fleet's new replicas spread their fetches over the holders. Under CURVE the
+    replica connects with its own key (peers admit it from their key dir's replicas/) and
+    expects the server key of its own --auth dir: a fleet's replicas share one."""
+
+    def __init__(self, client: ControlClient, own_id: str, keys: ClientKeys | None) -> None:
+        self.state_client, self.own_id, self.keys = client, own_id, keys
+        self._rows: list[dict[str, Any]] = []
+        self._read_at: float | None = None
+        self._down: dict[str, float] = {}  # address -> monotonic time it may be asked again
+
+    def candidates(self, version: int) -> list[str]:
+        now = time.monotonic()
+        if self._read_at is None or now - self._read_at > PEER_LIST_TTL_S:
+            self._rows = list(self.state_client.call("status").get("replicas") or [])
+            self._read_at = now
+        rows = [r for r in self._rows if r.get("id") != self.own_id
+                and r.get("state") == "ACTIVE" and isinstance(r.get("address"), str)
+                and isinstance(r.get("applied_seq"), int) and r["applied_seq"] >= version
+                and self._down.get(r["address"], 0.0) <= now]
+        random.shuffle(rows)
+        return [r["address"] for r in rows]
+
+    def client(self, address: str) -> ControlClient:
+        return ControlClient(address, timeout_s=PEER_TIMEOUT_S, retries=0, keys=self.keys)
+
+    def passed_over(self, address: str) -> None:
+        self._down[address] = time.monotonic() + PEER_BACKOFF_S
 
 
 class SyncLoop(threading.Thread):
@@ -290,6 +336,7 @@ class Daemon:
         self.router, self.listen = serving_router(
             ctx, check_bind(listen, authenticated=self.auth is not None), self.auth)
         self.replies = Replies(self.router)
+        self.blob_server = BlobServer(ctx, lambda args: read_chunk(replica.blobs, args))
         if engine is not None:
             engine.on_token = self._token
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
@@ -308,7 +355,9 @@ class Daemon:
         old_wakeup = signal.set_wakeup_fd(waker.fileno())
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.blob_server.replies, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        self.blob_server.start()
         self.sync.start()
         warming: threading.Thread | None = None
         try:
@@ -331,6 +380,8 @@ class Daemon:
                     wake.recv(4096)  # the handler has run: `self._stop` says what to do
                 if self.router in polled:
                     self._serve_clients()
+                if self.blob_server.replies in polled:
+                    self._forward_blobs()
                 if busy and self.engine is not None:
                     # requests that arrive while the step prefills are admitted in it
                     self._send(self.engine.step(intake=self._serve_clients))
@@ -342,6 +393,7 @@ class Daemon:
             waker.close()
             self.sync.stop()
             self.sync.join(10)
+            self.blob_server.stop()
             self.router.close(0)
             if self.auth is not None:
                 self.auth.stop()
@@ -365,11 +417,17 @@ class Daemon:
                 "head_seq_seen": self.sync.remote_head, "last_error": r.last_error,
                 "log_id": r.log_id,
                 "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
+                "peer_blob_fetches": r.blobs.peer_fetches,
                 "inference": None if self.engine is None else self.engine.stats(),
                 "slots": {str(s): {"name": h.name, "version": h.version, "pinned": h.pinned,
                                    "digest": None if pool is None or pool.pending else d}
                           for s, (h, d) in r.resident().items()},
                 "residency": residency_stats(r)}
+
+    def _forward_blobs(self) -> None:
+        """Send the blob thread's finished replies (as read: no copy)."""
+        while self.blob_server.replies.poll(0):
+            self.replies.send(self.blob_server.replies.recv_multipart(copy=False))
 
     def _token(self, req: Request, index: int, token: int) -> None:
         """One token of a streaming `generate`, sent as soon as it is sampled."""
@@ -401,6 +459,17 @@ class Daemon:
                 cmd, args = decode_replica_request(msg)
                 # the client: its CURVE identity with --auth; else the connection
                 client = user if user is not None else envelope[0]
+                if user is not None and user.startswith("replica:") and cmd not in (BLOB, STATUS):
+                    raise ProtocolError("forbidden", f"{user} may not issue {cmd}: replica keys "
+                                        "may only fetch blobs (`blob`) and read `status`")
+                if cmd == BLOB:
+                    if not (operator or user is not None and user.startswith("replica:")):
+                        raise ProtocolError("forbidden", "blob hands out an adapter's weights: "
+                                            "only replica and operator keys may read it")
+                    request = WireRequest(req_id or "", BLOB, validate(BLOB_ARGS, args, "args"))
+                    if (refused := self.blob_server.submit(envelope, request)) is not None:
+                        self.replies.send(envelope + [refused])
+                    continue
                 if cmd == GENERATE:
                     if self.engine is None:
                         raise ProtocolError("not_ready", "inference is disabled on this replica")

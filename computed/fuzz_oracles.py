@@ -28,7 +28,7 @@ from shared.llama import MODULES
 from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, ProtocolError, Request,
                              decode_request, error_reply, validate)
 from shared.reducer import ReducerError, State, apply, body_of_diff, diff_of
-from shared.replica_protocol import CANCEL_ARGS, SLOT_ARGS
+from shared.replica_protocol import BLOB_ARGS, CANCEL_ARGS, SLOT_ARGS
 from shared.tensorfile import DTYPE_SIZES, Header, TensorFileError, parse_bytes
 from statesvc.adapters import AdapterError, inspect_adapter
 
@@ -187,7 +187,7 @@ class NoReplica:
 
 # The replica's commands and their fields, for request_maps.
 REPLICA_SCHEMAS: dict[str, Any] = {
-    "status": {}, "slot": SLOT_ARGS, "cancel": CANCEL_ARGS,
+    "status": {}, "slot": SLOT_ARGS, "cancel": CANCEL_ARGS, "blob": BLOB_ARGS,
     "generate": Engine(SchemaOnlyModel(), NoReplica()).schema}
 
 

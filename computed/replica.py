@@ -34,7 +34,7 @@ from computed.admission import GenerateError, Grant, NoSlot, NotReady
 from computed.fills import FetchFailed, Fills
 from computed.pool import LoraPool, MemoryPool, PoolSpec
 from computed.residency import Holder, Residency
-from computed.weights import BlobCache, BlobError, slot_weights
+from computed.weights import BlobCache, BlobError, Peers, slot_weights
 from shared.canonical import canonical_bytes
 from shared.client import ControlClient
 from shared.config import DEFAULT_HOST_CACHE_MB
@@ -75,7 +75,8 @@ class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
                  from_zero: bool = False, faults: Faults = NO_FAULTS,
                  host_cache_mb: int = DEFAULT_HOST_CACHE_MB, prefetch: bool = False,
-                 pool_layout: Callable[[PoolSpec], LoraPool] | None = None) -> None:
+                 pool_layout: Callable[[PoolSpec], LoraPool] | None = None,
+                 peers: Peers | None = None) -> None:
         self.model = model
         self.pool_layout = pool_layout  # the pool's shardings on a mesh (`--tensor-parallel`)
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
@@ -84,7 +85,7 @@ class Replica:
         self.client = client
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self.blobs = BlobCache(self.cache_dir / "blobs", client)
+        self.blobs = BlobCache(self.cache_dir / "blobs", client, peers)
         # the host tier and the worker that fetches and parses into it (computed/fills.py)
         self.fills = Fills(self.blobs, host_cache_mb << 20)
         self.prefetch = prefetch  # parse newly loaded adapters into the host tier
@@ -313,7 +314,12 @@ class Replica:
             pool = MemoryPool(spec, shardings=None if self.pool_layout is None else self.pool_layout(spec))
             res = Residency(pool.spec.slots, busy=pool.busy)
         fills = [] if res is None else self._wanted(new, res)
-        weights = {a.name: slot_weights(self.blobs.get(a.sha256), a) for a, _ in fills}
+        # the live tail (the one event just recorded) comes from statesvc: no peer has it
+        # yet; a bootstrap or catch-up asks the replicas that applied each event first
+        live = new.seq == self.state.seq + 1
+        weights = {a.name: slot_weights(self.blobs.get(
+            a.sha256, version=None if live and a.version == new.seq else a.version), a)
+            for a, _ in fills}
         # nothing has changed up to here; from here on nothing can fail
         with self.lock:
             if pool is not None and res is not None:

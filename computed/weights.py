@@ -3,63 +3,125 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
+import re
 import threading
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from computed.pool import SlotWeights
-from shared.client import ControlClient
+from shared.client import ControlClient, RemoteError, Unavailable
 from shared.config import MAX_BLOB_CHUNK
 from shared.events import AdapterLoaded
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import Header, TensorFileError, TensorInfo, parse_header, to_float32
 
 
+log = logging.getLogger("computed")
+
+PEER_TRIES = 2  # peers asked for a blob before statesvc
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 class BlobError(Exception):
     """A blob that could not be fetched, verified or parsed; the pool is left as it was."""
 
 
-class BlobCache:
-    """Blobs under `root`, by sha256; a cached file whose hash no longer matches is fetched again."""
+class Peers(Protocol):
+    """Where a replica may fetch a blob besides statesvc (computed/daemon.py `PeerList`)."""
 
-    def __init__(self, root: Path, client: ControlClient) -> None:
+    def candidates(self, version: int) -> list[str]:
+        """Addresses of other replicas that have applied seq `version`, best first."""
+        ...
+
+    def client(self, address: str) -> ControlClient: ...
+
+    def passed_over(self, address: str) -> None:
+        """`address` was silent or sent other bytes: leave it out for a while."""
+        ...
+
+
+class BlobCache:
+    """Blobs under `root`, by sha256; a cached file whose hash no longer matches is fetched again.
+
+    A blob missing here is fetched from statesvc, or first from a peer replica (`peers`) when
+    the caller says which event introduced it (`version`): up to PEER_TRIES of the replicas
+    that have applied that event, each a short try; whatever a peer sends is checked against
+    the sha256 like statesvc's bytes, and any failure (none has it, silence, other bytes)
+    falls back to statesvc. The cached files are served to peers (`has`, `size`,
+    `read_chunk`: shared/blobserve.py's ChunkSource); a file appears only once verified
+    (written aside, then renamed)."""
+
+    def __init__(self, root: Path, client: ControlClient, peers: Peers | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         for leftover in self.root.glob("*.tmp*"):  # a crash while caching a blob
             leftover.unlink(missing_ok=True)
         self.client = client
+        self.peers = peers
         self.fetches = 0  # blobs fetched from statesvc (not served from the cache)
+        self.peer_fetches = 0  # blobs fetched from a peer replica
         self._lock = threading.Lock()  # the sync thread and the engine's fills both read blobs
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256
 
-    def get(self, sha256: str) -> bytes:
+    def get(self, sha256: str, *, version: int | None = None) -> bytes:
+        """The blob's bytes; `version`: the seq of the event that introduced it, which makes
+        the replicas that have applied it candidates to fetch it from."""
         with self._lock:
-            return self._get(sha256)
+            return self._get(sha256, version)
 
-    def _get(self, sha256: str) -> bytes:
+    def _get(self, sha256: str, version: int | None) -> bytes:
         cached = self.path(sha256)
         if cached.is_file():
             data = cached.read_bytes()
             if hashlib.sha256(data).hexdigest() == sha256:
                 return data
             cached.unlink()  # damaged or tampered with: fetch it again
-        data = self._fetch(sha256)
+        peer = self._from_peers(sha256, version) if version is not None else None
+        if peer is None:
+            self.fetches += 1
+        data = peer if peer is not None else self._fetch(self.client, sha256, "statesvc")
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(data)
         os.replace(tmp, cached)
         return data
 
-    def _fetch(self, sha256: str) -> bytes:
-        self.fetches += 1
+    def _from_peers(self, sha256: str, version: int) -> bytes | None:
+        if self.peers is None:
+            return None
+        try:
+            candidates = self.peers.candidates(version)[:PEER_TRIES]
+        except (RemoteError, Unavailable) as exc:  # statesvc's status: its fetch says more
+            log.debug("no peer list (%s); fetching %s from statesvc", exc, sha256[:12])
+            return None
+        for address in candidates:
+            peer = self.peers.client(address)
+            try:
+                data = self._fetch(peer, sha256, f"replica {address}")
+            except (RemoteError, Unavailable, BlobError) as exc:
+                if not isinstance(exc, RemoteError):  # silence, other bytes; not_found is fine
+                    self.peers.passed_over(address)
+                log.info("blob %s not fetched from peer %s (%s); trying the next",
+                         sha256[:12], address, exc)
+                continue
+            finally:
+                peer.close()
+            self.peer_fetches += 1
+            return data
+        return None
+
+    @staticmethod
+    def _fetch(client: ControlClient, sha256: str, source: str) -> bytes:
         parts: list[bytes] = []
         offset, size = 0, None
         while size is None or offset < size:
-            chunk = self.client.call("blob", {"sha256": sha256, "offset": offset,
-                                              "length": MAX_BLOB_CHUNK})
+            chunk = client.call("blob", {"sha256": sha256, "offset": offset,
+                                         "length": MAX_BLOB_CHUNK})
             size = int(chunk["size"])
             data = chunk["data"]
             if not data and offset < size:
@@ -69,9 +131,22 @@ class BlobCache:
         blob = b"".join(parts)
         got = hashlib.sha256(blob).hexdigest()
         if got != sha256:
-            raise BlobError(f"blob {sha256[:12]} from statesvc hashes to {got[:12]}; not applied, "
-                            "will fetch it again")
+            raise BlobError(f"blob {sha256[:12]} from {source} hashes to {got[:12]}; not "
+                            "applied, will fetch it again")
         return blob
+
+    # ---- served to peers (shared/blobserve.py's ChunkSource) ---------------------------
+
+    def has(self, sha256: str) -> bool:
+        return SHA256_HEX.fullmatch(sha256) is not None and self.path(sha256).is_file()
+
+    def size(self, sha256: str) -> int:
+        return self.path(sha256).stat().st_size
+
+    def read_chunk(self, sha256: str, offset: int, length: int) -> bytes:
+        with self.path(sha256).open("rb") as f:
+            f.seek(offset)
+            return f.read(min(length, MAX_BLOB_CHUNK))
 
 
 # a header up to this size is parsed once per distinct header (its bytes are the cache key)

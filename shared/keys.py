@@ -3,8 +3,9 @@
 A key directory made by `statesvc keys init DIR` holds the server's key pair
 (`server.key`, `server.key_secret`) and folders of allowed client public
 keys: `operators/` (may issue commands) and `replicas/` (may read the log and
-blobs and heartbeat) for statesvc; `clients/` (and `operators/`) for a
-replica's inference socket when the replica runs with `--auth DIR`. A client's identity on the wire is `ROLE:NAME`, NAME
+blobs and heartbeat) for statesvc; `clients/` and `operators/` for a replica's inference
+socket when the replica runs with `--auth DIR`, and `replicas/` there for peers fetching the
+blobs it holds (`blob` and `status` only). A client's identity on the wire is `ROLE:NAME`, NAME
 being its certificate's file stem; every event records it as its actor.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from shared.files import FileError, read_regular
 log = logging.getLogger("keys")
 
 ROLES = ("operators", "replicas")  # statesvc's control and diff sockets
-INFERENCE_ROLES = ("clients", "operators")  # a replica's listen socket
+INFERENCE_ROLES = ("clients", "operators", "replicas")  # a replica's listen socket
 KEY_ENV, SERVER_KEY_ENV = "LORAPLANE_KEY", "LORAPLANE_SERVER_KEY"
 MAX_KEY_FILE_BYTES = 64 << 10  # a certificate is ~300 bytes
 

@@ -1,7 +1,8 @@
 """The replica's wire contract: the commands its listen socket answers (docs/protocol.md §13b).
 
 Same frames and envelope as the control socket (shared/protocol.py `REQUEST`, its
-version `PROTOCOL_VERSION`); the commands are `status`, `slot`, `generate` and `cancel`.
+version `PROTOCOL_VERSION`); the commands are `status`, `slot`, `generate`, `cancel`, and
+`blob` (a peer replica fetching a blob this one holds; statesvc's `blob`, same args and reply).
 The replica (computed/daemon.py, computed/engine.py) validates with these schemas;
 clients build their requests with `generate_args` and `slot_args`.
 """
@@ -11,16 +12,19 @@ from collections.abc import Sequence
 from typing import Any, Callable, TypedDict
 
 from shared.config import PROTOCOL_VERSION
+from shared.protocol import COMMANDS as CONTROL_COMMANDS
 from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, str_len,
                              validate)
 
-STATUS, SLOT, GENERATE, CANCEL = "status", "slot", "generate", "cancel"
-COMMANDS = (STATUS, SLOT, GENERATE, CANCEL)
+STATUS, SLOT, GENERATE, CANCEL, BLOB = "status", "slot", "generate", "cancel", "blob"
+COMMANDS = (STATUS, SLOT, GENERATE, CANCEL, BLOB)
 MAX_STOP_TOKENS = 64
 
 SLOT_ARGS: Schema = {"slot": Field(int, check=int_range(0, 1 << 20))}
 # `cancel`: the id of a `generate` this client sent (docs/protocol.md §13b)
 CANCEL_ARGS: Schema = {"id": Field(str, check=str_len(128))}
+# `blob`: a chunk of a blob in the replica's cache, as statesvc's `blob` (§13c)
+BLOB_ARGS: Schema = CONTROL_COMMANDS["blob"]
 
 # `generate`'s optional args as a replica fills them in (loractl's defaults too)
 GENERATE_DEFAULTS: dict[str, Any] = {

@@ -8,7 +8,7 @@ after the commit and before the replies; a heartbeat with the head seq goes
 out every second, also while a load reads and checks large weights (the
 service calls back into the loop for it).
 
-`blob` requests are read on a thread of their own (statesvc/blobserve.py): chunks served to
+`blob` requests are read on a thread of their own (shared/blobserve.py): chunks served to
 a fleet of replicas never hold up commands or heartbeats.
 
 On a shared log (PostgreSQL, several instances) the loop also polls the store's doorbell
@@ -35,7 +35,7 @@ from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_requ
                              error_reply_of, ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
 from shared.router import Replies, serving_router, split_request
-from statesvc.blobserve import BlobServer
+from shared.blobserve import BlobServer
 from statesvc.pgstore import PostgresEventStore
 from statesvc.service import StateService
 

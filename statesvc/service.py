@@ -26,7 +26,7 @@ from shared.reducer import (State, admit_load, apply, canonical, logical_digest,
                             snapshot_bytes, verified_snapshot)
 from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
 from statesvc.blobs import BlobStore
-from statesvc.blobserve import read_chunk
+from shared.blobserve import read_chunk
 from statesvc.decisions import CommandError, pool_init, storage_error, unload
 from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry

@@ -111,7 +111,8 @@ def test_killed_replica_converges_and_cold_replica_fetches_only_live_blobs(fleet
     r3 = fleet.replica("r3")
     wait_for(lambda: fleet.converged(r1, r3), what="cold replica after 1,000 events")
     s1, s3 = r1.status(), r3.status()
-    assert s3["blob_fetches"] == len(live) == 1
+    # from statesvc, or from r1 when its heartbeat already said it applied live1
+    assert s3["blob_fetches"] + s3["peer_blob_fetches"] == len(live) == 1
     assert (s3["logical_digest"], s3["pool_digest"]) == (s1["logical_digest"], s1["pool_digest"])
 
 

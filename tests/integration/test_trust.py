@@ -2,6 +2,7 @@
 a drill and role gating on a fleet where statesvc and every replica run with --auth."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -284,6 +285,32 @@ def test_replica_weights_and_process_details_are_for_operator_keys(
     assert ops["model"] == str(auth_fleet.example.model_dir.resolve())
     assert not {"pid", "argv", "cwd"} & set(ops)  # the run file holds those, not the wire
     assert auth_fleet.replica_call("r1", "slot", "alice", slot=0)["rank"] > 0
+
+
+def test_a_replicas_blobs_are_for_replica_and_operator_keys_and_replica_keys_get_no_more(
+        auth_fleet: AuthFleet) -> None:
+    fleet = auth_fleet
+    sha = fleet.call("list")["adapters"][0]["sha256"]
+    with pytest.raises(RemoteError) as refused:
+        fleet.replica_call("r1", "blob", "app", sha256=sha)
+    assert refused.value.code == "forbidden" and "replica and operator keys" in str(refused.value)
+    assert hashlib.sha256(fleet.replica_call("r1", "blob", "alice", sha256=sha)["data"]
+                          ).hexdigest() == sha
+    # a peer replica's key, once the replica's key dir admits it under replicas/
+    admitted = fleet.replica_keys / "replicas" / "r2.key"
+    shutil.copy(fleet.clients / "r2.key", admitted)
+    try:
+        assert hashlib.sha256(fleet.replica_call("r1", "blob", "r2", sha256=sha)["data"]
+                              ).hexdigest() == sha
+        assert fleet.replica_call("r1", "status", "r2")["state"] == "ACTIVE"
+        for cmd, args in [("slot", {"slot": 0}), ("generate", {"input_ids": [1, 2]}),
+                          ("cancel", {"id": "x"})]:
+            with pytest.raises(RemoteError) as refused:
+                fleet.replica_call("r1", cmd, "r2", **args)
+            assert refused.value.code == "forbidden", cmd
+            assert "replica keys may only fetch blobs" in str(refused.value)
+    finally:
+        admitted.unlink()
 
 
 def test_drill_passes_under_auth_and_a_spoofed_heartbeat_changes_nothing(

@@ -24,7 +24,7 @@ from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLI
 from shared.fleet import Computed, StateSvc, free_port, memory_kb, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
-from statesvc.blobserve import IN_FLIGHT
+from shared.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
 from tests.helpers import dealer, make_keys, run
 

@@ -590,10 +590,12 @@ def local_replica(tmp_path_factory: pytest.TempPathFactory,
     daemon = Daemon(replica, replica_id="fuzz", listen="tcp://127.0.0.1:0", state=nowhere,
                     diffs=nowhere, engine=engine, warmup=False, heartbeat=False)
     sock = dealer(daemon.listen)
+    daemon.blob_server.start()
     try:
         yield LocalReplica(daemon, sock)
     finally:
         sock.close(0)
+        daemon.blob_server.stop()
         daemon.router.close(0)
 
 
@@ -629,6 +631,7 @@ def _exchange(daemon: Daemon, sock: zmq.Socket[Any], frame: bytes) -> bytes:
     while time.monotonic() < deadline:
         if daemon.router.poll(1):
             daemon._serve_clients()
+        daemon._forward_blobs()  # `blob` chunks come back from the daemon's blob thread
         assert daemon.engine is not None
         if daemon.engine.busy:
             daemon._send(daemon.engine.step())

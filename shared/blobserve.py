@@ -1,13 +1,13 @@
-"""Blob chunks served off the command thread.
+"""Blob chunks served off a service's loop: statesvc's, and a replica's to its peers.
 
-A replica fetches an adapter's weights chunk by chunk (`blob`), and every replica of a
-fleet does so after each load: read on the command thread, those reads would queue
-commands and heartbeats behind them. The server's loop hands each decoded `blob` request
-to this thread instead; it reads the chunk (from the blob files, or from PostgreSQL through
-the engine's connection pool, both safe from another thread) and sends the finished reply
-back over an inproc PUSH socket, which the loop polls and forwards on the ROUTER (a ZeroMQ
-socket belongs to one thread). Blobs are content-addressed and immutable, so a chunk
-needs nothing else of the service's state.
+A replica fetches an adapter's weights chunk by chunk (`blob`), from statesvc, or from a peer
+replica that holds the blob (computed/weights.py). Read on the loop's thread, those reads
+would queue commands, heartbeats and decode steps behind them. The loop hands each decoded
+`blob` request to this thread instead; it reads the chunk (from statesvc's blob files or
+PostgreSQL through the engine's connection pool, or from a replica's blob cache, each safe
+from another thread) and sends the finished reply back over an inproc PUSH socket, which the
+loop polls and forwards on its ROUTER (a ZeroMQ socket belongs to one thread). Blobs are
+content-addressed and immutable, so a chunk needs nothing else of the service's state.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError
 from shared.errors import CodedError
 from shared.protocol import Request, error_reply, error_reply_of, ok_reply
 
-log = logging.getLogger("statesvc")
+log = logging.getLogger("blobs")
 
 # decoded blob requests waiting for the thread; beyond this one is answered `overloaded`
 # (replicas fetch one chunk at a time each, so this bounds a greedy client, not a fleet)
