@@ -15,11 +15,19 @@ synchronous_commit=on, the defaults, so a commit is acknowledged once its WAL is
              bench_replica's propagation (weights fetched out of the database): from the
              load's ack to each replica's applied_at, p50 and p99 over every replica and load.
 
+* bootstrap: 8 new pool-only replicas started at once beside 4 that hold 16 rank-16
+             adapters (`--bootstrap-new`, `--bootstrap-warm`), with peer blobs (each new
+             replica fetches what it misses from the replicas that applied it first) and
+             with `--no-peer-blobs` (everything from statesvc), interleaved: the blobs
+             statesvc served, statesvc's and PostgreSQL's CPU seconds, and the wall time
+             from the first start until all new replicas are at the head.
+
 Targets (PASS/MISS): every N x C configuration >= 0.5x raw, as for SQLite; propagation p99
-with the most replicas <= 3x the 1-replica p99. Where the PostgreSQL server binaries are
+with the most replicas <= 3x the 1-replica p99. The bootstrap figures have no target. Where the PostgreSQL server binaries are
 missing it says so and exits 0 without results.
 
-    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick] [--only propagation|events]
+    .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick]
+        [--only propagation|events|bootstrap]
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +51,8 @@ from rich.table import Table
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
 from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
-from shared.fleet import cpu_seconds
+from shared.client import ControlClient, new_event_id
+from shared.fleet import Computed, StateSvc, cpu_seconds, wait_for
 from statesvc.tools.example import make_example
 from tests.pg import PgServer
 
@@ -63,6 +74,10 @@ class Settings:
     loads: int
     events_too: bool = True  # False (`--only propagation`): the propagation figures alone
     propagation_too: bool = True  # False (`--only events`): the events/s figures alone
+    bootstrap_warm: int = 4  # replicas that hold the adapters when the new ones start
+    bootstrap_new: int = 8  # replicas started at once, with and without peer blobs
+    bootstrap_adapters: int = 16
+    bootstrap_too: bool = True
 
 
 def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
@@ -148,6 +163,94 @@ def measure_propagations(settings: Settings, server: PgServer,
     return out
 
 
+def _at_head(svc: StateSvc, clients: list[ControlClient], *, registered: bool = False) -> bool:
+    """Every replica at statesvc's head; `registered`: and statesvc's registry says so (what
+    peers are picked by)."""
+    with ControlClient(svc.control, timeout_s=30) as c:
+        status = c.call("status")
+    head = status["head_seq"]
+    active = {r["id"] for r in status["replicas"]
+              if r["applied_seq"] == head and r["state"] == "ACTIVE"}
+    mine = [cl.call("status") for cl in clients]
+    return all(st["applied_seq"] == head and st["state"] == "ACTIVE"
+               and (st["id"] in active or not registered) for st in mine)
+
+
+def measure_bootstrap(settings: Settings, server: PgServer, root: Path) -> dict[str, Any]:
+    """New replicas started at once beside warm ones, with peer blobs and without, interleaved
+    `settings.repeats` times (module docstring)."""
+    from benchmarks.bench_replica import SHAPE, adapter_specs
+
+    base = root / "boot"
+    specs = adapter_specs(settings.bootstrap_adapters)
+    example = make_example(base / "example", seed=1, shape=SHAPE, adapters=specs)
+    svc = StateSvc(base / "data", extra_args=("--db", server.database()))
+    warm = [Computed(example.model_dir, svc, base / "warm" / f"w{i}", replica_id=f"w{i}",
+                     extra_args=("--no-inference",)) for i in range(settings.bootstrap_warm)]
+    runs: dict[str, list[dict[str, Any]]] = {"peers": [], "statesvc": []}
+    new: list[Computed] = []
+    try:
+        svc.start()
+        with ControlClient(svc.control, timeout_s=30) as c:
+            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                                 "max_loras": settings.bootstrap_adapters, "max_rank": 16,
+                                 "targets": "all", "dtype": "float32"})
+            for spec in specs:
+                c.call("load", {"event_id": new_event_id(), "name": spec.name,
+                                "path": str(example.adapter_dirs[spec.name])})
+        with ExitStack() as stack:
+            held = [stack.enter_context(ControlClient(r.start().listen, timeout_s=30,
+                                                      retries=0)) for r in warm]
+            wait_for(lambda: _at_head(svc, held, registered=True), what="the warm replicas",
+                     timeout=300)
+        for rep in range(settings.repeats):
+            for mode in runs:
+                tag = f"boot/{mode}-{rep}/"
+                new = [Computed(example.model_dir, svc, base / f"{mode}-{rep}" / f"n{i}",
+                                replica_id=f"{mode[0]}{rep}n{i}", extra_args=(
+                                    "--no-inference",
+                                    *(() if mode == "peers" else ("--no-peer-blobs",))))
+                       for i in range(settings.bootstrap_new)]
+                cpu0 = cpu_by_role(tag, str(server.root))
+                svc_cpu0 = cpu_seconds(svc.pid)
+                t0 = time.time()  # the replicas' applied_at is wall-clock time
+                with ThreadPoolExecutor(len(new)) as pool:  # started together, not in turn
+                    ready = dict(pool.map(lambda r: (r.start().replica_id, time.time()), new))
+                with ExitStack() as stack:
+                    clients = [stack.enter_context(ControlClient(r.listen, timeout_s=30,
+                                                                 retries=0)) for r in new]
+                    wait_for(lambda: _at_head(svc, clients), what=f"{mode} bootstrap",
+                             timeout=300)
+                    statuses = [cl.call("status") for cl in clients]
+                wall = max(st["applied_at"] for st in statuses) - t0
+                cpu1 = cpu_by_role(tag, str(server.root))
+                # from a replica's READY line (its process up, its model read) to the head
+                after_ready = max(st["applied_at"] - ready[st["id"]] for st in statuses)
+                run = {"wall_s": round(wall, 3), "ready_to_head_s": round(after_ready, 3),
+                       "statesvc_blob_fetches": sum(st["blob_fetches"] for st in statuses),
+                       "peer_blob_fetches": sum(st["peer_blob_fetches"] for st in statuses),
+                       "statesvc_cpu_s": round(cpu_seconds(svc.pid) - svc_cpu0, 3),
+                       "postgres_cpu_s": round(cpu1["postgres"] - cpu0["postgres"], 3),
+                       "replicas_cpu_s": round(cpu1["replicas"] - cpu0["replicas"], 3)}
+                runs[mode].append(run)
+                console.print(f"[dim]bootstrap {rep + 1}/{settings.repeats} {mode:<8} "
+                              f"{run}[/dim]")
+                for n in new:
+                    n.stop()
+                new = []
+    finally:
+        for r in [*new, *warm]:
+            r.stop()
+        svc.stop()
+    med = {mode: {k: median([r[k] for r in rs]) for k in rs[0]} for mode, rs in runs.items()}
+    return {"warm": settings.bootstrap_warm, "new": settings.bootstrap_new,
+            "adapters": settings.bootstrap_adapters, "runs": runs, "median": med,
+            "peers_over_statesvc": {k: round(med["peers"][k] / med["statesvc"][k], 3)
+                                    for k in ("wall_s", "ready_to_head_s", "statesvc_cpu_s",
+                                              "postgres_cpu_s")
+                                    if med["statesvc"][k]}}
+
+
 def measure_events(settings: Settings, server: PgServer, root: Path,
                    runs: dict[str, list[dict[str, Any]]], services: list[Service]) -> None:
     """The raw loop and every N x C configuration, interleaved, `settings.repeats` times, into
@@ -201,6 +304,8 @@ def run(settings: Settings) -> dict[str, Any] | None:
             svc.stop()
         propagation = measure_propagations(settings, server, root) \
             if settings.propagation_too else []
+        bootstrap = measure_bootstrap(settings, server, root) if settings.bootstrap_too \
+            else None
     finally:
         for svc in services:
             svc.stop()
@@ -229,6 +334,7 @@ def run(settings: Settings) -> dict[str, Any] | None:
         "ratio_to_raw": {k: round(median(v), 3) for k, v in ratios.items()},
         "ratio_to_raw_per_repeat": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
         "propagation": propagation,
+        "bootstrap": bootstrap,
         "targets": targets,
         "runs": runs,
     }
@@ -271,6 +377,19 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                      f"{p['p99_over_one']:.2f} | "
                      + " | ".join(f"{cpu.get(r, 0):.0f}" for r in ROLES)
                      + f" | {'-'.join(map(str, p.get('loadavg_1m', [])))} |")
+    boot = result.get("bootstrap")
+    if boot:
+        lines += ["", f"| bootstrap: {boot['new']} new replicas beside {boot['warm']} holding "
+                  f"{boot['adapters']} adapters | blobs from statesvc | from peers | statesvc "
+                  "CPU s | PostgreSQL CPU s | READY to head s (slowest) | wall s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for mode, label in (("peers", "peer blobs (default)"),
+                            ("statesvc", "`--no-peer-blobs`")):
+            b = boot["median"][mode]
+            lines.append(f"| {label} | {b['statesvc_blob_fetches']:.0f} | "
+                         f"{b['peer_blob_fetches']:.0f} | {b['statesvc_cpu_s']:.2f} | "
+                         f"{b['postgres_cpu_s']:.2f} | {b['ready_to_head_s']:.2f} | "
+                         f"{b['wall_s']:.2f} |")
     m = result["machine"]
     lines += ["", "One PostgreSQL server started by the benchmark (fsync=on, "
               "synchronous_commit=on); raw psycopg: one connection, one INSERT + COMMIT per "
@@ -298,16 +417,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", default="1,4,16", help="replica counts, comma-separated")
     ap.add_argument("--loads", type=int, default=30, help="loads per propagation measurement")
     output_flags(ap, "pg", "a smoke run: one short repeat")
-    ap.add_argument("--only", choices=("propagation", "events"),
+    ap.add_argument("--bootstrap-warm", type=int, default=4,
+                    help="replicas holding the adapters when the new ones start")
+    ap.add_argument("--bootstrap-new", type=int, default=8,
+                    help="replicas started at once, with and without peer blobs")
+    ap.add_argument("--only", choices=("propagation", "events", "bootstrap"),
                     help="measure only this (the propagation or the events/s runs); like "
                          "--quick, it writes results only under LORAPLANE_BENCH_OUT")
     a = ap.parse_args(argv)
     counts = tuple(int(x) for x in a.replicas.split(","))
-    events_too, propagation_too = a.only != "propagation", a.only != "events"
+    events_too, propagation_too, bootstrap_too = (a.only in (None, what) for what in
+                                                  ("events", "propagation", "bootstrap"))
     settings = Settings(a.repeats, a.events, a.raw_events, a.max_seconds, counts, a.loads,
-                        events_too, propagation_too)
+                        events_too, propagation_too, a.bootstrap_warm, a.bootstrap_new,
+                        bootstrap_too=bootstrap_too)
     if a.quick:
-        settings = Settings(1, 256, 200, 5.0, (1, 2), 4, events_too, propagation_too)
+        settings = Settings(1, 256, 200, 5.0, (1, 2), 4, events_too, propagation_too,
+                            bootstrap_warm=1, bootstrap_new=2, bootstrap_adapters=2,
+                            bootstrap_too=bootstrap_too)
     result = run(settings)
     if result is None:
         return 0

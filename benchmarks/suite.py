@@ -126,6 +126,21 @@ def pg_figures(r: dict[str, Any]) -> list[Figure]:
         out.append(figure("pg", f"propagation on PostgreSQL, ack to applied p99, {n} replicas / "
                                 "1 replica", p["p99_over_one"], "x", target=target,
                           meets=p["p99_over_one"] <= 3 if target else None))
+    boot = r.get("bootstrap")
+    if boot:
+        runs = boot["runs"]
+        label = f"bootstrap of {boot['new']} new replicas beside {boot['warm']}"
+        for key, what in (("statesvc_blob_fetches", "blobs served by statesvc"),
+                          ("peer_blob_fetches", "blobs served by peers")):
+            xs = [x[key] for x in runs["peers"]]
+            out.append(figure("pg", f"{label}, {what}, peer blobs on", median(xs), "blobs",
+                              spread=spread(xs), runs=len(xs)))
+        for key, what in (("statesvc_cpu_s", "statesvc CPU"),
+                          ("ready_to_head_s", "READY to head, slowest")):
+            xs = [a[key] / b[key] for a, b in zip(runs["peers"], runs["statesvc"]) if b[key]]
+            if xs:
+                out.append(figure("pg", f"{label}, {what}, peer blobs / --no-peer-blobs",
+                                  median(xs), "x", spread=spread(xs), runs=len(xs)))
     return out
 
 
