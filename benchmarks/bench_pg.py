@@ -80,6 +80,17 @@ class Settings:
     bootstrap_too: bool = True
 
 
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor has run other guests on this VM's CPUs (/proc/stat `steal`),
+    all CPUs together; NaN where /proc does not say."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
     import psycopg
 
@@ -268,16 +279,19 @@ def measure_events(settings: Settings, server: PgServer, root: Path,
                     others=tuple(services[1:]))
     for rep in range(settings.repeats):
         for k in runs:
+            stolen = steal_seconds()
             if k == "raw":
                 r = measure_raw(raw_dsn, settings.raw_events, settings.max_seconds)
             else:
                 n, c = (int(x) for x in k.split("x"))
                 r = measure_service(services[0], paths, c, settings.events,
                                     settings.max_seconds, others=tuple(services[1:n]))
+            # CPU time the hypervisor gave other guests meanwhile: a VM's slow repeats
+            r["steal_ms_per_s"] = round((steal_seconds() - stolen) / r["seconds"] * 1000, 1)
             runs[k].append(r)
             console.print(f"[dim]run {rep + 1}/{settings.repeats} {k:<6} "
                           f"{r['events_per_s']:>8.0f} events/s ({r['events']} events in "
-                          f"{r['seconds']:.2f} s)[/dim]")
+                          f"{r['seconds']:.2f} s; steal {r['steal_ms_per_s']} ms/s)[/dim]")
 
 
 def key(instances: int, clients: int) -> str:

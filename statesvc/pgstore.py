@@ -53,6 +53,14 @@ _COLUMNS = "seq, event_id, type, payload, recorded_at, actor"
 _READ = (f"SELECT {_COLUMNS} FROM events WHERE seq > %s AND (%s::bigint IS NULL OR seq <= %s) "
          "ORDER BY seq LIMIT %s")
 _BY_EVENT_IDS = f"SELECT {_COLUMNS} FROM events WHERE event_id = ANY(%s)"
+# Executed unprepared, planned for its own array each time. psycopg prepares a statement on
+# its 5th execution, and PostgreSQL then settles on a generic plan for it: for this query,
+# chosen while the log was small, a sequential scan of `events`, kept as the log grew. Every
+# batch then read the whole log: bench_pg's 4 clients on one instance lost a fifth of their
+# rate with each 3,200 events (1,163 events/s at first, 335 after 22,400; PostgreSQL's CPU
+# an event 0.26 -> 2.1 ms), while the same query planned for its array uses the event_id
+# index whatever the log's length (about 0.1 ms more of planning a batch).
+_UNPREPARED = False
 _TURN = "SELECT pg_advisory_xact_lock(%s)"
 _INTRANS, _IDLE = TransactionStatus.INTRANS, TransactionStatus.IDLE
 # a batch's events in one statement, with the NOTIFY: the same rows as one INSERT per event,
@@ -127,14 +135,15 @@ class PostgresEventStore(SqlReads):
             self._generation += 1
         return db
 
-    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def _query(self, sql: str, params: Sequence[Any] = (), *,
+               prepare: bool | None = None) -> list[tuple[Any, ...]]:
         """One read on the held connection; a connection found lost (PostgreSQL restarted
         since its last use) is replaced and the read tried once more, as the pool's pre-ping
-        did."""
+        did. `prepare`: psycopg's (None: prepared once executed often enough)."""
         with self._lock:
             for attempt in (1, 2):
                 try:
-                    return self._connection().execute(sql, params).fetchall()
+                    return self._connection().execute(sql, params, prepare=prepare).fetchall()
                 except psycopg.OperationalError as err:
                     if attempt == 2 or not (self._db is None or self._db.broken
                                             or self._db.closed):
@@ -153,7 +162,8 @@ class PostgresEventStore(SqlReads):
     def by_event_ids(self, event_ids: Collection[str]) -> dict[str, Event]:
         if not event_ids:
             return {}
-        return {r[1]: _event(r) for r in self._query(_BY_EVENT_IDS, (list(event_ids),))}
+        return {r[1]: _event(r) for r in self._query(_BY_EVENT_IDS, (list(event_ids),),
+                                                      prepare=_UNPREPARED)}
 
     def append(self, events: Sequence[NewEvent], *, blobs: Sequence[NewBlob] = (),
                snapshots: Sequence[Snapshot] = ()) -> list[Event]:
@@ -236,7 +246,8 @@ class PostgresEventStore(SqlReads):
             head = db.execute(_HEAD)
             after = None if since is None else db.execute(_READ, (since, None, None,
                                                                   CATCH_UP_PAGE))
-            known = db.execute(_BY_EVENT_IDS, (list(event_ids),)) if event_ids else None
+            known = db.execute(_BY_EVENT_IDS, (list(event_ids),),
+                               prepare=_UNPREPARED) if event_ids else None
         row = head.fetchone()
         return (int(row[0]) if row else 0,
                 [] if after is None else [_event(r) for r in after.fetchall()],
