@@ -415,6 +415,12 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               "each role used while the loads ran, over the loads (each load is followed "
               "by its unload): with more replicas than cores, the replicas' own work "
               "(fetch, sha256, parse, slot write) queues behind each other's.", ""]
+    raw_steal = [r["steal_ms_per_s"] for r in result["runs"].get("raw", [])
+                 if "steal_ms_per_s" in r]
+    if raw_steal:
+        lines += [f"Steal time (CPU the hypervisor gave other guests) during the raw loop's "
+                  f"repeats: {', '.join(f'{x:.0f}' for x in raw_steal)} ms/s; every run's is in "
+                  "pg.json (`steal_ms_per_s`).", ""]
     lines += target_lines(result)
     lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "
                  f"before the run, {m['date']}. `python -m benchmarks.bench_pg` reproduces it.")
