@@ -318,8 +318,8 @@ class Replica:
         # yet; a bootstrap or catch-up asks the replicas that applied each event first
         live = new.seq == self.state.seq + 1
         weights = {a.name: slot_weights(self.blobs.get(
-            a.sha256, version=None if live and a.version == new.seq else a.version), a)
-            for a, _ in fills}
+            a.sha256, version=None if live and a.version == new.seq else a.version,
+            size=a.size), a) for a, _ in fills}
         # nothing has changed up to here; from here on nothing can fail
         with self.lock:
             if pool is not None and res is not None:

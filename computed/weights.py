@@ -69,20 +69,22 @@ class BlobCache:
     def path(self, sha256: str) -> Path:
         return self.root / sha256
 
-    def get(self, sha256: str, *, version: int | None = None) -> bytes:
+    def get(self, sha256: str, *, version: int | None = None, size: int | None = None) -> bytes:
         """The blob's bytes; `version`: the seq of the event that introduced it, which makes
-        the replicas that have applied it candidates to fetch it from."""
+        the replicas that have applied it candidates to fetch it from; `size`: its size by
+        that event, all a peer may send."""
         with self._lock:
-            return self._get(sha256, version)
+            return self._get(sha256, version, size)
 
-    def _get(self, sha256: str, version: int | None) -> bytes:
+    def _get(self, sha256: str, version: int | None, size: int | None) -> bytes:
         cached = self.path(sha256)
         if cached.is_file():
             data = cached.read_bytes()
             if hashlib.sha256(data).hexdigest() == sha256:
                 return data
             cached.unlink()  # damaged or tampered with: fetch it again
-        peer = self._from_peers(sha256, version) if version is not None else None
+        peer = self._from_peers(sha256, version, size) \
+            if version is not None and size is not None else None
         if peer is None:
             self.fetches += 1
         data = peer if peer is not None else self._fetch(self.client, sha256, "statesvc")
@@ -91,7 +93,7 @@ class BlobCache:
         os.replace(tmp, cached)
         return data
 
-    def _from_peers(self, sha256: str, version: int) -> bytes | None:
+    def _from_peers(self, sha256: str, version: int, size: int) -> bytes | None:
         if self.peers is None:
             return None
         try:
@@ -102,7 +104,7 @@ class BlobCache:
         for address in candidates:
             peer = self.peers.client(address)
             try:
-                data = self._fetch(peer, sha256, f"replica {address}")
+                data = self._fetch(peer, sha256, f"replica {address}", size=size)
             except (RemoteError, Unavailable, BlobError) as exc:
                 if not isinstance(exc, RemoteError):  # silence, other bytes; not_found is fine
                     self.peers.passed_over(address)
@@ -116,16 +118,26 @@ class BlobCache:
         return None
 
     @staticmethod
-    def _fetch(client: ControlClient, sha256: str, source: str) -> bytes:
+    def _fetch(client: ControlClient, sha256: str, source: str, *,
+               size: int | None = None) -> bytes:
+        """The blob from `source` chunk by chunk; with `size`, a source that says or sends
+        another size is refused (BlobError), as is any reply not shaped like `blob`'s."""
         parts: list[bytes] = []
-        offset, size = 0, None
-        while size is None or offset < size:
+        offset, total = 0, None
+        while total is None or offset < total:
             chunk = client.call("blob", {"sha256": sha256, "offset": offset,
                                          "length": MAX_BLOB_CHUNK})
-            size = int(chunk["size"])
-            data = chunk["data"]
-            if not data and offset < size:
-                raise BlobError(f"blob {sha256[:12]} ended at {offset} of {size} bytes")
+            said, data = (chunk.get("size"), chunk.get("data")) if isinstance(chunk, dict) \
+                else (None, None)
+            if type(said) is not int or not isinstance(data, bytes) or len(data) > MAX_BLOB_CHUNK \
+                    or offset + len(data) > said or (size is not None and said != size):
+                raise BlobError(f"blob {sha256[:12]} from {source}: a reply that is not the "
+                                f"blob's next chunk (size {said!r}"
+                                f"{'' if size is None else f', the event says {size}'}); "
+                                "not applied")
+            total = said
+            if not data and offset < total:
+                raise BlobError(f"blob {sha256[:12]} ended at {offset} of {total} bytes")
             parts.append(data)
             offset += len(data)
         blob = b"".join(parts)

@@ -5,13 +5,16 @@ statesvc and replicas as subprocesses on loopback, pool-only."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
-
-from shared.client import ControlClient, RemoteError
-from shared.fleet import Computed, wait_for
-from tests.helpers import Fleet
+import threading
+from typing import Any, Iterator
 
 import pytest
+import zmq
+
+from shared.client import ControlClient, RemoteError
+from shared.fleet import Computed, loopback, wait_for
+from shared.protocol import ok_reply, unpack
+from tests.helpers import Fleet
 
 POOL_ONLY = ("--no-warmup", "--no-inference")
 
@@ -95,3 +98,51 @@ def test_a_replica_serves_only_blobs_it_holds_and_only_what_they_hold(fleet: Fle
                 c.call("blob", args)
             assert refused.value.code == code, args
         assert c.call("status")["state"] == "ACTIVE"  # and it keeps serving
+
+
+@pytest.fixture
+def liar() -> Iterator[str]:
+    """A peer on a real ROUTER socket that answers every `blob` with a chunk of a blob far
+    larger than any adapter (a replica key gone bad): its address."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    address = loopback()
+    sock.bind(address)
+    done = threading.Event()
+
+    def answer() -> None:
+        while not done.is_set():
+            if not sock.poll(50):
+                continue
+            *envelope, body = sock.recv_multipart()
+            req = unpack(body)
+            sock.send_multipart([*envelope, ok_reply(req["id"], {
+                "sha256": req["args"]["sha256"], "offset": req["args"].get("offset", 0),
+                "size": 1 << 40, "data": b"\0" * 1024})])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield address
+    finally:
+        done.set()
+        thread.join(5)
+        sock.close(0)
+
+
+def test_a_peer_that_claims_another_size_is_passed_over(fleet: Fleet, liar: str) -> None:
+    """What a peer sends is bounded by the event's size: a peer that says 1 TiB is refused at
+    its first chunk, and statesvc serves the blob."""
+    fleet.init()
+    fleet.load("a", "attn-qv-r8")
+    head = fleet.head()
+    with fleet.client() as c:  # the liar registers as an ACTIVE replica at the head
+        c.call("heartbeat", {"id": "liar", "address": liar, "state": "ACTIVE",
+                             "applied_seq": head, "logical_digest": "0" * 64,
+                             "pool_digest": "none"})
+    r1 = fleet.replica("r1", args=POOL_ONLY)
+    wait_for(lambda: fleet.converged(r1), what="r1 despite the liar")
+    s1 = r1.status()
+    assert (s1["blob_fetches"], s1["peer_blob_fetches"], s1["last_error"]) == (1, 0, None)
+    assert "not the blob's next chunk" in r1.log.read_text()
