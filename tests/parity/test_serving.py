@@ -199,9 +199,13 @@ def test_bad_requests_get_errors_and_the_replica_keeps_serving(
 
 def test_overload_and_min_seq(fleet: Fleet) -> None:
     fleet.init(max_loras=2, max_rank=32)
+    # each step held 50 ms, so a 20-token request runs a second: the requests below are all
+    # queued while the first runs, however the machine schedules this process (a clean-clone
+    # .ci/run once served all four of them, one after another, when the sends came late)
     replica = fleet.replica("r1", args=("--max-batch", "1", "--max-len", "64",
                                         "--queue-limit", "2", "--client-queue-limit", "2",
-                                        "--min-seq-timeout", "2"))
+                                        "--min-seq-timeout", "2"),
+                            env={"LORAPLANE_FAULT_SLOW_STEP_S": "0.05"})
     wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up",
              timeout=WARMUP_TIMEOUT_S)
     client, other = Client(replica.listen), Client(replica.listen)
