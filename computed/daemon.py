@@ -459,11 +459,12 @@ class Daemon:
                 cmd, args = decode_replica_request(msg)
                 # the client: its CURVE identity with --auth; else the connection
                 client = user if user is not None else envelope[0]
-                if user is not None and user.startswith("replica:") and cmd not in (BLOB, STATUS):
+                peer = user is not None and user.startswith("replica:")
+                if peer and cmd not in (BLOB, STATUS):
                     raise ProtocolError("forbidden", f"{user} may not issue {cmd}: replica keys "
                                         "may only fetch blobs (`blob`) and read `status`")
                 if cmd == BLOB:
-                    if not (operator or user is not None and user.startswith("replica:")):
+                    if not (operator or peer):
                         raise ProtocolError("forbidden", "blob hands out an adapter's weights: "
                                             "only replica and operator keys may read it")
                     request = WireRequest(req_id or "", BLOB, validate(BLOB_ARGS, args, "args"))

@@ -72,7 +72,7 @@ def test_a_peer_with_other_bytes_is_passed_over_for_statesvc(fleet: Fleet) -> No
     assert s2["last_error"] is None
     assert "hashes to" in r2.log.read_text()  # why the peer was passed over
     # what r2 now holds is statesvc's bytes: it serves them to the next one
-    r3 = fleet.replica("r3", args=("--no-warmup", "--no-inference"))
+    r3 = fleet.replica("r3", args=POOL_ONLY)
     wait_for(lambda: fleet.converged(r3), what="r3")
     assert _digests(r3.status()) == _digests(r2.status())
     assert r3.status()["blob_fetches"] + r3.status()["peer_blob_fetches"] == 1
