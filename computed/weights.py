@@ -15,6 +15,7 @@ import numpy as np
 from computed.pool import SlotWeights
 from shared.client import ControlClient, RemoteError, Unavailable
 from shared.config import MAX_BLOB_CHUNK
+from shared.errors import CodedError
 from shared.events import AdapterLoaded
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import Header, TensorFileError, TensorInfo, parse_header, to_float32
@@ -153,12 +154,25 @@ class BlobCache:
         return SHA256_HEX.fullmatch(sha256) is not None and self.path(sha256).is_file()
 
     def size(self, sha256: str) -> int:
-        return self.path(sha256).stat().st_size
+        try:
+            return self.path(sha256).stat().st_size
+        except FileNotFoundError:
+            raise _gone(sha256) from None
 
     def read_chunk(self, sha256: str, offset: int, length: int) -> bytes:
-        with self.path(sha256).open("rb") as f:
-            f.seek(offset)
-            return f.read(min(length, MAX_BLOB_CHUNK))
+        try:
+            with self.path(sha256).open("rb") as f:
+                f.seek(offset)
+                return f.read(min(length, MAX_BLOB_CHUNK))
+        except FileNotFoundError:
+            raise _gone(sha256) from None
+
+
+def _gone(sha256: str) -> CodedError:
+    """A cached blob removed while a peer read it (found damaged and fetched again): the peer
+    is told `not_found`, as for one never held, and asks the next."""
+    return CodedError("not_found", f"no blob {sha256} (removed from this replica's cache)",
+                      "args.sha256")
 
 
 # a header up to this size is parsed once per distinct header (its bytes are the cache key)
