@@ -95,11 +95,12 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon, PeerList
     from computed.replica import ModelMismatch, Replica
-    from shared import runfile
+    from shared import memtune, runfile
     from shared.client import ControlClient
     from shared.fingerprint import ModelError, read_model
 
     log = logging.getLogger("computed")
+    memtune.tune()  # a blob's buffers reuse their pages (shared/memtune.py)
     try:
         check_bind(listen, authenticated=auth_dir is not None)
     except EndpointError as exc:
@@ -162,6 +163,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         log.error("%s", exc)
         raise SystemExit(2) from None
     finally:
+        replica.blobs.close()  # the blobs fetched last, still in memory, to their files
         client.close()
     log.info("stopped")
 

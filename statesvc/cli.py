@@ -115,7 +115,7 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
           heartbeat_interval: float, max_adapter_bytes: int, auth_dir: Path | None,
           adapter_roots: tuple[Path, ...], max_replicas: int) -> None:
     """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
-    from shared import runfile
+    from shared import memtune, runfile
     from statesvc.pgblobs import LogBlobStore
     from statesvc.pgstore import PostgresEventStore
     from statesvc.server import Server
@@ -126,6 +126,7 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
             check_bind(address, authenticated=auth_dir is not None)
         except EndpointError as exc:
             raise click.UsageError(f"{flag}: {exc}") from None
+    memtune.tune()  # a blob's buffers reuse their pages (shared/memtune.py)
     url = db_url or sqlite_url(data_dir)
     # SQLite: one writer per data dir; PostgreSQL: any number, serialised by the database
     lock = None if make_url(url).get_backend_name() == "postgresql" else _lock_data_dir(data_dir)

@@ -63,6 +63,7 @@ def test_a_peer_with_other_bytes_is_passed_over_for_statesvc(fleet: Fleet) -> No
     r1 = fleet.replica("r1", args=POOL_ONLY)
     _settled(fleet, r1)
     cached = r1.cache_dir / "blobs" / _sha(fleet, "attn-qv-r8")
+    wait_for(cached.is_file, what="r1's cache writer")  # written after the slot, off the sync thread
     good = cached.read_bytes()
     cached.write_bytes(bytes([good[0] ^ 1]) + good[1:])  # r1 serves what it has, unchecked
     r2 = fleet.replica("r2", args=POOL_ONLY)

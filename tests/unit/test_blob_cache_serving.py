@@ -4,6 +4,7 @@ while a peer read it (a cached blob found damaged is removed and fetched again).
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,53 @@ def test_a_cached_blob_is_served_in_chunks_and_one_removed_meanwhile_is_not_foun
     with pytest.raises(CodedError) as missing:
         read_chunk(cache, {"sha256": sha, "offset": 0, "length": 10})
     assert missing.value.code == "not_found"
+
+
+class _Fetched(BlobCache):
+    """A cache whose fetches return `blobs` (the fetch over ZeroMQ is tested with real
+    services in tests/integration/test_replica.py and test_peer_blobs.py)."""
+
+    def __init__(self, root: Path, blobs: dict[str, bytes]) -> None:
+        super().__init__(root, ControlClient("tcp://127.0.0.1:9"))
+        self.blobs = blobs
+        self.writer_may_go = threading.Event()  # holds the cache writer until set
+
+    def _fetch(self, client: object, sha256: str, source: str, *, size: object = None) -> bytes:
+        return self.blobs[sha256]
+
+    def _write(self, sha256: str, data: bytes) -> None:
+        if threading.current_thread() is self._writer:
+            self.writer_may_go.wait()
+        super()._write(sha256, data)
+
+
+def test_a_fetched_blob_is_served_from_memory_until_its_file_is_written(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 64
+    sha = hashlib.sha256(data).hexdigest()
+    cache = _Fetched(tmp_path / "blobs", {sha: data})
+    assert cache.get(sha) == data  # the writer waits: the blob stays in memory
+    assert sha in cache.unwritten and not cache.path(sha).exists()
+    assert cache.get(sha) == data and cache.fetches == 1  # the held bytes, not a fetch
+    assert cache.has(sha) and cache.size(sha) == len(data)
+    assert cache.read_chunk(sha, 100, 50) == data[100:150]
+    cache.writer_may_go.set()
+    cache.close()  # writes what is held
+    assert cache.path(sha).read_bytes() == data and not cache.unwritten
+    assert not list((tmp_path / "blobs").glob("*.tmp*"))
+    assert cache.get(sha) == data and cache.fetches == 1  # now from the file
+
+
+def test_past_the_bound_a_fetch_writes_its_own_file(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import computed.weights as weights
+    small, big = b"s" * 1000, b"b" * 5000
+    shas = {hashlib.sha256(b).hexdigest(): b for b in (small, big)}
+    monkeypatch.setattr(weights, "MAX_UNWRITTEN_BYTES", 4000)
+    cache = _Fetched(tmp_path / "blobs", shas)
+    s_sha, b_sha = (hashlib.sha256(b).hexdigest() for b in (small, big))
+    cache.unwritten["f" * 64] = b"x" * 3500  # the writer is behind by 3,500 bytes
+    assert cache.get(s_sha) == small and cache.path(s_sha).is_file()  # 4,500 > 4,000: inline
+    cache.unwritten.clear()
+    assert cache.get(b_sha) == big and cache.path(b_sha).is_file()  # alone above the bound
+    assert cache._writer is None  # neither went through the writer
+    cache.close()
