@@ -6,8 +6,9 @@ so there is nothing to sweep, and no instance can delete what another is about t
 
 Every replica of a fleet fetches each new blob right after its load, so the same chunks are
 read N times within a second: the store keeps the sizes of the blobs it has seen and the
-most recently read chunk rows (up to CACHE_BYTES) in memory, and the second to Nth replica
-cost no database round trip. Blobs are content-addressed and immutable (a repair rewrites
+most recently read or committed chunk rows (up to CACHE_BYTES) in memory, and a fetch of a
+blob this instance has just committed, or one another replica fetched moments before, costs
+no database round trip. Blobs are content-addressed and immutable (a repair rewrites
 the same bytes and drops the cached rows); `verify` always reads the database.
 """
 from __future__ import annotations
@@ -99,6 +100,21 @@ class LogBlobStore:
                     return {int(i): bytes(d) for i, d in cur}
             except psycopg.Error as err:
                 raise exc.DBAPIError.instance(sql, None, err, psycopg.Error) from err
+
+    def committed(self, sha256: str, data: bytes | bytearray) -> None:
+        """A blob this instance has just committed with its event: its size and rows are kept
+        as if read, so the fleet's fetches right after the load (the first one included) cost
+        no database round trip."""
+        expires = time.monotonic() + CACHE_TTL_S
+        with self._lock:
+            self._sizes[sha256] = len(data)
+            for i in range(0, -(-len(data) // CHUNK_BYTES)):
+                row = bytes(data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+                old = self._rows.pop((sha256, i), None)
+                self._cached += len(row) - (0 if old is None else len(old[0]))
+                self._rows[(sha256, i)] = (row, expires)
+            while self._cached > self.cache_bytes:
+                self._cached -= len(self._rows.popitem(last=False)[1][0])
 
     def _forget(self, sha256: str) -> None:
         with self._lock:

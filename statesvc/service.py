@@ -304,6 +304,10 @@ class StateService:
                 answers[i].error = storage_error(f"the event could not be stored ({exc}); "
                                                   f"{outcome}")
             return []
+        if isinstance(self.blobs, LogBlobStore):  # the fleet fetches them next
+            for blob in batch.blobs:
+                if blob.data is not None:
+                    self.blobs.committed(blob.sha256, blob.data)
         self.state = batch.state
         if self.log_id is None and events and events[0].seq == 1:  # the genesis names the log
             self.log_id = log_id_of(events[0])

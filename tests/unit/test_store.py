@@ -12,10 +12,14 @@ import pytest
 from sqlalchemy import create_engine, exc, text
 from sqlalchemy.exc import IntegrityError
 
+from shared.config import MAX_BLOB_CHUNK
 from statesvc.pgblobs import LogBlobStore
 from statesvc.pgstore import CHANNEL, CHUNK_BYTES, Doorbell, PostgresEventStore
+from statesvc.service import StateService
 from statesvc.store import (EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, SqliteEventStore,
                             sqlite_url)
+from statesvc.tools.example import ExampleAssets
+from statesvc.tools.inproc import call, init_pool
 
 
 def ev(seq: int, event_id: str | None = None) -> NewEvent:
@@ -352,3 +356,22 @@ def _terminate(store: PostgresEventStore) -> None:
     assert store._db is not None
     with psycopg.connect(store._dsn, autocommit=True) as db:
         db.execute("SELECT pg_terminate_backend(%s)", (store._db.info.backend_pid,))
+
+
+def test_a_blob_the_instance_committed_is_served_without_the_database(
+        tmp_path: Path, pg_url: str, example: ExampleAssets) -> None:
+    """The fleet fetches a new blob right after its load: the instance that committed it
+    answers every chunk, the first one too, from memory (statesvc/pgblobs.py `committed`)."""
+    store = PostgresEventStore(pg_url)
+    service = StateService(store, LogBlobStore(store.engine))
+    init_pool(service, example.model_dir)
+    call(service, "load", name="a", path=str(example.adapter_dirs["attn-qv-r8"]))
+    loaded = service.state.adapters["a"]
+    sha, size = loaded.sha256, loaded.size
+    db, service.blobs.engine = service.blobs.engine, create_engine(  # type: ignore[attr-defined]
+        "postgresql+psycopg://x@127.0.0.1:1/x")  # no database from here on
+    got = b"".join(call(service, "blob", sha256=sha, offset=off, length=MAX_BLOB_CHUNK)["data"]
+                   for off in range(0, size, MAX_BLOB_CHUNK))
+    assert hashlib.sha256(got).hexdigest() == sha and len(got) == size
+    service.blobs.engine = db  # type: ignore[attr-defined]
+    store.close()
