@@ -132,7 +132,7 @@ class BlobCache:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fdatasync(fd)
+            getattr(os, "fdatasync", os.fsync)(fd)  # macOS has fsync only
             if hasattr(os, "posix_fadvise"):  # not on macOS
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
