@@ -53,7 +53,7 @@ from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measur
     sample_payload
 from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
 from shared.client import ControlClient, new_event_id
-from shared.fleet import Computed, StateSvc, cpu_seconds, wait_for
+from shared.fleet import Computed, StateSvc, cpu_seconds, thread_cpu, wait_for
 from statesvc.tools.example import make_example
 from tests.pg import PgServer
 
@@ -124,7 +124,9 @@ ROLES = ("replicas", "statesvc", "postgres", "bench")
 def cpu_by_role(tag: str, pg_root: str) -> dict[str, float]:
     """CPU seconds used so far by the processes of one propagation measurement (`tag` in
     their command lines), PostgreSQL's (started with `-k pg_root`, and its backends), and
-    this process."""
+    this process; and "replicas/NAME", "statesvc/NAME" for each thread name of those two
+    (shared/threadname.py names the services' own threads; "computed" and "statesvc" are
+    the main thread and any thread left unnamed)."""
     out = dict.fromkeys(ROLES, 0.0)
     own = os.times()
     out["bench"] = own.user + own.system
@@ -139,6 +141,9 @@ def cpu_by_role(tag: str, pg_root: str) -> dict[str, float]:
                 "postgres" if pg_root in cmd or cmd.startswith("postgres:") else None)
         if role is not None and not math.isnan(cpu := cpu_seconds(int(pid))):  # NaN: it ended
             out[role] += cpu
+            if role != "postgres":
+                for name, seconds in thread_cpu(int(pid)).items():
+                    out[f"{role}/{name}"] = out.get(f"{role}/{name}", 0.0) + seconds
     return out
 
 
@@ -167,11 +172,19 @@ def measure_propagations(settings: Settings, server: PgServer,
         (c0, l0), (c1, l1) = marks["loads"], marks["done"]
         p["cpu_ms_per_load"] = {r: round((c1[r] - c0[r]) / settings.loads * 1000, 1)
                                 for r in ROLES}
+        # by thread: a replica's threads per replica, statesvc's as they are (threads that
+        # ended between the marks are missing from both, so this is the steady part)
+        p["cpu_ms_per_load_by_thread"] = {
+            role: {k.split("/", 1)[1]: round((c1[k] - c0.get(k, 0.0)) / settings.loads * 1000
+                                             / (n if role == "replicas" else 1), 2)
+                   for k in sorted(c1) if k.startswith(role + "/") and c1[k] > c0.get(k, 0.0)}
+            for role in ("replicas", "statesvc")}
         p["loadavg_1m"] = [round(l0, 2), round(l1, 2)]
         out.append(p)
         console.print(f"[dim]{n} replica(s): from ack p50 {p['from_ack_ms_p50']} ms, "
                       f"p99 {p['from_ack_ms_p99']} ms ({p['p99_over_one']}x 1 replica); CPU "
-                      f"ms per load {p['cpu_ms_per_load']}; load {p['loadavg_1m']}[/dim]")
+                      f"ms per load {p['cpu_ms_per_load']}; by thread (a replica's per "
+                      f"replica) {p['cpu_ms_per_load_by_thread']}; load {p['loadavg_1m']}[/dim]")
     return out
 
 

@@ -56,6 +56,7 @@ from shared.reducer import ReducerError, body_of_diff
 from shared.replica_protocol import (BLOB, BLOB_ARGS, CANCEL, CANCEL_ARGS, GENERATE, SLOT_ARGS,
                                      STATUS, decode_replica_request, token_frame)
 from shared.router import Replies, serving_router, split_request
+from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed")
 
@@ -176,6 +177,7 @@ class SyncLoop(threading.Thread):
                     REPLICA_SILENCE_S, self.state_addr, self.diffs_addr)
 
     def run(self) -> None:
+        name_os_thread()
         self._open()
         next_beat = 0.0
         try:
@@ -401,6 +403,7 @@ class Daemon:
             raise self.sync.fatal
 
     def _warm(self) -> None:
+        name_os_thread()
         assert self.engine is not None
         t0 = time.perf_counter()
         self.engine.warmup()

@@ -32,6 +32,7 @@ from computed.pool import SlotWeights
 from computed.weights import BlobCache, BlobError, slot_weights
 from shared.client import RemoteError, Unavailable
 from shared.events import AdapterLoaded
+from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed")
 RETRY_S = 1.0
@@ -149,6 +150,7 @@ class Fills:
     # ---- the worker ----------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             with self._lock:
                 while not self._queue:

@@ -20,6 +20,7 @@ from shared.errors import CodedError
 from shared.events import AdapterLoaded
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import Header, TensorFileError, TensorInfo, parse_header, to_float32
+from shared.threadname import name_os_thread
 
 
 log = logging.getLogger("computed")
@@ -146,6 +147,7 @@ class BlobCache:
             self._writer.start()
 
     def _write_behind(self) -> None:
+        name_os_thread()
         try:  # below the sync and serving threads: it runs when they wait
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                            min(19, os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICE))

@@ -22,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 
 from shared.errors import CodedError
 from shared.protocol import Request, error_reply, error_reply_of, ok_reply
+from shared.threadname import name_os_thread
 
 log = logging.getLogger("blobs")
 
@@ -94,6 +95,7 @@ class BlobServer(threading.Thread):
         self.replies.close(0)
 
     def run(self) -> None:
+        name_os_thread()
         try:
             while not self._stopping.is_set() and (item := self.requests.get()) is not None:
                 envelope, req = item

@@ -97,6 +97,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of `pid`'s threads so far, summed by thread name (/proc/PID/task/*)."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK")
+    return out
+
+
 def memory_kb(pid: int, field: str) -> int:
     """A size /proc/PID/status gives in kB (`VmRSS`, `VmHWM`, ...); KeyError if it has none."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

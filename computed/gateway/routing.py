@@ -17,6 +17,7 @@ from typing import Any
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
 from shared.keys import ClientKeys
 from shared.replica_protocol import STATUS
+from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed.gateway")
 
@@ -111,6 +112,7 @@ class Router:
             self.view = _with(self.view, {name: (version, seq)})
 
     def _run(self) -> None:
+        name_os_thread()
         while not self._stop.is_set():
             try:
                 self.refresh()
