@@ -154,8 +154,7 @@ class BlobCache:
         except (AttributeError, OSError):  # not Linux, where a thread has no priority of its own
             pass
         while (sha256 := self._writes.get()) is not None:
-            with self._unwritten_lock:
-                data = self.unwritten.get(sha256)
+            data = self._held(sha256)
             try:
                 if data is not None:
                     self._write(sha256, data)
@@ -230,7 +229,7 @@ class BlobCache:
 
     def has(self, sha256: str) -> bool:
         return SHA256_HEX.fullmatch(sha256) is not None and (
-            sha256 in self.unwritten or self.path(sha256).is_file())
+            self._held(sha256) is not None or self.path(sha256).is_file())
 
     def size(self, sha256: str) -> int:
         if (held := self._held(sha256)) is not None:

@@ -91,10 +91,15 @@ def cpu_seconds(pid: int) -> float:
     ticks of 10 ms); NaN where /proc cannot say (off Linux, or the process has ended)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return _stat_cpu(f.read())
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _stat_cpu(stat: str) -> float:
+    """utime + stime of a /proc/.../stat line, in seconds."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -111,9 +116,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             continue  # ended meanwhile
         name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
-            "SC_CLK_TCK")
+        out[name] = out.get(name, 0.0) + _stat_cpu(stat)
     return out
 
 

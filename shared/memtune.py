@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from collections.abc import Mapping
 
 log = logging.getLogger("loraplane")
 
@@ -31,7 +32,7 @@ TRIM_THRESHOLD = 256 << 20  # free heap kept mapped, up to this much
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
-def operator_set(environ: dict[str, str] | os._Environ[str]) -> str | None:
+def operator_set(environ: Mapping[str, str]) -> str | None:
     """Why the settings are left alone (the variable that says so), or None."""
     if environ.get("LORAPLANE_MALLOC", "") == "default":
         return "LORAPLANE_MALLOC=default"
@@ -45,13 +46,12 @@ def tune() -> bool:
     if (why := operator_set(os.environ)) is not None:
         log.debug("malloc settings left as they are (%s)", why)
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt, gnu_version = libc.mallopt, libc.gnu_get_libc_version
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        _ = libc.gnu_get_libc_version  # only glibc has it
+        mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to set
         return False
-    del gnu_version  # only its presence says glibc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
         and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

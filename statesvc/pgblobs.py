@@ -74,15 +74,7 @@ class LogBlobStore:
         if missing:
             read = self._read_rows(sha256, missing)
             got.update(read)
-            with self._lock:
-                for i, row in sorted(read.items()):
-                    old = self._rows.pop((sha256, i), None)
-                    self._cached -= 0 if old is None else len(old[0])
-                    if len(row) <= self.cache_bytes:
-                        self._rows[(sha256, i)] = (row, now + CACHE_TTL_S)
-                        self._cached += len(row)
-                while self._cached > self.cache_bytes:
-                    self._cached -= len(self._rows.popitem(last=False)[1][0])
+            self._keep(sha256, read, now + CACHE_TTL_S)
         return [row for _, row in sorted(got.items()) if row is not None]
 
     def _read_rows(self, sha256: str, idxs: list[int]) -> dict[int, bytes]:
@@ -101,20 +93,26 @@ class LogBlobStore:
             except psycopg.Error as err:
                 raise exc.DBAPIError.instance(sql, None, err, psycopg.Error) from err
 
+    def _keep(self, sha256: str, rows: dict[int, bytes], expires: float) -> None:
+        """Put rows of a blob in the LRU (newest last) and evict down to cache_bytes."""
+        with self._lock:
+            for i, row in sorted(rows.items()):
+                old = self._rows.pop((sha256, i), None)
+                self._cached -= 0 if old is None else len(old[0])
+                if len(row) <= self.cache_bytes:
+                    self._rows[(sha256, i)] = (row, expires)
+                    self._cached += len(row)
+            while self._cached > self.cache_bytes:
+                self._cached -= len(self._rows.popitem(last=False)[1][0])
+
     def committed(self, sha256: str, data: bytes | bytearray) -> None:
         """A blob this instance has just committed with its event: its size and rows are kept
         as if read, so the fleet's fetches right after the load (the first one included) cost
         no database round trip."""
-        expires = time.monotonic() + CACHE_TTL_S
         with self._lock:
             self._sizes[sha256] = len(data)
-            for i in range(0, -(-len(data) // CHUNK_BYTES)):
-                row = bytes(data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
-                old = self._rows.pop((sha256, i), None)
-                self._cached += len(row) - (0 if old is None else len(old[0]))
-                self._rows[(sha256, i)] = (row, expires)
-            while self._cached > self.cache_bytes:
-                self._cached -= len(self._rows.popitem(last=False)[1][0])
+        self._keep(sha256, {r["idx"]: r["data"] for r in chunk_rows(sha256, data)},
+                   time.monotonic() + CACHE_TTL_S)
 
     def _forget(self, sha256: str) -> None:
         with self._lock:
