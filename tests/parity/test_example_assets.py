@@ -20,6 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from shared.llama import MLP_MODULES, MODULES  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402
     EXAMPLE_ADAPTERS,
+    TRANSFORMERS_VERSION,
     AdapterSpec,
     ModelShape,
     adapter_tensor_names,
@@ -189,10 +190,16 @@ def test_transformers_loads_checkpoint(hf: Any, tmp_path: Path, style: str, tie:
     expected_rope["rope_theta"] = shape.rope_theta
     assert cfg.rope_parameters == expected_rope
 
-    # Saved again by transformers, the config is what we wrote (for the v5 layout, byte for byte).
+    # Saved again by transformers, the config is what we wrote (for the v5 layout, byte for byte
+    # but for the version stamp: transformers writes its own, we write the one we mirror).
     model.save_pretrained(tmp_path / "resaved")
     if style == "v5":
-        assert (tmp_path / "resaved" / "config.json").read_text() == (d / "config.json").read_text()
+        import transformers
+        installed = f'"transformers_version": "{transformers.__version__}"'
+        ours = f'"transformers_version": "{TRANSFORMERS_VERSION}"'
+        resaved = (tmp_path / "resaved" / "config.json").read_text()
+        assert installed in resaved
+        assert resaved.replace(installed, ours) == (d / "config.json").read_text()
     again = LlamaConfig.from_pretrained(tmp_path / "resaved").to_dict()
     first = cfg.to_dict()
     again.pop("_name_or_path", None)
