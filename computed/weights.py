@@ -1,11 +1,9 @@
 """Adapter weights on the replica: blobs fetched by sha256, verified, cached, parsed."""
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import logging
-import mmap
 import os
 import queue
 import re
@@ -20,6 +18,7 @@ from shared.client import ControlClient, RemoteError, Unavailable
 from shared.config import MAX_BLOB_CHUNK
 from shared.errors import CodedError
 from shared.events import AdapterLoaded
+from shared.newfile import NewFileWriter
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import Header, TensorFileError, TensorInfo, parse_header, to_float32
 from shared.threadname import name_os_thread
@@ -30,9 +29,6 @@ log = logging.getLogger("computed")
 PEER_TRIES = 2  # peers asked for a blob before statesvc
 # verified blobs waiting for the cache writer at most, in bytes; past it a fetch writes its own
 MAX_UNWRITTEN_BYTES = 256 << 20
-# the cache writer writes through an aligned buffer of this size, in blocks of DIRECT_ALIGN
-DIRECT_CHUNK = 4 << 20
-DIRECT_ALIGN = 4096
 WRITER_NICE = 10  # the cache writer's niceness above the replica's (Linux: per thread)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -89,8 +85,7 @@ class BlobCache:
         self._unwritten_lock = threading.Lock()
         self._writes: queue.Queue[str | None] = queue.Queue()
         self._writer: threading.Thread | None = None
-        self._direct = hasattr(os, "O_DIRECT")  # False once the file system refuses it
-        self._local = threading.local()  # each writing thread's aligned buffer
+        self._files = NewFileWriter()
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256
@@ -128,64 +123,12 @@ class BlobCache:
         return data
 
     def _write(self, sha256: str, data: bytes) -> None:
-        """Write the file aside, flush it, rename it in. The cache is written once and read
-        rarely (a restart, a peer, a fill), so it bypasses the page cache (O_DIRECT, from one
-        aligned buffer each writing thread reuses): in a VM each new page-cache page can cost
-        a fault on the host, and with 16 replicas loading on one box a 2.2 MB file took 0.5 ms
-        of the writer's CPU or 5-20 ms, 4.5 on average; this way 0.9 ms, evenly. Where the
-        file system refuses O_DIRECT (tmpfs), the file is written through the page cache,
-        flushed, and its pages dropped at once."""
+        """Write the file aside, flushed and past the page cache (shared/newfile.py: the cache
+        is written once and read rarely), and rename it in."""
         cached = self.path(sha256)
         tmp = cached.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-        if not (self._direct and self._write_direct(tmp, data)):
-            self._write_buffered(tmp, data)
+        self._files.write(tmp, data)
         os.replace(tmp, cached)
-
-    def _write_direct(self, tmp: Path, data: bytes) -> bool:
-        """`data` to `tmp` with O_DIRECT, in DIRECT_CHUNK pieces padded to DIRECT_ALIGN, then
-        cut to its size; False (and not tried again) where the file system refuses it."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct = False
-            return False
-        try:
-            view = memoryview(data)
-            for at in range(0, len(data), DIRECT_CHUNK):
-                n = min(DIRECT_CHUNK, len(data) - at)
-                buf[:n] = view[at:at + n]
-                with memoryview(buf) as whole:
-                    out = whole[:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]
-                    while out:
-                        out = out[os.write(fd, out):]
-            os.ftruncate(fd, len(data))
-            os.fdatasync(fd)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct = False  # a file system that takes the open but not the write
-            return False
-        finally:
-            os.close(fd)
-        return True
-
-    @staticmethod
-    def _write_buffered(tmp: Path, data: bytes) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            getattr(os, "fdatasync", os.fsync)(fd)  # macOS has fsync only
-            if hasattr(os, "posix_fadvise"):  # not on macOS
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
     def _start_writer(self) -> None:
         if self._writer is None:

@@ -5,13 +5,17 @@ import contextlib
 import errno
 import hashlib
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
 from shared.config import MAX_BLOB_CHUNK
 from shared.errors import CodedError
+from shared.newfile import NewFileWriter
 
-WRITE_CHUNK = 8 << 20  # blobs are written this much at a time, `progress` between
+# new blobs kept in memory at most, in bytes, for the fetches that follow their loads
+RECENT_BYTES = 64 << 20
 
 
 def _fsync_dir(path: Path) -> None:
@@ -50,6 +54,11 @@ class BlobStore:
         self._root = str(self.root)
         self.tmp = self.root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self._files = NewFileWriter()
+        # new blobs' bytes, newest last (guarded by _lock: the blob thread reads them)
+        self._recent: OrderedDict[str, bytes] = OrderedDict()
+        self._recent_bytes = 0
+        self._lock = threading.Lock()
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256[:2] / sha256
@@ -62,7 +71,9 @@ class BlobStore:
             progress: Callable[[], None] = lambda: None) -> tuple[str, bool]:
         """Store `data` durably; returns (sha256, created). An existing blob is not rewritten
         unless `overwrite` (to repair a damaged copy). StorageError when the disk refuses,
-        with the temporary file removed."""
+        with the temporary file removed. The file is written past the page cache
+        (shared/newfile.py); a new blob's bytes are also kept in memory (RECENT_BYTES), where
+        the fleet's fetches right after its load read them."""
         sha256 = sha256 or hashlib.sha256(data).hexdigest()
         final = self.path(sha256)
         if final.is_file() and not overwrite:
@@ -70,27 +81,50 @@ class BlobStore:
         tmp = self.tmp / f"{sha256}.{os.getpid()}"
         try:
             final.parent.mkdir(exist_ok=True)
-            with tmp.open("wb") as f, memoryview(data) as view:
-                for start in range(0, len(view), WRITE_CHUNK):
-                    f.write(view[start:start + WRITE_CHUNK])
-                    progress()
-                f.flush()
-                os.fsync(f.fileno())
+            self._files.write(tmp, data, progress=progress)
             os.replace(tmp, final)
             _fsync_dir(final.parent)
         except OSError as exc:  # full, read-only, not permitted: no half-written file stays
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise _storage_error(exc, self.root) from None
+        self._keep(sha256, data)
         return sha256, True
 
+    def _keep(self, sha256: str, data: bytes | bytearray) -> None:
+        if len(data) > RECENT_BYTES:
+            return
+        kept = bytes(data)  # immutable: the caller's bytearray may change
+        with self._lock:
+            self._forget(sha256)
+            self._recent[sha256] = kept
+            self._recent_bytes += len(kept)
+            while self._recent_bytes > RECENT_BYTES:
+                self._recent_bytes -= len(self._recent.popitem(last=False)[1])
+
+    def _forget(self, sha256: str) -> None:
+        """(lock held)"""
+        old = self._recent.pop(sha256, None)
+        self._recent_bytes -= 0 if old is None else len(old)
+
+    def _held(self, sha256: str) -> bytes | None:
+        with self._lock:
+            data = self._recent.get(sha256)
+            if data is not None:
+                self._recent.move_to_end(sha256)
+            return data
+
     def size(self, sha256: str) -> int:
-        return self.path(sha256).stat().st_size
+        held = self._held(sha256)
+        return len(held) if held is not None else self.path(sha256).stat().st_size
 
     def read_chunk(self, sha256: str, offset: int, length: int = MAX_BLOB_CHUNK) -> bytes:
+        length = min(length, MAX_BLOB_CHUNK)
+        if (held := self._held(sha256)) is not None:
+            return held[offset:offset + length]  # the whole blob: the same object, no copy
         with self.path(sha256).open("rb") as f:
             f.seek(offset)
-            return f.read(min(length, MAX_BLOB_CHUNK))
+            return f.read(length)
 
     def verify(self, sha256: str) -> bool:
         """True when the blob exists and its bytes hash to its name."""
@@ -104,6 +138,8 @@ class BlobStore:
         return h.hexdigest() == sha256
 
     def remove(self, sha256: str) -> None:
+        with self._lock:
+            self._forget(sha256)
         self.path(sha256).unlink(missing_ok=True)
 
     def all(self) -> set[str]:

@@ -164,7 +164,9 @@ def test_bad_blob_bytes_leave_the_pool_unchanged_and_are_retried(fleet: Fleet) -
     blob = fleet.statesvc.data_dir / "blobs" / sha[:2] / sha
     good = blob.read_bytes()
     for bad in (good[:-100], bytes([good[0] ^ 1]) + good[1:]):  # truncated, flipped
+        fleet.statesvc.stop()  # a running statesvc serves a new blob from memory
         blob.write_bytes(bad)
+        fleet.statesvc.start()
         r1.start()
         wait_for(lambda: r1.status()["last_error"] is not None, what="the bad blob noticed")
         s = r1.status()

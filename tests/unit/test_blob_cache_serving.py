@@ -4,8 +4,6 @@ while a peer read it (a cached blob found damaged is removed and fetched again).
 from __future__ import annotations
 
 import hashlib
-import errno
-import os
 import threading
 from pathlib import Path
 
@@ -86,48 +84,12 @@ def test_past_the_bound_a_fetch_writes_its_own_file(tmp_path: Path,
     cache.close()
 
 
-def _blob_of(size: int) -> tuple[str, bytes]:
-    data = hashlib.sha256(str(size).encode()).digest() * (size // 32 + 1)
-    return hashlib.sha256(data[:size]).hexdigest(), data[:size]
-
-
-@pytest.mark.parametrize("size", [0, 1, 4096, 8192 * 3 + 17])
-def test_a_blob_written_past_the_page_cache_reads_back_whole(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    """O_DIRECT in pieces of DIRECT_CHUNK padded to DIRECT_ALIGN, then cut to its size: the
-    file holds exactly the blob (empty, under a block, a block, several pieces and a tail)."""
-    import computed.weights as weights
-    monkeypatch.setattr(weights, "DIRECT_CHUNK", 8192)
-    sha, data = _blob_of(size)
+def test_a_cache_file_is_written_whole_and_flushed(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 9000 + b"tail"  # 2.3 MB, not a whole number of blocks
+    sha = hashlib.sha256(data).hexdigest()
     cache = _Fetched(tmp_path / "blobs", {sha: data})
     cache.writer_may_go.set()
     assert cache.get(sha) == data
     cache.close()
     assert cache.path(sha).read_bytes() == data
-    assert cache._direct  # this file system took O_DIRECT (ext4, xfs, btrfs)
     assert not list((tmp_path / "blobs").glob("*.tmp*"))
-
-
-def test_where_the_file_system_refuses_o_direct_the_page_cache_is_used(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Linux before 6.6 refuses O_DIRECT on tmpfs with EINVAL at open (this kernel may take
-    it, so the refusal is made here): the file is written through the page cache, and the
-    next one does not try again."""
-    import computed.weights as weights
-    real_open, tried = os.open, []
-
-    def no_direct(path: str, flags: int, mode: int = 0o777) -> int:
-        if flags & os.O_DIRECT:
-            tried.append(path)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, mode)
-
-    monkeypatch.setattr(weights.os, "open", no_direct)
-    blobs = dict(_blob_of(n) for n in (10_000, 20_000))
-    cache = _Fetched(tmp_path / "blobs", blobs)
-    cache.writer_may_go.set()
-    for sha, data in blobs.items():
-        assert cache.get(sha) == data
-    cache.close()
-    assert all(cache.path(sha).read_bytes() == data for sha, data in blobs.items())
-    assert not cache._direct and len(tried) == 1

@@ -375,3 +375,26 @@ def test_a_blob_the_instance_committed_is_served_without_the_database(
     assert hashlib.sha256(got).hexdigest() == sha and len(got) == size
     service.blobs.engine = db  # type: ignore[attr-defined]
     store.close()
+
+
+def test_a_new_blob_on_disk_is_served_from_memory_until_evicted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """statesvc's file blob store (SQLite): a new blob is on disk when `put` returns, and its
+    bytes are kept (RECENT_BYTES) for the fetches after its load; past the bound the oldest
+    is read from its file again, and `remove` drops both."""
+    import statesvc.blobs as blobs_module
+    from statesvc.blobs import BlobStore
+    monkeypatch.setattr(blobs_module, "RECENT_BYTES", 5000)
+    store = BlobStore(tmp_path / "blobs")
+    first, second = b"1" * 3000, b"2" * 3000
+    sha1, created = store.put(first)
+    assert created and store.path(sha1).read_bytes() == first
+    store.path(sha1).write_bytes(b"x" * 3000)  # the file changes under the running service
+    assert store.read_chunk(sha1, 0) == first and store.size(sha1) == 3000  # from memory
+    sha2, _ = store.put(second)  # 6,000 bytes > 5,000: the first leaves memory
+    assert store.read_chunk(sha1, 0) == b"x" * 3000  # from its file
+    assert store.read_chunk(sha2, 1000, 10) == b"2" * 10
+    store.remove(sha2)
+    with pytest.raises(FileNotFoundError):
+        store.read_chunk(sha2, 0)
+    assert store.put(b"y" * 6000)[1] and store.size(hashlib.sha256(b"y" * 6000).hexdigest()) == 6000
