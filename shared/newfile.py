@@ -1,12 +1,12 @@
-"""Files written once and read rarely (blob stores, blob caches), written past the page cache.
+"""Files written once and read rarely (a replica's blob cache), written past the page cache.
 
-statesvc's blob store and a replica's blob cache each write a new file of a few MB at every
-load, flush it, and seldom read it again (a restart, a peer, a repair): what they serve next
-comes from memory. Through the page cache, each such file takes new page-cache pages, which in
-a VM whose memory the host manages (free page reporting, reclaim) can be slow to get: a 2.2 MB
-file took 0.5 ms of the writer's CPU, or 4-21 ms for a third of the files (4.5 on average over
-61), on a 2-core Firecracker VM (docs/postgres.md "Sixth look"). `NewFileWriter` writes with
-O_DIRECT from one page-aligned buffer per writing thread, reused for every file, in
+A replica's blob cache writes a new file of a few MB at every load, flushes it, and seldom
+reads it again (a restart, a peer, a fill whose host-tier entry was evicted): what it serves
+next comes from memory. Through the page cache, each such file takes new page-cache pages,
+which in a VM whose memory the host manages (free page reporting, reclaim) can be slow to get:
+a 2.2 MB file took 0.5 ms of the writer's CPU, or 4-21 ms for a third of the files (4.5 on
+average over 61), on a 2-core Firecracker VM (docs/postgres.md "Sixth look"). `NewFileWriter`
+writes with O_DIRECT from one page-aligned buffer per writing thread, reused for every file, in
 DIRECT_CHUNK pieces padded to DIRECT_ALIGN, then cuts the file to its size and flushes it: 0.9
 ms, evenly. Where the file system refuses O_DIRECT (tmpfs before Linux 6.6, some network file
 systems), it writes through the page cache, flushes, and drops the file's pages, and does not

@@ -12,8 +12,8 @@ from typing import Callable
 
 from shared.config import MAX_BLOB_CHUNK
 from shared.errors import CodedError
-from shared.newfile import NewFileWriter
 
+WRITE_CHUNK = 8 << 20  # blobs are written this much at a time, `progress` between
 # new blobs kept in memory at most, in bytes, for the fetches that follow their loads
 RECENT_BYTES = 64 << 20
 
@@ -54,7 +54,6 @@ class BlobStore:
         self._root = str(self.root)
         self.tmp = self.root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
-        self._files = NewFileWriter()
         # new blobs' bytes, newest last (guarded by _lock: the blob thread reads them)
         self._recent: OrderedDict[str, bytes] = OrderedDict()
         self._recent_bytes = 0
@@ -71,9 +70,11 @@ class BlobStore:
             progress: Callable[[], None] = lambda: None) -> tuple[str, bool]:
         """Store `data` durably; returns (sha256, created). An existing blob is not rewritten
         unless `overwrite` (to repair a damaged copy). StorageError when the disk refuses,
-        with the temporary file removed. The file is written past the page cache
-        (shared/newfile.py); a new blob's bytes are also kept in memory (RECENT_BYTES), where
-        the fleet's fetches right after its load read them."""
+        with the temporary file removed. A new blob's bytes are also kept in memory
+        (RECENT_BYTES), where the fleet's fetches right after its load read them. The file
+        goes through the page cache, which keeps it for later fetches: unlike a replica's
+        blob cache (shared/newfile.py), this store is read again, by every replica that lacks
+        a blob (a cold read of a 0.46 MB blob cost 1.1 ms here, 0.08 from the page cache)."""
         sha256 = sha256 or hashlib.sha256(data).hexdigest()
         final = self.path(sha256)
         if final.is_file() and not overwrite:
@@ -81,7 +82,12 @@ class BlobStore:
         tmp = self.tmp / f"{sha256}.{os.getpid()}"
         try:
             final.parent.mkdir(exist_ok=True)
-            self._files.write(tmp, data, progress=progress)
+            with tmp.open("wb") as f, memoryview(data) as view:
+                for start in range(0, len(view), WRITE_CHUNK):
+                    f.write(view[start:start + WRITE_CHUNK])
+                    progress()
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, final)
             _fsync_dir(final.parent)
         except OSError as exc:  # full, read-only, not permitted: no half-written file stays
