@@ -181,7 +181,7 @@ class Fills:
                     self._failed[key] = (error, time.monotonic())
                     log.warning("fetching %s v%d: %s", adapter.name, adapter.version, error)
                     continue
-                if not self.host.put(key, weights, fetch_s) and demand:
+                if not self.host.put(key, weights) and demand:
                     self._handoff[key] = weights
                 if demand:
                     self._fresh[key] = fetch_s

@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable
 
 import psycopg
 from sqlalchemy import Engine, delete, exc, insert, select
 
 from shared.config import MAX_BLOB_CHUNK
+from shared.lru import ByteLRU
 from statesvc.models import BlobChunkRow, BlobRow
 from statesvc.pgstore import CHUNK_BYTES, chunk_rows
 
@@ -37,13 +37,12 @@ class LogBlobStore:
 
     def __init__(self, engine: Engine, *, cache_bytes: int = CACHE_BYTES) -> None:
         self.engine = engine
-        self.cache_bytes = cache_bytes
         # the command thread (load) and the blob thread (blobserve.py) share the caches
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}  # 64 bytes of key a blob: never evicted
-        # LRU chunk rows, each with the monotonic time it expires at
-        self._rows: OrderedDict[tuple[str, int], tuple[bytes, float]] = OrderedDict()
-        self._cached = 0
+        # chunk rows, each with the monotonic time it expires at
+        self._rows: ByteLRU[tuple[str, int], tuple[bytes, float]] = ByteLRU(
+            cache_bytes, lambda row: len(row[0]))
 
     def has(self, sha256: str) -> bool:
         return self._size(sha256) is not None
@@ -67,9 +66,7 @@ class LogBlobStore:
             got: dict[int, bytes | None] = {}
             for i in range(first, last + 1):
                 hit = self._rows.get((sha256, i))
-                got[i] = hit[0] if hit is not None and hit[1] > now else None
-                if got[i] is not None:
-                    self._rows.move_to_end((sha256, i))
+                got[i] = hit.value[0] if hit is not None and hit.value[1] > now else None
         missing = [i for i, row in got.items() if row is None]
         if missing:
             read = self._read_rows(sha256, missing)
@@ -94,16 +91,9 @@ class LogBlobStore:
                 raise exc.DBAPIError.instance(sql, None, err, psycopg.Error) from err
 
     def _keep(self, sha256: str, rows: dict[int, bytes], expires: float) -> None:
-        """Put rows of a blob in the LRU (newest last) and evict down to cache_bytes."""
         with self._lock:
             for i, row in sorted(rows.items()):
-                old = self._rows.pop((sha256, i), None)
-                self._cached -= 0 if old is None else len(old[0])
-                if len(row) <= self.cache_bytes:
-                    self._rows[(sha256, i)] = (row, expires)
-                    self._cached += len(row)
-            while self._cached > self.cache_bytes:
-                self._cached -= len(self._rows.popitem(last=False)[1][0])
+                self._rows.put((sha256, i), (row, expires))
 
     def committed(self, sha256: str, data: bytes | bytearray) -> None:
         """A blob this instance has just committed with its event: its size and rows are kept
@@ -116,8 +106,7 @@ class LogBlobStore:
 
     def _forget(self, sha256: str) -> None:
         with self._lock:
-            for key in [k for k in self._rows if k[0] == sha256]:
-                self._cached -= len(self._rows.pop(key)[0])
+            self._rows.retain(lambda key: key[0] != sha256)
 
     def put(self, data: bytes | bytearray, sha256: str | None = None, *, overwrite: bool = False,
             progress: Callable[[], None] = lambda: None) -> tuple[str, bool]:

@@ -1,4 +1,4 @@
-"""The host tier's LRU and byte bound (computed/hosttier.py): pure logic."""
+"""The host tier's LRU and byte bound (computed/hosttier.py, shared/lru.py's ByteLRU): pure logic."""
 from __future__ import annotations
 
 import numpy as np

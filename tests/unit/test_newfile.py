@@ -1,4 +1,4 @@
-"""shared/newfile.py on real files: whole blobs of any size past the page cache, and the
+"""computed/newfile.py on real files: whole blobs of any size past the page cache, and the
 page-cache path where the file system refuses O_DIRECT."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import shared.newfile as newfile
-from shared.newfile import NewFileWriter
+import computed.newfile as newfile
+from computed.newfile import NewFileWriter
 
 
 def _bytes(size: int) -> bytes:
