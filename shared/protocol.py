@@ -165,10 +165,16 @@ def validate(schema: Schema, data: Any, where: str) -> dict[str, Any]:
         if not _kind_ok(value, spec.kind):
             raise ProtocolError("bad_request", f"{path} must be {_kind_name(spec.kind)}, "
                                 f"got {type(value).__name__}", path)
+        if spec.kind is float:  # an int where a float goes: as a float, or out of range
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ProtocolError("bad_request", f"{path} is beyond a float's range",
+                                    path) from None
         problem = spec.check(value) if spec.check else None
         if problem:
             raise ProtocolError("bad_request", f"{path} {problem}", path)
-        out[name] = float(value) if spec.kind is float else value
+        out[name] = value
     return out
 
 

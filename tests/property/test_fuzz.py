@@ -67,8 +67,8 @@ from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
 from shared.events import AdapterLoaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
 from shared.llama import MODULES
-from shared.protocol import (COMMANDS, WRITE_COMMANDS, ProtocolError, Request, error_reply,
-                             ok_reply, pack, request_id_of, unpack, validate)
+from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, WRITE_COMMANDS, ProtocolError, Request,
+                             error_reply, ok_reply, pack, request_id_of, unpack, validate)
 from shared.reducer import ReducerError, State, apply, body_of_diff, logical_digest
 from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, TensorFileError, parse_bytes,
                                parse_header, read_header)
@@ -1181,3 +1181,11 @@ def test_regression_generate_args_with_int_and_bytes_keys() -> None:
     engine = Engine(SchemaOnlyModel(), NoReplica())
     done = engine.submit("req", {0: None, b"": None}, [b"client"])
     assert done is not None and done.error is not None and done.error.code == "bad_request"
+
+
+def test_regression_heartbeat_ts_beyond_a_float() -> None:
+    # found by benchmarks/fuzz_long: float() of a 401-digit int raised OverflowError out of
+    # validate (msgpack cannot carry such an int; JSON and in-process callers can)
+    with pytest.raises(ProtocolError, match=r"hb\.ts is beyond a float's range"):
+        validate(PUBLISHED_HEARTBEAT, {**HEARTBEAT, "ts": 10**400}, "hb")
+    assert validate(PUBLISHED_HEARTBEAT, {**HEARTBEAT, "ts": 2**64}, "hb")["ts"] == 2.0**64
