@@ -97,7 +97,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     from computed.replica import ModelMismatch, Replica
     from shared import memtune, runfile
     from shared.client import ControlClient
-    from shared.fingerprint import ModelError, read_model
+    from shared.fingerprint import ModelError, cached_weights_digest, read_model
 
     log = logging.getLogger("computed")
     memtune.tune()  # a blob's buffers reuse their pages (shared/memtune.py)
@@ -109,15 +109,18 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         raise click.UsageError(f"--state names {len(split_addresses(state))} instance(s) and "
                                f"--diffs {len(split_addresses(diffs))}: give each instance's "
                                "control and diff address, in the same order")
-    try:
-        info = read_model(model)
-    except ModelError as exc:
-        raise click.ClickException(str(exc)) from None
     replica_id = replica_id or f"{socket.gethostname()}-{listen.rsplit(':', 1)[-1]}"
     if not ADAPTER_NAME_RE.fullmatch(replica_id):
         raise click.BadParameter(f"{replica_id!r}: a replica id is {ADAPTER_NAME_WORDS}",
                                  param_hint="--replica-id")
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
+    try:
+        info = read_model(model)
+        # the weights it serves are checked against the pool's (a pool-only replica serves none)
+        weights = (cached_weights_digest(model, cache_dir / "model-weights.json")
+                   if inference else None)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
     # the client's socket is made on first use, in the sync thread that alone uses it
     from shared.keys import KeyError_, client_keys, public_key_of
     try:
@@ -132,7 +135,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
                       faults=Faults.from_env(), host_cache_mb=host_cache_mb,
                       prefetch=prefetch, pool_layout=pool_layout,
-                      peers=PeerList(client, replica_id, peer_keys) if peer_blobs else None)
+                      peers=PeerList(client, replica_id, peer_keys) if peer_blobs else None,
+                      weights_sha256=weights)
     engine = None
     if inference:
         from computed.engine import Engine

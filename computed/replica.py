@@ -76,8 +76,11 @@ class Replica:
                  from_zero: bool = False, faults: Faults = NO_FAULTS,
                  host_cache_mb: int = DEFAULT_HOST_CACHE_MB, prefetch: bool = False,
                  pool_layout: Callable[[PoolSpec], LoraPool] | None = None,
-                 peers: Peers | None = None) -> None:
+                 peers: Peers | None = None, weights_sha256: str | None = None) -> None:
         self.model = model
+        # the digest of the weights this replica serves (shared/fingerprint.py); None where it
+        # serves none (`--no-inference`), which checks the fingerprint alone
+        self.weights_sha256 = weights_sha256
         self.pool_layout = pool_layout  # the pool's shardings on a mesh (`--tensor-parallel`)
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
         self.faults = faults  # test-only (shared/faults.py): off unless switched on
@@ -373,7 +376,14 @@ class Replica:
 
     def _check_model(self, pool: PoolConfigured) -> None:
         if pool.fingerprint == self.model.fingerprint:
-            return
+            ours, theirs = self.weights_sha256, pool.weights_sha256
+            if ours is None or theirs is None or ours == theirs:
+                return
+            raise ModelMismatch(
+                f"this replica's model has the pool's config.json and tensor shapes but other "
+                f"weights (sha256 {ours[:12]}, the pool's base model {theirs[:12]}): another "
+                "checkpoint of the same architecture, such as a fine-tune; start computed with "
+                "--model pointing at the pool's base model")
         diffs = sorted(k for k in set(pool.model_config) | set(self.model.config)
                        if pool.model_config.get(k) != self.model.config.get(k))
         detail = (f"config.json differs in {', '.join(diffs)}" if diffs

@@ -47,6 +47,7 @@ ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ADAPTER_NAME_WORDS = "a letter or digit, then up to 63 letters, digits, '.', '_' or '-'"
 # event ids and log ids: a lowercase UUID (any version)
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")  # a sha256 as the wire and the log write it
 
 POOL_DTYPES = ("float32", "bfloat16")
 # The largest finite value of each pool dtype: an adapter's scaling must not exceed it.

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
-from shared.config import DEFAULT_MAX_ADAPTERS, UUID_RE
+from shared.config import DEFAULT_MAX_ADAPTERS, SHA256_RE, UUID_RE
 from shared.llama import MODULES
 
 
@@ -42,6 +42,9 @@ class PoolConfigured:
     # the registry's cap (--max-adapters); a genesis recorded before it existed upcasts to the
     # default when read (`decode_body`)
     max_adapters: int = DEFAULT_MAX_ADAPTERS
+    # the sha256 of the base model's weights (shared/fingerprint.py `weights_digest`); None in
+    # a log written before it was recorded, and then left out of the payload, so its digests stay
+    weights_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ def encode_body(body: Body) -> dict[str, Any]:
         out["module_dims"] = {m: list(d) for m, d in body.module_dims.items()}
         if body.log_id is None:
             del out["log_id"]
+        if body.weights_sha256 is None:
+            del out["weights_sha256"]
     return out
 
 
@@ -140,7 +145,7 @@ _FIELD_TYPES: dict[str, type] = {
     "fingerprint": str, "model_config": dict, "num_layers": int, "max_loras": int,
     "max_rank": int, "dtype": str, "name": str, "version": int, "slot": int, "sha256": str,
     "size": int, "rank": int, "alpha": float, "scaling": float, "use_rslora": bool,
-    "pinned": bool, "log_id": str, "max_adapters": int}
+    "pinned": bool, "log_id": str, "max_adapters": int, "weights_sha256": str}
 
 
 def upcast(type_: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +191,9 @@ def decode_body(type_: str, payload: dict[str, Any]) -> Body:
     _check_types(type_, payload)
     if "log_id" in payload and not UUID_RE.fullmatch(payload["log_id"]):
         raise EventError(f"{type_}.log_id must be a lowercase UUID, got {payload['log_id']!r}")
+    if "weights_sha256" in payload and not SHA256_RE.fullmatch(payload["weights_sha256"]):
+        raise EventError(f"{type_}.weights_sha256 must be 64 lowercase hex digits, got "
+                         f"{payload['weights_sha256']!r}")
     try:
         data = dict(payload)
         if "targets" in data:

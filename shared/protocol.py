@@ -15,12 +15,12 @@ import msgpack
 
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_MAX_ADAPTERS,
                            MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, MAX_LIST_PAGE,
-                           MAX_MAX_ADAPTERS, POOL_DTYPES, PROTOCOL_VERSION, UUID_RE)
+                           MAX_MAX_ADAPTERS, POOL_DTYPES, PROTOCOL_VERSION, SHA256_RE,
+                           UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
 from shared.errors import CodedError
 from shared.llama import MODULES
 
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -184,7 +184,7 @@ EXPECT_HEAD = Field(int, required=False, check=int_range(0, 2**62))
 SEQ = Field(int, check=int_range(0, 2**62))
 NAME = Field(str, check=str_len(64))
 PATH = Field(str, check=str_len(4096))
-DIGEST = Field(str, check=matches(_SHA256_RE, "64 lowercase hex digits"))
+DIGEST = Field(str, check=matches(SHA256_RE, "64 lowercase hex digits"))
 
 COMMANDS: dict[str, Schema] = {
     "pool.init": {

@@ -4,11 +4,11 @@ and the blob store, is decided by the service (statesvc/service.py)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from shared.errors import CodedError
 from shared.events import AdapterUnloaded, Body, PoolConfigured
-from shared.fingerprint import ModelError, read_model
+from shared.fingerprint import ModelError, read_model, weights_digest
 from shared.llama import MODULES
 from shared.reducer import State, require_pool
 from statesvc.adapters import absolute_path
@@ -25,11 +25,14 @@ def storage_error(why: str) -> CommandError:
                         "at most once)")
 
 
-def pool_init(state: State, args: dict[str, Any]) -> dict[str, Any] | tuple[Body, None]:
-    """`pool.init`: the PoolConfigured event, or the unchanged pool's answer."""
+def pool_init(state: State, args: dict[str, Any], *,
+              progress: Callable[[], None] = lambda: None) -> dict[str, Any] | tuple[Body, None]:
+    """`pool.init`: the PoolConfigured event, or the unchanged pool's answer. The model's
+    weights are hashed (`progress` between chunks) so that replicas can check theirs."""
     path = absolute_path(args["model"], "args.model")
     try:
         model = read_model(path)
+        weights = weights_digest(path, progress=progress)
     except ModelError as exc:
         raise CommandError("invalid_model", str(exc), "args.model") from None
     targets = MODULES if args["targets"] == "all" else tuple(
@@ -37,13 +40,18 @@ def pool_init(state: State, args: dict[str, Any]) -> dict[str, Any] | tuple[Body
     body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
                           model.module_dims, args["max_loras"], args["max_rank"], targets,
                           args["dtype"], log_id=str(uuid.uuid4()),
-                          max_adapters=args["max_adapters"])
+                          max_adapters=args["max_adapters"], weights_sha256=weights)
     if state.pool is not None:
-        if pool_view(state.pool) == pool_view(body):
+        # a pool recorded before weights were hashed compares on the rest
+        if (pool_view(state.pool) == pool_view(body)
+                and state.pool.weights_sha256 in (None, weights)):
             return {"seq": 1, "created": False, **pool_view(state.pool)}
+        differs = ("the same architecture with other weights"
+                   if pool_view(state.pool) == pool_view(body) else "other settings")
         raise CommandError("already_configured", "the pool is already configured "
-                           f"({describe_pool(state.pool)}) and its settings are immutable; "
-                           "to change them start a new state service with a new --data-dir")
+                           f"({describe_pool(state.pool)}; this asks for {differs}) and its "
+                           "settings are immutable; to change them start a new state service "
+                           "with a new --data-dir")
     return body, None
 
 

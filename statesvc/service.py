@@ -336,7 +336,8 @@ class StateService:
                                "args.expect_head")
         seq = state.seq + 1
         decided = (self._load(state, seq, args) if req.cmd == "load" else
-                   pool_init(state, args) if req.cmd == "pool.init" else unload(state, args))
+                   pool_init(state, args, progress=self.progress) if req.cmd == "pool.init"
+                   else unload(state, args))
         if isinstance(decided, dict):  # nothing changes: the state already is what was asked
             answers[i].result = decided
             return

@@ -10,6 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from shared.client import new_event_id
+from shared.fingerprint import read_model
 from shared.fleet import Computed, loractl, wait_for
 from shared.peft import parse_lora_name
 from statesvc.tools.example import ExampleAssets, ModelShape, make_example
@@ -186,7 +187,12 @@ def test_bad_blob_bytes_leave_the_pool_unchanged_and_are_retried(fleet: Fleet) -
 def test_replica_refuses_another_model(fleet: Fleet, tmp_path: Path) -> None:
     fleet.init()
     other = make_example(tmp_path / "other", shape=ModelShape(num_hidden_layers=3)).model_dir
-    r = Computed(other, fleet.statesvc, tmp_path / "replicas" / "wrong")
+    log = _refused_at_start(fleet, Computed(other, fleet.statesvc, tmp_path / "replicas" / "wrong"))
+    assert "configured for" in log and "num_hidden_layers" in log
+
+
+def _refused_at_start(fleet: Fleet, r: Computed) -> str:
+    """Start `r`, which must exit 2 before it is ready; its log."""
     fleet.replicas.append(r)
     with pytest.raises(RuntimeError):
         r.start()
@@ -194,7 +200,25 @@ def test_replica_refuses_another_model(fleet: Fleet, tmp_path: Path) -> None:
         r.proc.wait(60)
         raise RuntimeError("exited")
     assert r.proc is not None and r.proc.wait(60) == 2
-    assert "configured for" in r.log.read_text() and "num_hidden_layers" in r.log.read_text()
+    return r.log.read_text()
+
+
+def test_replica_refuses_the_same_architecture_with_other_weights(fleet: Fleet,
+                                                                  tmp_path: Path) -> None:
+    """Same config.json and tensor shapes, other weights (as a base model and its instruct
+    fine-tune): the fingerprint agrees, the weights' digest does not. A serving replica
+    refuses to start; a pool-only one (`--no-inference`) serves no weights and follows."""
+    fleet.init()
+    other = make_example(tmp_path / "other", seed=7).model_dir
+    assert read_model(other).fingerprint == read_model(fleet.example.model_dir).fingerprint
+    log = _refused_at_start(fleet, Computed(other, fleet.statesvc, tmp_path / "replicas" / "wrong",
+                                            extra_args=("--no-warmup",)))
+    assert "other weights" in log and "--model pointing at the pool's base model" in log
+    pool_only = Computed(other, fleet.statesvc, tmp_path / "replicas" / "pool-only",
+                         extra_args=("--no-inference",))
+    fleet.replicas.append(pool_only)
+    pool_only.start()
+    wait_for(lambda: fleet.converged(pool_only), what="the pool-only replica")
 
 
 def _sha(adapter_dir: Path) -> str:
