@@ -65,6 +65,8 @@ WAITING_POLL_MS = 2
 # the longest either loop sleeps when nothing arrives (idle wakeups cost each replica CPU, a
 # fleet of them on a few cores adds up); a stop or a signal wakes them at once
 IDLE_POLL_MS = 250
+# a stop waits this long at most for the warm-up's compile in progress (one bucket or window)
+WARMUP_STOP_S = 60.0
 SYNC_ERRORS = (GapError, Unavailable, RemoteError, BlobError, ReducerError, EventError,
                ForeignLog)
 PEER_LIST_TTL_S = 2.0  # statesvc's replica rows are read again after this
@@ -390,6 +392,7 @@ class Daemon:
                     self.replica.faults.after_step()  # test-only; a no-op unless switched on
                 self.replies.flush()
         finally:
+            self._stop = True  # a warm-up ends before its next compile
             signal.set_wakeup_fd(old_wakeup)
             wake.close()
             waker.close()
@@ -399,6 +402,11 @@ class Daemon:
             self.router.close(0)
             if self.auth is not None:
                 self.auth.stop()
+            if warming is not None:  # no thread may be inside XLA when the interpreter ends
+                warming.join(WARMUP_STOP_S)
+                if warming.is_alive():
+                    log.warning("the warm-up's compile is still running after %.0f s; "
+                                "exiting anyway", WARMUP_STOP_S)
         if self.sync.fatal is not None:
             raise self.sync.fatal
 
@@ -406,8 +414,9 @@ class Daemon:
         name_os_thread()
         assert self.engine is not None
         t0 = time.perf_counter()
-        self.engine.warmup()
-        log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
+        self.engine.warmup(stop=lambda: self._stop)
+        if self.engine.warm:
+            log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
 
     def status(self, *, details: bool = True) -> dict[str, Any]:
         r = self.replica

@@ -44,7 +44,8 @@ class Model(Protocol):
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
-    def warmup(self, pool: LoraPool, cache: Any) -> None: ...
+    def warmup(self, pool: LoraPool, cache: Any, *,
+               stop: Callable[[], bool] = lambda: False) -> None: ...
 
 
 @dataclass
@@ -119,15 +120,16 @@ class Engine:
         # `stream` (the daemon sends it on at once); the final reply is the usual Done
         self.on_token: Callable[[Request, int, int], None] | None = None
 
-    def warmup(self) -> None:
-        """Compile every shape serving uses, once the pool exists (its shapes are inputs)."""
+    def warmup(self, *, stop: Callable[[], bool] = lambda: False) -> None:
+        """Compile every shape serving uses, once the pool exists (its shapes are inputs).
+        `stop()` true ends it between two compiles (the replica is stopping), still cold."""
         shapes = None if self.warm else self.replica.pool_shapes()
         if shapes is None:
             return
         # from the pool's shapes alone, without holding it: diffs keep applying while it
         # compiles (seconds per bucket and window)
-        self.model.warmup(shapes, self.cache)
-        self.warm = True
+        self.model.warmup(shapes, self.cache, stop=stop)
+        self.warm = not stop()
 
     # ---- intake ----------------------------------------------------------------
 

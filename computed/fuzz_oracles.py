@@ -159,7 +159,7 @@ class SchemaOnlyModel:
     def new_cache(self) -> Any:
         return None
 
-    def prefill(self, *_: Any) -> Any:
+    def prefill(self, *_: Any, **__: Any) -> Any:
         raise AssertionError("a fuzzed request reached the model")
 
     decode = warmup = prefill

@@ -8,7 +8,7 @@ parameters were loaded for. `LlamaRunner` is the model behind the engine's `Mode
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -201,11 +201,15 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
 
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
-                    prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...]) -> None:
+                    prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...],
+                    stop: Callable[[], bool] = lambda: False) -> None:
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
     one per prefill shape (prompts, prompt length), and one per attention length (only one with the attention kernel) and
     LoRA window of the backend. Only the shapes and dtypes of `lora_pool` and `cache` are used
-    (nothing is read or donated), so a replica can warm up while diffs keep writing its pool."""
+    (nothing is read or donated), so a replica can warm up while diffs keep writing its pool.
+    `stop()` is asked before each compile: a replica that stops while it warms up waits for one
+    compile, not all of them, and exits with no compile running (a thread inside XLA when the
+    interpreter shuts down aborts the process)."""
     def shapes(tree: Any) -> Any:  # a mesh's layout kept: what a tensor-parallel replica calls with
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if isinstance(
             getattr(a, "sharding", None), NamedSharding) else None), tree)
@@ -215,6 +219,8 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     _check_pool(lora_pool, params.config)
     pool_s, cache_s = shapes(lora_pool), shapes(cache)
     for n, p in prefill_shapes:  # as `prefill_batch` calls it
+        if stop():
+            return
         per_prompt = np.zeros(n, np.int32)
         prefill_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
                           per_prompt).compile()
@@ -223,6 +229,8 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
         windows = backend.windows(n) if lora_pool is not None else (None,)
         for attend_len in sorted({backend.attend_len(cache, p) for p in attend_lens}):
             for window in windows:
+                if stop():
+                    return
                 decode_jit.lower(params, pool_s, cache_s, zeros, zeros, zeros, np.zeros(n, np.bool_),
                                  rope_tables(zeros, params.config), attend_len=attend_len, window=window,
                                  rows=None if n == cache.max_batch else zeros).compile()
@@ -354,7 +362,10 @@ class LlamaRunner:
         every[live] = np.asarray(part)[:live.size]
         return every, cache
 
-    def warmup(self, pool: LoraPool, cache: KVCache) -> None:
+    def warmup(self, pool: LoraPool, cache: KVCache, *,
+               stop: Callable[[], bool] = lambda: False) -> None:
         """Compile prefill for every shape of `prefill_shapes` and decode for every bucket and LoRA
-        window; only the shapes of `pool` and `cache` are used."""
-        compile_serving(self.params, pool, cache, prefill_shapes=self.prefill_shapes, attend_lens=self.buckets)
+        window; only the shapes of `pool` and `cache` are used. `stop()` true ends it between
+        two compiles."""
+        compile_serving(self.params, pool, cache, prefill_shapes=self.prefill_shapes,
+                        attend_lens=self.buckets, stop=stop)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +222,23 @@ def test_replica_refuses_the_same_architecture_with_other_weights(fleet: Fleet,
     fleet.replicas.append(pool_only)
     pool_only.start()
     wait_for(lambda: fleet.converged(pool_only), what="the pool-only replica")
+
+
+def test_a_replica_stopped_while_it_warms_up_exits_cleanly(fleet: Fleet) -> None:
+    """SIGTERM during the warm-up's compiles: the process used to end with the compiling
+    thread inside XLA, and the interpreter's shutdown aborted it (exit -6, "terminate called
+    after throwing an instance of ''"). The warm-up now stops before its next compile and the
+    daemon joins it."""
+    fleet.init()
+    r = fleet.replica("warming", args=())  # with its warm-up
+    wait_for(lambda: r.status()["state"] == "ACTIVE", what="the replica active")
+    time.sleep(1.0)  # into its first compiles (a stop before any had begun always exited)
+    assert r.status()["inference"]["warm"] is False  # still compiling (seconds per bucket)
+    assert r.proc is not None
+    os.kill(r.proc.pid, signal.SIGTERM)
+    assert r.proc.wait(60) == 0
+    log = r.log.read_text()
+    assert "terminate called" not in log and "stopped" in log
 
 
 def _sha(adapter_dir: Path) -> str:

@@ -36,7 +36,7 @@ class CountingModel:
         self.decodes += 1
         return np.tile(np.eye(self.vocab_size, dtype=np.float32)[1], (self.max_batch, 1)), cache
 
-    def warmup(self, pool: Any, cache: Any) -> None:
+    def warmup(self, pool: Any, cache: Any, *, stop: Any = None) -> None:
         pass
 
 
