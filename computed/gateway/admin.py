@@ -4,6 +4,7 @@ the change outlives any of them. After a load answers, the gateway routes the ad
 (read-your-writes: requests carry its load seq as `min_seq`)."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from computed.gateway.requests import ApiError, bad
@@ -46,7 +47,20 @@ def load(router: Router, keys: ClientKeys | None, served_name: str,
     if not isinstance(path, str) or not path or len(path) > 4096:
         raise bad("lora_path must be the absolute path of a PEFT adapter directory on "
                   "statesvc's host", "lora_path")
-    res = _call(router, keys, "load", {"name": name, "path": path, "pin": False, "replace": False})
+    inplace = body.get("load_inplace", False)  # vLLM's field: statesvc's `replace`
+    if not isinstance(inplace, bool):
+        raise bad("load_inplace must be true or false", "load_inplace")
+    args = {"name": name, "path": path, "pin": False, "replace": inplace}
+    try:
+        res = _call(router, keys, "load", args)
+    except ApiError as exc:
+        if exc.code != "exists":
+            raise
+        # statesvc's advice is loractl's --replace; an HTTP caller's is vLLM's load_inplace
+        said = re.split(r"; pass --replace| \(loractl load --replace\)", exc.message)[0]
+        advice = ("another load replaced it meanwhile; send this one again" if inplace
+                  else 'send "load_inplace": true to record a new version')
+        raise ApiError(409, f"{said}; {advice}", param="load_inplace", code="exists")
     router.learn(name, int(res["version"]), int(res["seq"]))
     return f"Success: LoRA adapter '{name}' added successfully."
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -32,8 +33,31 @@ TOKENS_PER_TURN = 1  # streams woken for their tokens a turn of the loop (docs/g
 CLIENT_GONE = "499"  # the status label of a stream whose client went away (nginx's code)
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def error_response(exc: ApiError) -> Response:
+    """OpenAI's error shape, in ASCII JSON: a message that quotes a caller's text renders
+    whatever that text holds (JSONResponse's UTF-8 fails on a lone surrogate)."""
+    return Response(json.dumps(exc.body()), status_code=exc.status,
+                    media_type="application/json")
+
+
+def internal_error(exc: Exception) -> ApiError:
+    """A bug met while answering: logged, and answered as OpenAI's 500, never as Starlette's
+    plain-text page."""
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+def answering(handler: Callable[[Request], Awaitable[Response]]
+              ) -> Callable[[Request], Awaitable[Response]]:
+    """`handler`, its ApiError and any other exception answered in OpenAI's error shape."""
+    async def answer(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except Exception as exc:  # a bug: still OpenAI's shape, not Starlette's plain text
+            return error_response(internal_error(exc))
+    return answer
 
 
 async def read_body(request: Request) -> dict[str, Any]:
@@ -124,8 +148,7 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
                 metrics.requests.labels(label, endpoint, CLIENT_GONE).inc()
                 raise
             except Exception as exc:  # a bug: the stream must still end
-                log.exception("request failed")
-                result = ApiError(500, f"internal error: {type(exc).__name__}")
+                result = internal_error(exc)
             finally:
                 pending.release()
                 metrics.pending.dec()
@@ -174,6 +197,10 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         except ApiError as exc:
             record(label, endpoint, started, exc)
             return error_response(exc)
+        except Exception as exc:  # a bug: still OpenAI's shape, and counted
+            error = internal_error(exc)
+            record(label, endpoint, started, error)
+            return error_response(error)
         record(label, endpoint, started, out)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
         if chat:
@@ -197,9 +224,11 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         base = gw.served_name
         data = [{"id": base, "object": "model", "created": created, "owned_by": "loraplane",
                  "root": base, "parent": None}]
+        # an adapter named like the base model (statesvc allows it) is listed once, as the
+        # base model, which its name means in `model`; BASE:NAME still reaches the adapter
         data += [{"id": name, "object": "model", "created": created, "owned_by": "loraplane",
                   "root": name, "parent": base, "version": version}
-                 for name, version in sorted(gw.router.view.adapters.items())]
+                 for name, version in sorted(gw.router.view.adapters.items()) if name != base]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:
@@ -218,32 +247,25 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         return operator_of(operators, request.headers.get("authorization")).keys
 
     async def load_lora_adapter(request: Request) -> Response:
-        try:
-            keys = caller_keys(request)
-            body = await read_body(request)
-            return PlainTextResponse(await run_in_threadpool(admin.load, gw.router, keys,
-                                                             gw.served_name, body))
-        except ApiError as exc:
-            return error_response(exc)
+        keys = caller_keys(request)
+        body = await read_body(request)
+        return PlainTextResponse(await run_in_threadpool(admin.load, gw.router, keys,
+                                                         gw.served_name, body))
 
     async def unload_lora_adapter(request: Request) -> Response:
-        try:
-            keys = caller_keys(request)
-            body = await read_body(request)
-            return PlainTextResponse(await run_in_threadpool(admin.unload, gw.router, keys,
-                                                             body))
-        except ApiError as exc:
-            return error_response(exc)
+        keys = caller_keys(request)
+        body = await read_body(request)
+        return PlainTextResponse(await run_in_threadpool(admin.unload, gw.router, keys, body))
 
     async def metrics_page(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     app = Starlette(routes=[
-        Route("/metrics", metrics_page, methods=["GET"]),
-        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", answering(metrics_page), methods=["GET"]),
+        Route("/v1/load_lora_adapter", answering(load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", answering(unload_lora_adapter), methods=["POST"]),
+        Route("/health", answering(health), methods=["GET"]),
+        Route("/v1/models", answering(models), methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ])

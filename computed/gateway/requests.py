@@ -79,7 +79,39 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad(f"the body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
+    # a lone surrogate can come only from a \u escape: the strict decode refuses an encoded one
+    if "\\ud" in text or "\\uD" in text:
+        _refuse_lone_surrogates(body)
     return body
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """A 400 naming the field when any string in the body, a key too, holds a lone surrogate
+    (JSON's "\\ud800" escape alone): valid JSON but not text, which tokenizers, ZeroMQ frames
+    and JSON answers in UTF-8 cannot carry. Iterative: the body may be nested deeply."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            _text(v, where, where)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                _text(k, f"a key of {where or 'the body'}", where or None)
+                key = k if len(k) <= 64 else k[:61] + "..."  # never echo a long key whole
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(v)
+                         if isinstance(item, (str, dict, list)))
+
+
+def _text(v: str, where: str, param: str | None) -> None:
+    if v.isascii():
+        return
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(f"{where} contains a lone surrogate (\\u{ord(v[exc.start]):04x}), which is not "
+                  f"valid Unicode text; send UTF-8 text", param)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float,
