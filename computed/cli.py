@@ -13,7 +13,8 @@ import click
 
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
                            DEFAULT_HOST_CACHE_MB, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN)
-from shared.endpoints import EndpointError, check_bind, click_addresses, split_addresses
+from shared.endpoints import (BindError, EndpointError, check_bind, click_addresses,
+                              split_addresses)
 from shared.faults import Faults
 from computed.gateway.cli import gateway
 
@@ -151,9 +152,14 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         engine = Engine(LlamaRunner(config, params, max_batch=max_batch, max_len=length),
                         replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout,
                         client_limit=client_queue_limit)
-    daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state, diffs=diffs,
-                    engine=engine, warmup=warmup, heartbeat=heartbeat, keys=keys,
-                    auth_dir=auth_dir, about={"model": str(model.resolve())})
+    try:
+        daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state,
+                        diffs=diffs, engine=engine, warmup=warmup, heartbeat=heartbeat,
+                        keys=keys, auth_dir=auth_dir, about={"model": str(model.resolve())})
+    except BindError as exc:  # in use, or not this host's: nothing was served
+        replica.blobs.close()
+        client.close()
+        raise click.UsageError(f"--listen {exc}") from None
     # what `loractl drill --kill` trusts to kill and restart this replica (shared/runfile.py)
     runfile.write(cache_dir / runfile.RUN_FILE, runfile.RunFile(
         replica_id, os.getpid(), runfile.own_cmdline(), os.getcwd(), daemon.listen,

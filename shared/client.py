@@ -32,6 +32,34 @@ class Unavailable(Exception):
     """No answer within the timeout, after the retries."""
 
 
+class Unsendable(ValueError):
+    """An argument the wire cannot carry (text that is not valid UTF-8, an integer beyond 64
+    bits); nothing was sent. The message names the argument."""
+
+
+def _unsendable(value: Any, where: str) -> str | None:
+    """What in `value` msgpack cannot encode, named by its place under `where`, and why."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return f"{where} ({value!r}) is not valid UTF-8 text"
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -2**63 <= value < 2**64:
+            return f"{where} is an integer beyond 64 bits"
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            problem = _unsendable(k, f"{where} key") or _unsendable(v, f"{where}.{k}")
+            if problem:
+                return problem
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            problem = _unsendable(v, f"{where}[{i}]")
+            if problem:
+                return problem
+    return None
+
+
 class ControlClient:
     def __init__(self, address: str, *, timeout_s: float = 10.0, retries: int = 2,
                  context: zmq.Context[Any] | None = None, keys: ClientKeys | None = None) -> None:
@@ -83,7 +111,11 @@ class ControlClient:
 
     def _call(self, cmd: str, args: Mapping[str, Any] | None) -> Any:
         req_id = uuid.uuid4().hex
-        frame = encode_request(req_id, cmd, args or {})
+        try:
+            frame = encode_request(req_id, cmd, args or {})
+        except (ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
+            problem = _unsendable(dict(args or {}), "args") or f"its args: {exc}"
+            raise Unsendable(f"cannot send {cmd}: {problem}") from None
         # every instance gets at least one try, and the silent one is left for the next
         tries = max(self.retries + 1, len(self.addresses))
         for _ in range(tries):

@@ -9,6 +9,7 @@ only: tcp://127.x.x.x:PORT, tcp://[::1]:PORT, tcp://localhost:PORT or ipc://PATH
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -27,6 +28,15 @@ LOOPBACK_FORMS = "tcp://127.0.0.1:PORT, tcp://[::1]:PORT, tcp://localhost:PORT o
 
 class EndpointError(ValueError):
     """An address that is malformed, or that may not be bound without authentication."""
+
+
+class BindError(EndpointError):
+    """An endpoint this host would not bind (in use, not one of its addresses, no permission);
+    the message says which and what to do."""
+
+    def __init__(self, endpoint: Endpoint, problem: str) -> None:
+        super().__init__(f"{endpoint}: {problem}")
+        self.endpoint = endpoint
 
 
 @dataclass(frozen=True)
@@ -133,11 +143,31 @@ def _reach(endpoint: Endpoint) -> str:
     return f"{ip} binds every interface" if ip.is_unspecified else f"{ip} is not loopback"
 
 
+def bind_problem(err: int | None, strerror: str | None, *, ipc: bool = False) -> str:
+    """Why a bind failed, in words that say what to do (`err`: its errno)."""
+    other = "choose another path" if ipc else "choose another port"
+    if err == errno.EADDRINUSE:
+        return f"address already in use; stop what holds it or {other}"
+    if err == errno.EADDRNOTAVAIL:
+        return "not an address of this host; give one of its own addresses"
+    if err == errno.EACCES:
+        return (f"permission denied; {other} you may use" if ipc else
+                "permission denied; ports below 1024 need privileges, choose a port from 1024")
+    if ipc and err == errno.ENOENT:
+        return "the ipc path's directory does not exist; create it or choose another path"
+    return f"cannot bind: {strerror or 'error ' + str(err)}"
+
+
 def bind(sock: zmq.Socket[Any], endpoint: Endpoint) -> str:
-    """Bind `sock` to `endpoint` (IPv6 switched on when it needs it); the bound address."""
+    """Bind `sock` to `endpoint` (IPv6 switched on when it needs it); the bound address, or
+    BindError saying why the OS refused it."""
     if endpoint.ipv6:
         sock.setsockopt(zmq.IPV6, 1)
-    sock.bind(str(endpoint))
+    try:
+        sock.bind(str(endpoint))
+    except zmq.ZMQError as exc:
+        raise BindError(endpoint, bind_problem(exc.errno, exc.strerror,
+                                               ipc=endpoint.transport == "ipc")) from None
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 

@@ -259,9 +259,10 @@ class Request:
 
 
 def request_id_of(value: Any) -> str | None:
-    """The id of a request that failed validation, when it can be read, for the error reply."""
+    """The id of a request that failed validation, when it is a valid one (1 to 64 characters,
+    as REQUEST's `id`), for the error reply; None (null) for a missing or invalid id."""
     req_id = value.get("id") if isinstance(value, dict) else None
-    return req_id if isinstance(req_id, str) and len(req_id) <= 64 else None
+    return req_id if isinstance(req_id, str) and 0 < len(req_id) <= 64 else None
 
 
 def decode_request(frame: bytes) -> Request:

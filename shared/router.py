@@ -38,7 +38,11 @@ def serving_router(ctx: zmq.Context[Any], endpoint: Endpoint,
     sock.setsockopt(zmq.SNDHWM, MAX_UNREAD_REPLIES)
     sock.setsockopt(zmq.RCVHWM, MAX_QUEUED_REQUESTS)
     sock.setsockopt(zmq.LINGER, 0)
-    return sock, bind(sock, endpoint)
+    try:
+        return sock, bind(sock, endpoint)
+    except BaseException:  # BindError: nothing is left open behind it
+        sock.close(0)
+        raise
 
 
 def split_request(frames: Sequence[zmq.Frame]) -> tuple[list[bytes], zmq.Frame]:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, cast
 
 from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, POOL_DTYPE_MAX
 from shared.errors import CodedError
@@ -21,8 +21,8 @@ from shared.llama import MODULES
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
                                read_header_of)
-from statesvc.peft_config import (ConfigRefused, refuse_unsupported, resolve_targets, shown,
-                                  unloaded_is_zero)
+from statesvc.peft_config import (ConfigRefused, alpha_problem, refuse_unsupported,
+                                  resolve_targets, shown, unloaded_is_zero)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -182,25 +182,14 @@ def _targeted(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> frozense
 def _rank_alpha(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> tuple[int, float]:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if type(r) is not int or r < 1:
-        raise _invalid(path, f"r must be a positive integer, got {r!r}")
-    alpha_f = _as_float(alpha)
-    if alpha_f is None or not math.isfinite(alpha_f) or alpha_f <= 0:
-        raise _invalid(path, f"lora_alpha must be a positive number, got {alpha!r}")
+        raise _invalid(path, f"r must be a positive integer, got {shown(r)}")
+    if (problem := alpha_problem(alpha, "lora_alpha")) is not None:
+        raise _invalid(path, problem)
     if r > pool.max_rank:
-        raise AdapterError("invalid_adapter", f"{path}: rank {r} is above the pool's --max-rank "
-                           f"{pool.max_rank}; configure a new pool with a larger --max-rank, or "
-                           "retrain the adapter with a smaller r")
-    return r, alpha_f
-
-
-def _as_float(value: Any) -> float | None:
-    """A JSON number as a float (inf beyond float's range); None for anything else."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        return float(value)
-    except OverflowError:  # an int of 309 digits or more
-        return math.inf
+        raise AdapterError("invalid_adapter", f"{path}: rank {shown(r)} is above the pool's "
+                           f"--max-rank {pool.max_rank}; configure a new pool with a larger "
+                           "--max-rank, or retrain the adapter with a smaller r")
+    return r, float(cast(float, alpha))  # a finite positive number: alpha_problem said so
 
 
 def _weights_header(d: _Opened, max_bytes: int) -> tuple[BinaryIO, Header, int]:

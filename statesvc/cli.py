@@ -15,7 +15,7 @@ from sqlalchemy.exc import DatabaseError
 from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
                            DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES,
                            MAX_REPLICAS, MAX_REPLICAS_CEILING)
-from shared.endpoints import EndpointError, check_bind
+from shared.endpoints import BindError, Endpoint, EndpointError, check_bind
 from statesvc.blobs import BlobStore
 from statesvc.store import StoreError, open_store, recovery_steps, sqlite_url
 
@@ -29,10 +29,27 @@ DB_URL = click.option("--db", "db_url", default=None,
                       "(docs/postgres.md).")
 
 
+def _make_data_dir(data_dir: Path) -> None:
+    """Create the data dir, or a usage error saying why it cannot be."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.UsageError(_unusable(data_dir, exc)) from None
+
+
+def _unusable(data_dir: Path, exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(data_dir) else ""
+    return (f"--data-dir {data_dir}: {exc.strerror or exc}{where}; choose a directory this "
+            "user can create and write")
+
+
 def _lock_data_dir(data_dir: Path) -> IO[str]:
     """Hold an exclusive lock on the data dir: the log has a single writer."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    lock = (data_dir / "statesvc.lock").open("a+")
+    _make_data_dir(data_dir)
+    try:
+        lock = (data_dir / "statesvc.lock").open("a+")
+    except OSError as exc:
+        raise click.UsageError(_unusable(data_dir, exc)) from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -80,7 +97,7 @@ def keys_init(directory: Path) -> None:
 @DB_URL
 def migrate(data_dir: Path, db_url: str | None) -> None:
     """Upgrade the event store's schema to head, then exit."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    _make_data_dir(data_dir)
     try:  # the store's own checks first: a damaged log, or one that lost events, stays as it is
         open_store(db_url or sqlite_url(data_dir)).close()
     except StoreError as exc:
@@ -121,11 +138,15 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
     from statesvc.server import Server
     from statesvc.service import StateService
 
+    endpoints: dict[str, Endpoint] = {}
     for flag, address in (("--control", control), ("--publish", publish)):
         try:
-            check_bind(address, authenticated=auth_dir is not None)
+            endpoints[flag] = check_bind(address, authenticated=auth_dir is not None)
         except EndpointError as exc:
             raise click.UsageError(f"{flag}: {exc}") from None
+    if endpoints["--control"] == endpoints["--publish"] and endpoints["--control"].port != 0:
+        raise click.UsageError(f"--control and --publish are both {control}; give each socket "
+                               "an address of its own")
     memtune.tune()  # a blob's buffers reuse their pages (shared/memtune.py)
     url = db_url or sqlite_url(data_dir)
     # SQLite: one writer per data dir; PostgreSQL: any number, serialised by the database
@@ -146,8 +167,13 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
         raise click.ClickException(f"the event store {db_url or sqlite_url(data_dir)} is damaged "
                                    f"({exc.orig}); statesvc changed nothing. "
                                    + recovery_steps(data_dir.resolve())) from None
-    server = Server(service, control=control, publish=publish,
-                    heartbeat_interval=heartbeat_interval, auth_dir=auth_dir)
+    try:
+        server = Server(service, control=control, publish=publish,
+                        heartbeat_interval=heartbeat_interval, auth_dir=auth_dir)
+    except BindError as exc:  # in use, or not this host's: nothing was served
+        store.close()
+        flag = next((f for f, e in endpoints.items() if e == exc.endpoint), "--control")
+        raise click.UsageError(f"{flag} {exc}") from None
     log = logging.getLogger("statesvc")
     log.info("store %s, head seq %d, log %s", _shown(url), service.state.seq,
              service.log_id or "(none until pool init)")

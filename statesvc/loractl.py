@@ -8,6 +8,7 @@ rich markup from the wire reaches the terminal.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import click
 import zmq
 from rich.table import Table
 
-from shared.client import ControlClient, list_adapters, new_event_id
+from shared.client import ControlClient, Unsendable, list_adapters, new_event_id
 from shared.config import (DEFAULT_CONTROL, DEFAULT_MAX_ADAPTERS, DEFAULT_PUBLISH, MAX_MAX_ADAPTERS,
                            POOL_DTYPES, STATE_ENV)
 from shared.endpoints import click_address, click_addresses, connect
@@ -25,7 +26,60 @@ from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
 from statesvc.console import JSON_OPT, emit, handles_errors, keys_of, out, shown
 from statesvc.tools.commands import drill, make_example_cmd
 
-EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0), default=None,
+# the ranges the services take (shared/protocol.py, shared/replica_protocol.py), so a value
+# beyond them is a usage error naming the option, never a frame that cannot be encoded
+MAX_SEQ = 2**62
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on a replica
+MAX_TIMEOUT_S = 86400.0
+
+
+class Finite(click.FloatRange):
+    """click's FloatRange without nan, which compares false with either bound."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return rv
+
+
+def _utf8(value: str) -> bool:
+    """Whether `value` can go on the wire, where text is UTF-8 (bytes from the shell that do
+    not decode reach Python as surrogates, which cannot be encoded)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Text(click.types.StringParamType):
+    """A string that the wire can carry: valid UTF-8."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        text = super().convert(value, param, ctx)
+        if not _utf8(text):
+            self.fail(f"{text!r} is not valid UTF-8 text; the services take UTF-8 only",
+                      param, ctx)
+        return text
+
+
+TEXT = Text()
+
+
+def _wire_path(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A directory whose absolute path goes on the wire: valid UTF-8."""
+    if value is not None and not _utf8(str(value.resolve())):
+        raise click.BadParameter(f"{str(value)!r} is not valid UTF-8 text, and the state "
+                                 "service takes paths as UTF-8; rename the directory, or link "
+                                 "it from a path that is")
+    return value
+
+
+EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0, MAX_SEQ), default=None,
                            help="Refuse (conflict) unless the log's head is at this seq.")
 
 
@@ -39,12 +93,22 @@ def _client(ctx: click.Context) -> ControlClient:
                          keys=keys_of(ctx.obj["key"], ctx.obj["server_key"]))
 
 
-@click.group()
+class Loractl(click.Group):
+    """The command group; an argument the wire cannot carry is a usage error (exit 2)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Unsendable as exc:
+            raise click.UsageError(str(exc), ctx) from None
+
+
+@click.group(cls=Loractl)
 @click.option("--state", envvar=STATE_ENV, default=DEFAULT_CONTROL, show_default=True,
               callback=click_addresses,
               help=f"Control address of the state service (env {STATE_ENV}); several "
                    "instances of one log as a,b: a silent one is left for the next.")
-@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+@click.option("--timeout", type=Finite(0.1, MAX_TIMEOUT_S), default=10.0, show_default=True,
               help="Seconds to wait for each answer before retrying.")
 @click.option("--key", envvar="LORAPLANE_KEY", default=None,
               help="CURVE: your secret key file, NAME.key_secret (env LORAPLANE_KEY).")
@@ -75,7 +139,7 @@ def _parse_targets(value: str) -> str | list[str]:
 
 @pool.command("init")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False,
-                                                        path_type=Path),
+                                                        path_type=Path), callback=_wire_path,
               help="Hugging Face checkpoint directory of the base model.")
 @click.option("--max-loras", required=True, type=click.IntRange(1, 4096),
               help="Device slots per replica: the most distinct adapters one batch holds.")
@@ -111,8 +175,9 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_adapters: int
 
 
 @main.command()
-@click.argument("name")
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("name", type=TEXT)
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                callback=_wire_path)
 @click.option("--pin", is_flag=True, help="Keep it resident on every replica, never evicted "
               "(at most max_loras - 1 pinned); unload then needs --force.")
 @click.option("--replace", is_flag=True, help="Record a new version if NAME holds other content.")
@@ -137,7 +202,7 @@ def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
 
 
 @main.command()
-@click.argument("name")
+@click.argument("name", type=TEXT)
 @click.option("--force", is_flag=True, help="Unload even if the adapter is pinned.")
 @EXPECT_HEAD
 @JSON_OPT
@@ -158,7 +223,7 @@ def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
 @main.command("list")
 @click.option("--limit", type=click.IntRange(1), default=None,
               help="At most this many adapters (default: all, fetched page by page).")
-@click.option("--after", default=None, metavar="NAME",
+@click.option("--after", type=TEXT, default=None, metavar="NAME",
               help="Only adapters whose names sort after NAME: the next page.")
 @JSON_OPT
 @click.pass_context
@@ -215,7 +280,8 @@ def _fetch_events(c: ControlClient, since: int) -> list[dict[str, Any]]:
 
 
 @main.command()
-@click.option("--since", type=click.IntRange(0), default=0, help="Only events after this seq.")
+@click.option("--since", type=click.IntRange(0, MAX_SEQ), default=0,
+              help="Only events after this seq.")
 @click.option("--follow", is_flag=True, help="Keep printing new events as they are recorded.")
 @click.option("--diffs", envvar="LORAPLANE_DIFFS", default=DEFAULT_PUBLISH, show_default=True,
               callback=click_address, help="Diff address to follow (env LORAPLANE_DIFFS).")
@@ -297,36 +363,49 @@ def status(ctx: click.Context, as_json: bool) -> None:
     out.print(table)
 
 
-def _parse_ids(value: str) -> list[int]:
+def _parse_ids(value: str, option: str) -> list[int]:
     try:
         ids = [int(t) for t in value.split(",") if t.strip()]
     except ValueError:
-        raise click.BadParameter(f"{value!r}: expected comma-separated token ids, e.g. 1,2,3")
+        raise click.BadParameter(f"{value!r}: expected comma-separated token ids, e.g. 1,2,3",
+                                 param_hint=option) from None
     if not ids:
-        raise click.BadParameter("at least one token id is needed")
+        raise click.BadParameter("at least one token id is needed", param_hint=option)
+    beyond = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if beyond is not None:
+        raise click.BadParameter(f"token ids are 0 to {MAX_TOKEN_ID} (the model's vocabulary "
+                                 f"bounds them further), got {_short_int(beyond)}",
+                                 param_hint=option)
     return ids
+
+
+def _short_int(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-4:]} ({len(text)} digits)"
 
 
 @main.command()
 @click.option("--replica", required=True, envvar="LORAPLANE_REPLICA", callback=click_address,
               help="A replica's listen address, e.g. tcp://127.0.0.1:7200 (env LORAPLANE_REPLICA).")
-@click.option("--adapter", default=None, help="Adapter name; without it, the base model.")
+@click.option("--adapter", type=TEXT, default=None,
+              help="Adapter name; without it, the base model.")
 @click.option("--input-ids", default=None, help="Prompt token ids, comma-separated.")
-@click.option("--prompt", default=None,
+@click.option("--prompt", type=TEXT, default=None,
               help="Prompt text instead of --input-ids, tokenized with --model's tokenizer; "
                    "the output is shown as text too.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="The base model dir whose tokenizer.json --prompt uses.")
-@click.option("--max-new-tokens", type=click.IntRange(1),
+@click.option("--max-new-tokens", type=click.IntRange(1, MAX_SEQ),
               default=GENERATE_DEFAULTS["max_new_tokens"], show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=GENERATE_DEFAULTS["temperature"],
+@click.option("--temperature", type=Finite(0, 100), default=GENERATE_DEFAULTS["temperature"],
               show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+@click.option("--top-p", type=Finite(0, 1, min_open=True),
               default=GENERATE_DEFAULTS["top_p"], show_default=True)
-@click.option("--seed", type=click.IntRange(0), default=GENERATE_DEFAULTS["seed"],
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=GENERATE_DEFAULTS["seed"],
               show_default=True)
 @click.option("--stop-token-ids", default="", help="Comma-separated ids that end the output.")
-@click.option("--min-seq", type=click.IntRange(0), default=GENERATE_DEFAULTS["min_seq"],
+@click.option("--min-seq", type=click.IntRange(0, MAX_SEQ),
+              default=GENERATE_DEFAULTS["min_seq"],
               show_default=True,
               help="Wait until the replica has applied this seq (read your own load).")
 @click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
@@ -357,10 +436,11 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
             raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     else:
         assert input_ids is not None
-        ids = _parse_ids(input_ids)
+        ids = _parse_ids(input_ids, "--input-ids")
     args = generate_args(ids, adapter=adapter, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, seed=seed,
-                         stop_token_ids=_parse_ids(stop_token_ids) if stop_token_ids else [],
+                         stop_token_ids=(_parse_ids(stop_token_ids, "--stop-token-ids")
+                                         if stop_token_ids else []),
                          min_seq=min_seq)
     keys_ = keys_of(ctx.obj["key"], replica_server_key) if replica_server_key else None
     with ControlClient(replica, timeout_s=max(ctx.obj["timeout"], 60.0), retries=0,

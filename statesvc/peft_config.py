@@ -25,11 +25,13 @@ paths in a list, a regex string matched with re.fullmatch, `all-linear`,
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.config import POOL_DTYPE_MAX
 from shared.errors import CodedError
 from shared.llama import MODULE_PARENT, MODULES
 
@@ -59,7 +61,11 @@ def _invalid(what: str) -> ConfigRefused:
 
 
 def shown(value: Any) -> str:
-    """`value` as a message shows it: its repr, cut to 80 characters."""
+    """`value` as a message shows it: its repr, cut to 80 characters; an integer of more than
+    24 digits as its first and last digits and how many there are."""
+    if type(value) is int and not -10**24 < value < 10**24:
+        digits = str(abs(value))  # JSON's integers are within Python's limit for str()
+        return f"{'-' * (value < 0)}{digits[:8]}...{digits[-4:]} ({len(digits)} digits)"
     try:
         text = repr(value)
     except RecursionError:  # JSON nested nearly as deep as the decoder allows
@@ -122,6 +128,30 @@ INIT_ZERO = (True, "gaussian", "eva", "mica")
 
 def _on(value: Any) -> bool:
     return value not in (None, False, 0, "", [], {})
+
+
+def _beyond_float(value: Any) -> bool:
+    """A JSON integer too large for a float (309 digits or more)."""
+    if type(value) is not int:
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return True
+    return False
+
+
+def alpha_problem(value: Any, option: str) -> str | None:
+    """Why `value` cannot be a lora_alpha: not a positive number, or beyond any float; None
+    otherwise (load then checks its scaling, lora_alpha / r, in the pool's dtype). The one
+    rule for `lora_alpha` and `alpha_pattern` values (statesvc/adapters.py `_rank_alpha`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return f"{option} must be a positive number, got {shown(value)}"
+    if _beyond_float(value) or value == math.inf:
+        return (f"{option} {shown(value)} is beyond float32's range (at most "
+                f"{POOL_DTYPE_MAX['float32']:.6g}), in which the pool computes the scaling "
+                "lora_alpha / r; use a lora_alpha of at most that times r (PEFT's default is 8)")
+    return None
 
 
 def refuse_unsupported(cfg: Mapping[str, Any], *, base_has_bias: bool) -> None:
@@ -351,6 +381,13 @@ def _check_patterns(cfg: Mapping[str, Any], pairs: set[tuple[int, str]]) -> None
                 continue
             what = "rank" if option == "rank_pattern" else "lora_alpha"
             top = "r" if option == "rank_pattern" else "lora_alpha"
+            value, entry = pattern[key], f"{option}[{shown(key)}]"
+            if option == "rank_pattern" and (type(value) is not int or value < 1):
+                raise _invalid(f"{entry}: a rank must be a positive integer, got {shown(value)}")
+            problem = (alpha_problem(value, f"{entry}: a lora_alpha")
+                       if option == "alpha_pattern" else None)
+            if problem:
+                raise _invalid(problem)
             raise _unsupported(f"{option} {shown({key: pattern[key]})}",
                                f"it gives {name} {what} {shown(pattern[key])} where the adapter's "
                                f"{top} is {shown(default)}, and the pool holds one rank and one "

@@ -1,6 +1,7 @@
 """`computed gateway`: the OpenAI-compatible HTTP front door (docs/gateway.md)."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ from typing import Callable
 import click
 
 from shared.config import DEFAULT_CONTROL
-from shared.endpoints import click_addresses
+from shared.endpoints import bind_problem, click_addresses
 
 log = logging.getLogger("computed.gateway")
 
@@ -79,6 +80,9 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
         operators = None if auth is None else load_operators(auth, server_key)
     except (KeyError_, ValueError) as exc:
         raise click.UsageError(str(exc))
+    # bind first, before anything starts: connections made after it wait in the backlog until
+    # uvicorn accepts, and a port in use is refused before any thread runs
+    sock = _listening(host, port)
     router = Router(state, interval_s=poll_interval, keys=keys,
                     replica_keys=replica_keys).start()
     try:
@@ -86,11 +90,6 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
                      request_timeout_s=request_timeout)
     except NoTokenizer as exc:
         raise click.UsageError(str(exc))
-    # bind before READY: connections made after it wait in the backlog until uvicorn accepts
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
     router.wait_polled(10.0)
     bound = sock.getsockname()
     log.info("gateway for %s (%s) on http://%s:%d, statesvc %s", gw.served_name, model,
@@ -105,6 +104,24 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
         profiled(lambda: uvicorn.Server(config).run(sockets=[sock]))
     finally:
         router.stop()
+
+
+def _listening(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on HOST:PORT, or a usage error saying why it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        problem = (f"{host} does not resolve ({exc.strerror}); give an IP address or a known "
+                   "name" if isinstance(exc, socket.gaierror)
+                   else bind_problem(exc.errno, exc.strerror))
+        raise click.UsageError(f"--host {host} --port {port}: {problem}"
+                               + (" (--port 0 picks a free one)" if exc.errno == errno.EADDRINUSE
+                                  else "")) from None
+    return sock
 
 
 def profiled(serve: Callable[[], None]) -> None:

@@ -95,14 +95,24 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
 
 @click.command("make-example")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @JSON_OPT
 def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
     """Write a small random Llama checkpoint and PEFT adapters (nothing is downloaded)."""
     from statesvc.tools.example import make_example
 
+    try:
+        str(directory.resolve()).encode()
+    except UnicodeEncodeError:  # the tokenizer library takes UTF-8 paths only
+        raise click.BadParameter(f"{str(directory)!r} is not valid UTF-8 text; choose a "
+                                 "directory whose path is", param_hint="DIRECTORY") from None
     t0 = time.perf_counter()
-    assets = make_example(directory, seed=seed)
+    try:
+        assets = make_example(directory, seed=seed)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename not in (None, str(directory)) else ""
+        raise click.UsageError(f"DIRECTORY {directory}: {exc.strerror or exc}{where}; choose "
+                               "a directory this user can create and write") from None
     res: dict[str, Any] = {"model": str(assets.model_dir.resolve()),
            "adapters": {n: str(p.resolve()) for n, p in sorted(assets.adapter_dirs.items())}}
     if as_json:
