@@ -129,6 +129,7 @@ class SyncLoop(threading.Thread):
         self.next_sync = 0.0
         self.fatal: BaseException | None = None
         self.beat_refused = ""  # statesvc's last refusal of a heartbeat, to log it once
+        self.silences = 0  # times the sockets were opened anew since the diff stream last spoke
         self.stopping = threading.Event()
         self._wake, self._waker = socket.socketpair()  # `stop` ends the poll at once
 
@@ -168,15 +169,20 @@ class SyncLoop(threading.Thread):
         self.poller.register(self._wake, zmq.POLLIN)
 
     def _move_on(self) -> None:
-        """The followed instance is silent: follow the next one. What was published in
-        between is read by seq (the queue keeps what arrived; a gap is fetched)."""
+        """The followed instance is silent: follow the next one, or with one instance open
+        its sockets anew (libzmq stops redialling a server that refused our CURVE key, so a
+        key put back would otherwise never be tried). What was published in between is read
+        by seq (the queue keeps what arrived; a gap is fetched). Said once a silence."""
         self.sub.close(0)
         self.beat.close(0)
         old = self.diffs_addr
         self.follow = (self.follow + 1) % len(self.diffs_addrs)
         self._open()
-        log.warning("no word from statesvc at %s for %g s: following %s / %s", old,
-                    REPLICA_SILENCE_S, self.state_addr, self.diffs_addr)
+        if self.silences == 0:
+            log.warning("no word from statesvc at %s for %g s: %s %s / %s", old,
+                        REPLICA_SILENCE_S, "following" if len(self.diffs_addrs) > 1 else
+                        "reconnecting to", self.state_addr, self.diffs_addr)
+        self.silences += 1
 
     def run(self) -> None:
         name_os_thread()
@@ -217,6 +223,9 @@ class SyncLoop(threading.Thread):
             except ValueError:
                 continue  # not two frames
             self.heard_at = time.monotonic()
+            if self.silences:
+                log.info("the diff stream from %s speaks again", self.diffs_addr)
+                self.silences = 0
             try:
                 msg = unpack(frame, max_bytes=MAX_WIRE_BYTES)
                 if topic == b"hb":
@@ -254,9 +263,9 @@ class SyncLoop(threading.Thread):
                 self.next_sync = 0.0
             behind = self.remote_head > r.applied_seq or bool(self.queue)
             silent = now - self.heard_at > REPLICA_SILENCE_S
-            if silent and len(self.diffs_addrs) > 1:
+            if silent:
                 self._move_on()
-                self.heard_at = now  # give the next one a whole period
+                self.heard_at = now  # give the next one (or the new sockets) a whole period
             if (behind or silent) and now >= self.next_sync:
                 self.next_sync = now + RETRY_S
                 if r.catch_up():

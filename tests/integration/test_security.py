@@ -76,6 +76,46 @@ def test_only_allowed_keys_connect_and_only_operators_append(
         replica.stop()
 
 
+def test_a_replica_refused_once_comes_back_when_its_key_is_put_back(
+        keyed: tuple[StateSvc, Path, Path], example: ExampleAssets, tmp_path: Path) -> None:
+    """statesvc restarted while the replica's key was out of replicas/: libzmq stops redialling
+    a server that refused a CURVE key, so the replica's diff and heartbeat sockets stayed dead
+    after the key came back (it followed by polling alone and never heartbeat again). A silent
+    diff stream now opens them anew."""
+    svc, keydir, clients = keyed
+    with ControlClient(svc.control, keys=keys(keydir, clients, "alice")) as alice:
+        alice.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
+                                 "max_loras": 2, "max_rank": 8, "targets": "all"})
+    replica = Computed(example.model_dir, svc, tmp_path / "replicas" / "r1", replica_id="r1",
+                       extra_args=("--no-inference", "--key", str(clients / "r1.key_secret"),
+                                   "--server-key", str(keydir / "server.key")))
+
+    def heartbeats(c: ControlClient) -> list[tuple[str, int]]:
+        return [(r["id"], r["applied_seq"]) for r in c.call("status")["replicas"]]
+
+    try:
+        replica.start()
+        wait_for(lambda: replica.status()["state"] == "ACTIVE", what="the keyed replica")
+        key = keydir / "replicas" / "r1.key"
+        aside = tmp_path / "r1.key.aside"
+        key.rename(aside)
+        svc.stop()
+        svc.start()  # the same addresses: the replica's sockets redial it and are refused
+        with ControlClient(svc.control, keys=keys(keydir, clients, "alice")) as alice:
+            wait_for(lambda: "no word from statesvc" in replica.log.read_text(),
+                     what="the refused replica noticing")
+            assert heartbeats(alice) == []
+            aside.rename(key)
+            seq = alice.call("load", {"event_id": new_event_id(), "name": "a",
+                                      "path": str(example.adapter_dirs["all-r2"])})["seq"]
+            wait_for(lambda: heartbeats(alice) == [("r1", seq)], what="its heartbeat back")
+        assert "reconnecting to" in replica.log.read_text()
+        # and its diff stream: statesvc's heartbeats (every second) reach the new SUB
+        wait_for(lambda: "speaks again" in replica.log.read_text(), what="the diff stream back")
+    finally:
+        replica.stop()
+
+
 def test_malformed_key_files_are_skipped_and_every_good_key_still_connects(
         tmp_path: Path) -> None:
     keydir, clients = make_keys(tmp_path, {"alice": "operators", "bob": None})
