@@ -114,6 +114,18 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     if not ADAPTER_NAME_RE.fullmatch(replica_id):
         raise click.BadParameter(f"{replica_id!r}: a replica id is {ADAPTER_NAME_WORDS}",
                                  param_hint="--replica-id")
+    from shared.keys import KeyError_, client_keys, server_keys
+    try:
+        keys = client_keys(key, server_key)
+    except KeyError_ as exc:
+        raise click.UsageError(str(exc)) from None
+    try:  # the listen socket's key pair, checked before the pool or the model is built
+        server_public = None if auth_dir is None else server_keys(auth_dir)[0]
+    except KeyError_ as exc:
+        raise click.UsageError(f"--auth {auth_dir}: {exc}") from None
+    # peers serve with the server key of their --auth dir, which a fleet shares
+    peer_keys = keys if keys is None or server_public is None else dataclasses.replace(
+        keys, server=server_public)
     cache_dir = cache_dir or Path("var") / "replicas" / replica_id
     try:
         info = read_model(model)
@@ -122,16 +134,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
                    if inference else None)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
-    # the client's socket is made on first use, in the sync thread that alone uses it
-    from shared.keys import KeyError_, client_keys, public_key_of
-    try:
-        keys = client_keys(key, server_key)
-        # peers serve with the server key of their --auth dir, which a fleet shares
-        peer_keys = keys if keys is None or auth_dir is None else dataclasses.replace(
-            keys, server=public_key_of(auth_dir / "server.key"))
-    except KeyError_ as exc:
-        raise click.UsageError(str(exc)) from None
     pool_layout = _tensor_parallel(model, tensor_parallel, log) if tensor_parallel > 1 else None
+    # the client's socket is made on first use, in the sync thread that alone uses it
     client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
                       faults=Faults.from_env(), host_cache_mb=host_cache_mb,

@@ -29,6 +29,10 @@ ROLES = ("operators", "replicas")  # statesvc's control and diff sockets
 INFERENCE_ROLES = ("clients", "operators", "replicas")  # a replica's listen socket
 KEY_ENV, SERVER_KEY_ENV = "LORAPLANE_KEY", "LORAPLANE_SERVER_KEY"
 MAX_KEY_FILE_BYTES = 64 << 10  # a certificate is ~300 bytes
+CLIENT_HINT = "make a key pair with `loractl keys new NAME` and pass its NAME.key_secret"
+SERVER_HINT = "pass the server.key of the key dir that `statesvc keys init DIR` made"
+AUTH_DIR_HINT = ("--auth takes a key dir made by `statesvc keys init DIR` (or a copy of it, "
+                 "server.key_secret included)")
 
 
 class KeyError_(ValueError):
@@ -49,16 +53,6 @@ class ClientKeys:
         sock.curve_serverkey = self.server
 
 
-def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
-    try:
-        public, sec = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError, IndexError) as exc:  # IndexError: `public-key` without =
-        raise KeyError_(f"cannot read the key file {path}: {exc}") from None
-    if secret and not sec:
-        raise KeyError_(f"{path} holds no secret key; pass the *.key_secret file")
-    return public, sec
-
-
 def client_keys(key: str | None, server_key: str | None) -> ClientKeys | None:
     """Keys from --key/--server-key (or LORAPLANE_KEY/LORAPLANE_SERVER_KEY); None for neither."""
     key = key or os.environ.get(KEY_ENV)
@@ -68,10 +62,60 @@ def client_keys(key: str | None, server_key: str | None) -> ClientKeys | None:
     if not (key and server_key):
         raise KeyError_("CURVE needs both --key (your *.key_secret file) and --server-key "
                         "(the server's server.key)")
-    public, secret = _load(Path(key), secret=True)
-    server, _ = _load(Path(server_key), secret=False)
+    public, secret = read_key_file(Path(key), secret=True, hint=CLIENT_HINT)
+    server, _ = read_key_file(Path(server_key), secret=False, hint=SERVER_HINT)
     assert secret is not None
     return ClientKeys(public, secret, server)
+
+
+def server_keys(directory: Path) -> tuple[bytes, bytes]:
+    """The key pair in an --auth dir's server.key_secret; KeyError_ naming the file and the fix
+    (`statesvc serve` and `computed serve` check it before they open anything else)."""
+    path = directory / "server.key_secret"
+    if not os.path.lexists(path) and os.path.lexists(directory / "server.key"):
+        raise KeyError_(f"{path} does not exist: {directory} holds server.key, the public half "
+                        f"only; {AUTH_DIR_HINT}")
+    public, secret = read_key_file(path, secret=True, hint=AUTH_DIR_HINT)
+    assert secret is not None
+    return public, secret
+
+
+def read_key_file(path: Path, *, secret: bool, hint: str) -> tuple[bytes, bytes | None]:
+    """The z85 public key of a certificate and, when `secret`, its secret key. KeyError_ naming
+    the file for anything else (missing, not a regular file, huge, garbled, a key that is not
+    32 bytes), ending with `hint`: what to do about it."""
+    try:
+        text = read_regular(path, MAX_KEY_FILE_BYTES)  # a FIFO must not block the ZAP thread
+    except FileError as exc:
+        raise KeyError_(f"key file {exc}; {hint}") from None
+    except FileNotFoundError:
+        raise KeyError_(f"key file {path} does not exist; {hint}") from None
+    except OSError as exc:
+        raise KeyError_(f"key file {path}: cannot open it ({exc.strerror}); {hint}") from None
+    fields: dict[bytes, bytes] = {}
+    for line in text.splitlines():
+        name, eq, value = line.strip().partition(b"=")
+        if eq:
+            fields.setdefault(name.strip(), value.strip(b" \t'\""))
+    found: list[bytes] = []
+    for field in ("public-key", "secret-key") if secret else ("public-key",):
+        key = fields.get(field.encode())
+        if key is None:
+            what = ("holds no secret key; pass the *.key_secret file, not the public *.key"
+                    if field == "secret-key" else f'has no `{field} = "..."` line')
+            raise KeyError_(f"key file {path} {what}; {hint}")
+        if not _is_key(key):
+            raise KeyError_(f"key file {path}: its {field} is not 40 z85 characters (a 32-byte "
+                            f"CURVE key); {hint}")
+        found.append(key)
+    return found[0], found[1] if secret else None
+
+
+def _is_key(key: bytes) -> bool:
+    try:
+        return len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError):  # KeyError: a character outside z85's alphabet
+        return False
 
 
 def new_client_keys(directory: Path, name: str) -> tuple[Path, Path]:
@@ -96,9 +140,7 @@ class ServerAuth:
     def __init__(self, ctx: zmq.Context[Any], directory: Path,
                  roles: tuple[str, ...] = ROLES) -> None:
         self.directory = directory
-        public, secret = _load(directory / "server.key_secret", secret=True)
-        assert secret is not None
-        self.public, self.secret = public, secret
+        self.public, self.secret = server_keys(directory)
         auth = _RoleAuthenticator(ctx, directory, roles)
         auth.start()
         auth.configure_curve_callback("*", auth)
@@ -141,7 +183,7 @@ class _RoleAuthenticator(ThreadAuthenticator):
             version = ()
         if self._skipped.get(cert) != version:
             self._skipped[cert] = version
-            log.warning("skipping key file %s: %s", cert, why)
+            log.warning("skipping %s", why)
 
     def callback(self, domain: str, key: bytes) -> bool:
         try:
@@ -159,24 +201,7 @@ class _RoleAuthenticator(ThreadAuthenticator):
 
 
 def public_key_of(cert: Path) -> bytes:
-    """The z85 public key of a `*.key` certificate; KeyError_ for anything else (a directory, a
-    FIFO, a huge or garbled file, a missing `public-key` line, a key that is not 32 bytes)."""
-    try:
-        text = read_regular(cert, MAX_KEY_FILE_BYTES)  # a FIFO must not block the ZAP thread
-    except FileError as exc:
-        raise KeyError_(str(exc)) from None
-    except OSError as exc:
-        raise KeyError_(f"cannot open it ({exc.strerror})") from None
-    for line in text.splitlines():
-        name, eq, value = line.strip().partition(b"=")
-        if name.strip() == b"public-key" and eq:
-            key = value.strip(b" \t'\"")
-            try:
-                if len(key) == 40 and len(z85.decode(key)) == 32:
-                    return key
-            except (ValueError, KeyError):  # KeyError: a character outside z85's alphabet
-                pass
-            raise KeyError_("its public-key is not 40 z85 characters (a 32-byte CURVE key); "
-                            "write it again with `loractl keys new`")
-    raise KeyError_("no `public-key = \"...\"` line; copy the NAME.key that `loractl keys "
-                    "new` wrote")
+    """The z85 public key of a role folder's `*.key` certificate; KeyError_ naming the file for
+    anything else (a directory, a FIFO, a huge or garbled file, a key that is not 32 bytes)."""
+    return read_key_file(cert, secret=False,
+                         hint="copy the NAME.key that `loractl keys new NAME` wrote")[0]

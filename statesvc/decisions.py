@@ -19,10 +19,18 @@ class CommandError(CodedError):
     """A command the service refuses; the answer carries its code, message and field."""
 
 
-def storage_error(why: str) -> CommandError:
-    """Retryable: a write resent with its event_id is recorded once, whatever happened."""
+def storage_error(why: str, *, write: bool = True) -> CommandError:
+    """Retryable: a write resent with its event_id is recorded once, whatever happened; a
+    read is simply asked again."""
     return CommandError("storage_error", f"{why}; retry with the same event_id (recorded "
-                        "at most once)")
+                        "at most once)" if write else f"{why}; retry")
+
+
+def cause(exc: BaseException) -> str:
+    """The first line of a database error's own message: SQLAlchemy's text adds the
+    statement, its parameters and a link, which an answer to a client has no use for."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def pool_init(state: State, args: dict[str, Any], *,

@@ -9,7 +9,9 @@ rich markup from the wire reaches the terminal.
 from __future__ import annotations
 
 import math
+import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,14 @@ import click
 import zmq
 from rich.table import Table
 
-from shared.client import ControlClient, Unsendable, list_adapters, new_event_id
+from shared.client import (ControlClient, RemoteError, Unavailable, Unsendable, list_adapters,
+                           new_event_id)
 from shared.config import (DEFAULT_CONTROL, DEFAULT_MAX_ADAPTERS, DEFAULT_PUBLISH, MAX_MAX_ADAPTERS,
-                           POOL_DTYPES, STATE_ENV)
+                           POOL_DTYPES, STATE_ENV, UUID_RE)
 from shared.endpoints import click_address, click_addresses, connect
 from shared.llama import MODULES
 from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
-from statesvc.console import JSON_OPT, emit, handles_errors, keys_of, out, shown
+from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
 from statesvc.tools.commands import drill, make_example_cmd
 
 # the ranges the services take (shared/protocol.py, shared/replica_protocol.py), so a value
@@ -77,6 +80,60 @@ def _wire_path(ctx: click.Context, param: click.Parameter, value: Path | None) -
                                  "service takes paths as UTF-8; rename the directory, or link "
                                  "it from a path that is")
     return value
+
+
+class EventId(click.types.StringParamType):
+    """A write's event id as the protocol takes it: a lowercase UUID."""
+
+    name = "uuid"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        if not isinstance(value, str) or not UUID_RE.fullmatch(value):
+            self.fail(f"{value!r} is not a lowercase UUID such as "
+                      "'0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a'", param, ctx)
+        return value
+
+
+EVENT_ID = click.option("--event-id", type=EventId(), default=None, metavar="UUID",
+                        help="The write's event id [default: a fresh one]. Give the one an "
+                        "earlier try printed to retry that write: it is recorded at most once.")
+WRITE_RETRY_WAITS_S = (0.5, 1.0, 2.0)  # a write answered storage_error is resent after each
+
+
+def _write(ctx: click.Context, cmd: str, args: dict[str, Any]) -> Any:
+    """Send a write under its event id (--event-id, or a fresh one), resending it with the same
+    id when statesvc answers `storage_error`, up to len(WRITE_RETRY_WAITS_S) times. An error it
+    gives up on names the event id and the command that retries it."""
+    event_id = args["event_id"] = args["event_id"] or new_event_id()
+    with _client(ctx) as c:
+        for wait in (*WRITE_RETRY_WAITS_S, None):
+            try:
+                return c.call(cmd, args)
+            except RemoteError as exc:
+                if exc.code != "storage_error":
+                    raise
+                if wait is None:
+                    raise RemoteError(exc.code, f"{exc}; loractl resent it "
+                                      f"{len(WRITE_RETRY_WAITS_S)} times. Once the cause is "
+                                      f"fixed, retry with: {_retry_command(event_id)}",
+                                      exc.field) from None
+                why = f"storage_error ({exc})" if wait == WRITE_RETRY_WAITS_S[0] else "again"
+                err.print("[dim]" + shown(f"{cmd}: {why}; resending in {wait:g} s with the "
+                                          f"same event id {event_id}") + "[/]")
+                time.sleep(wait)
+            except Unavailable as exc:
+                raise Unavailable(f"{exc}. The {cmd} may or may not have been recorded; to "
+                                  f"retry it (recorded at most once): "
+                                  f"{_retry_command(event_id)}") from None
+    raise AssertionError("unreachable")
+
+
+def _retry_command(event_id: str) -> str:
+    """This command line again, under `event_id`."""
+    argv = sys.argv[1:]
+    has_id = any(a == "--event-id" or a.startswith("--event-id=") for a in argv)
+    return shlex.join(["loractl", *argv, *([] if has_id else ["--event-id", event_id])])
 
 
 EXPECT_HEAD = click.option("--expect-head", type=click.IntRange(0, MAX_SEQ), default=None,
@@ -151,19 +208,18 @@ def _parse_targets(value: str) -> str | list[str]:
 @click.option("--targets", required=True, help="'all' or a comma list, e.g. q_proj,v_proj.")
 @click.option("--dtype", type=click.Choice(POOL_DTYPES), default="float32", show_default=True)
 @EXPECT_HEAD
+@EVENT_ID
 @JSON_OPT
 @click.pass_context
 @handles_errors
 def pool_init(ctx: click.Context, model: Path, max_loras: int, max_adapters: int,
               max_rank: int, targets: str, dtype: str, expect_head: int | None,
-              as_json: bool) -> None:
+              event_id: str | None, as_json: bool) -> None:
     """Configure the pool (the log's genesis event). Its settings never change."""
-    with _client(ctx) as c:
-        res = c.call("pool.init", {"event_id": new_event_id(), "model": str(model.resolve()),
-                                   "max_loras": max_loras, "max_adapters": max_adapters,
-                                   "max_rank": max_rank,
-                                   "targets": _parse_targets(targets), "dtype": dtype,
-                                   "expect_head": expect_head})
+    res = _write(ctx, "pool.init", {"event_id": event_id, "model": str(model.resolve()),
+                                    "max_loras": max_loras, "max_adapters": max_adapters,
+                                    "max_rank": max_rank, "targets": _parse_targets(targets),
+                                    "dtype": dtype, "expect_head": expect_head})
     if as_json:
         emit(res)
     else:
@@ -182,16 +238,15 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_adapters: int
               "(at most max_loras - 1 pinned); unload then needs --force.")
 @click.option("--replace", is_flag=True, help="Record a new version if NAME holds other content.")
 @EXPECT_HEAD
+@EVENT_ID
 @JSON_OPT
 @click.pass_context
 @handles_errors
 def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
-         expect_head: int | None, as_json: bool) -> None:
+         expect_head: int | None, event_id: str | None, as_json: bool) -> None:
     """Load the PEFT adapter in PATH as NAME."""
-    with _client(ctx) as c:
-        res = c.call("load", {"event_id": new_event_id(), "name": name,
-                              "path": str(path.resolve()), "pin": pin, "replace": replace,
-                              "expect_head": expect_head})
+    res = _write(ctx, "load", {"event_id": event_id, "name": name, "path": str(path.resolve()),
+                               "pin": pin, "replace": replace, "expect_head": expect_head})
     if as_json:
         emit({k: res[k] for k in ("seq", "name", "version")})
     elif res["created"]:
@@ -205,15 +260,15 @@ def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
 @click.argument("name", type=TEXT)
 @click.option("--force", is_flag=True, help="Unload even if the adapter is pinned.")
 @EXPECT_HEAD
+@EVENT_ID
 @JSON_OPT
 @click.pass_context
 @handles_errors
 def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
-           as_json: bool) -> None:
+           event_id: str | None, as_json: bool) -> None:
     """Unload the adapter NAME."""
-    with _client(ctx) as c:
-        res = c.call("unload", {"event_id": new_event_id(), "name": name, "force": force,
-                                "expect_head": expect_head})
+    res = _write(ctx, "unload", {"event_id": event_id, "name": name, "force": force,
+                                 "expect_head": expect_head})
     if as_json:
         emit(res)
     else:
@@ -290,35 +345,63 @@ def _fetch_events(c: ControlClient, since: int) -> list[dict[str, Any]]:
 @handles_errors
 def events(ctx: click.Context, since: int, follow: bool, diffs: str, as_json: bool) -> None:
     """The event log. With --json: an array, or one JSON object per line with --follow."""
+    if not follow:
+        with _client(ctx) as c:
+            evs = _fetch_events(c, since)
+        if as_json:
+            emit([{k: e[k] for k in EVENT_KEYS} for e in evs])
+        else:
+            _print_events(evs)
+        return
     with _client(ctx) as c:
-        evs = _fetch_events(c, since)
-        if not follow:
-            if as_json:
-                emit([{k: e[k] for k in EVENT_KEYS} for e in evs])
-            else:
-                _print_events(evs)
-            return
         sub: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         connect(sub, diffs)
         try:
-            while True:
-                for e in evs:
-                    if as_json:
-                        emit({k: e[k] for k in EVENT_KEYS})
-                    else:
-                        _print_events([e])
-                    since = e["seq"]
-                sys.stdout.flush()
-                if sub.poll(1000):
-                    while sub.poll(0):
-                        sub.recv_multipart()
-                evs = _fetch_events(c, since)
+            _follow(c, sub, since, as_json)
         except KeyboardInterrupt:
             pass
         finally:
             sub.close(0)
+
+
+FOLLOW_WAITS_S = (0.5, 5.0)  # while statesvc cannot answer: the first wait, the longest
+
+
+def _follow(c: ControlClient, sub: zmq.Socket[Any], since: int, as_json: bool) -> None:
+    """Print each event after `since` as it is recorded, page by page, each seq once and in
+    order. While statesvc cannot answer (its database away: `storage_error`; silent:
+    Unavailable) it asks again, waiting longer each time, from the last seq printed: one
+    line on stderr when that starts and one when it ends."""
+    wait = 0.0  # > 0 while statesvc cannot answer
+    while True:
+        try:
+            page = c.call("events", {"since": since})["events"]
+        except (RemoteError, Unavailable) as exc:
+            if isinstance(exc, RemoteError) and exc.code != "storage_error":
+                raise
+            if not wait:
+                why = f"storage_error: {exc}" if isinstance(exc, RemoteError) else str(exc)
+                err.print("[dim]" + shown(f"events --follow: {why}; asking again until it "
+                                          f"answers (after seq {since})") + "[/]")
+            wait = min(wait * 2 or FOLLOW_WAITS_S[0], FOLLOW_WAITS_S[1])
+            time.sleep(wait)
+            continue
+        if wait:
+            err.print("[dim]" + shown(f"events --follow: statesvc answers again; following "
+                                      f"on after seq {since}") + "[/]")
+            wait = 0.0
+        for e in page:
+            if as_json:
+                emit({k: e[k] for k in EVENT_KEYS})
+            else:
+                _print_events([e])
+            since = e["seq"]
+        sys.stdout.flush()
+        if not page and sub.poll(1000):  # caught up: until a diff is published, or a second
+            while sub.poll(0):
+                sub.recv_multipart()
 
 
 def _print_events(evs: list[dict[str, Any]]) -> None:

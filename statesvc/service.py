@@ -21,13 +21,13 @@ from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICA
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, EventError,
                            PoolConfigured, Replaced, encode_body, log_id_of)
-from shared.protocol import Request
+from shared.protocol import WRITE_COMMANDS, Request
 from shared.reducer import (State, admit_load, apply, canonical, logical_digest, require_pool,
                             snapshot_bytes, verified_snapshot)
 from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
 from statesvc.blobs import BlobStore
 from shared.blobserve import read_chunk
-from statesvc.decisions import CommandError, pool_init, storage_error, unload
+from statesvc.decisions import CommandError, cause, pool_init, storage_error, unload
 from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry
 from statesvc.store import (CATCH_UP_PAGE, UNAVAILABLE, EventStore, HeadMoved, NewBlob,
@@ -210,14 +210,15 @@ class StateService:
                     committed += self.catch_up(begun.events) if self.store.shared else []
                 except Exception as exc:  # the log could not be read: nothing decided
                     log.warning("catching up with the log failed: %s", exc)
-                    why = f"the log could not be read ({exc})"
+                    why = f"the log could not be read ({cause(exc)})"
                     break
                 try:
                     return self._handle(requests, committed, more, begun.recorded), committed
                 except HeadMoved as moved:
                     log.info("another statesvc appended up to seq %d: deciding again",
                              moved.head)
-        return [Answer(error=storage_error(why)) for _ in requests], committed
+        return [Answer(error=storage_error(why, write=req.cmd in WRITE_COMMANDS))
+                for req, _ in requests], committed
 
     def _handle(self, requests: list[tuple[Request, str]], committed: list[Event],
                 more: Callable[[], list[tuple[Request, str]]] | None,
@@ -261,7 +262,9 @@ class StateService:
             for j in [*batch.writers, *range(i, len(requests))]:
                 if answers[j].error is None:
                     answers[j].result = None
-                    answers[j].error = storage_error(f"the log could not be read ({lost})")
+                    answers[j].error = storage_error(
+                        f"the log could not be read ({cause(lost)})",
+                        write=requests[j][0].cmd in WRITE_COMMANDS)
         return answers
 
     @staticmethod
@@ -301,7 +304,7 @@ class StateService:
                        if self.store.shared else "nothing was recorded")
             for i in (i for i in batch.writers if answers[i].error is None):
                 answers[i].result = None
-                answers[i].error = storage_error(f"the event could not be stored ({exc}); "
+                answers[i].error = storage_error(f"the event could not be stored ({cause(exc)}); "
                                                   f"{outcome}")
             return []
         if isinstance(self.blobs, LogBlobStore):  # the fleet fetches them next

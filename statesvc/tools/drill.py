@@ -11,8 +11,9 @@ digest, runs a fixed greedy probe on the base model and on every live adapter
 compares its output with the from-zero replica's (with `resident_only`, each live
 replica is probed only on the adapters it holds, so the drill fills no slot there and
 the check `no_fills` says so; the registry is still compared by the logical digest and
-the drill's own replicas probe every live adapter), then compares the contents of
-every resident slot with the from-zero replica's for the same adapter version
+the drill's own replicas probe every live adapter; a replica that serves no inference,
+`computed serve --no-inference`, is not probed: its check `probes` says so), then compares
+the contents of every resident slot with the from-zero replica's for the same adapter version
 (which slot holds it is each replica's own choice) and checks that every
 pinned adapter is resident everywhere.
 
@@ -42,6 +43,7 @@ from shared.replica_protocol import GENERATE, STATUS, generate_args
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
 PROBE_TOKENS = 8
+POOL_ONLY = "skipped: no inference (pool only)"
 ZERO, SNAPSHOT = "drill-from-zero", "drill-from-snapshot"
 
 
@@ -307,7 +309,11 @@ class Drill:
         with ControlClient(self.state, retries=0, keys=self.keys) as c:
             listed = list_adapters(c)[1]
         adapters = [None, *sorted(a["name"] for a in listed)]
-        probed = {rid: adapters if not self.resident_only or addr in self.fresh else
+        # a replica without an engine (--no-inference) reports `inference` null: not probed
+        pool_only = {rid for rid, s in statuses.items() if "inference" in s
+                     and s["inference"] is None}
+        probed = {rid: [] if rid in pool_only else
+                  adapters if not self.resident_only or addr in self.fresh else
                   [None, *sorted({h["name"] for h in (statuses[rid].get("slots") or {}).values()
                                   if h["name"] in adapters})]
                   for rid, addr in addresses.items()}
@@ -322,6 +328,8 @@ class Drill:
             if self.resident_only and addresses[rid] not in self.fresh:
                 self._check(rid, "no_fills", _misses(s), _misses(resident[rid]),
                             "the probes filled slots (an adapter left its slot meanwhile)")
+            if rid in pool_only:
+                self.report.checks.append(Check(rid, "probes", True, detail=POOL_ONLY))
             for adapter in probed[rid]:
                 label = f"probe:{adapter or '(base)'}"
                 self._check(rid, label, probes[ZERO][adapter], probes[rid][adapter],

@@ -182,3 +182,21 @@ def test_drill_resident_only_probes_what_each_live_replica_holds_and_fills_nothi
     after = r1.status()
     assert after["residency"]["misses"] == before["residency"]["misses"]
     assert sorted(h["name"] for h in after["slots"].values()) == held
+
+
+def test_drill_checks_a_pool_only_replica_without_probing_it(fleet: Fleet) -> None:
+    """`computed serve --no-inference` answers no generate: the drill skips its probes, says
+    so, and still compares its digests, resident slots and pinned adapters."""
+    fleet.init(max_loras=2, max_rank=32)
+    fleet.load("chat", "attn-qv-r8", pin=True)
+    pool = fleet.replica("pool", args=("--no-inference",))
+    wait_for(lambda: fleet.converged(pool), what="pool")
+    wait_for(lambda: len(json.loads(loractl(fleet.statesvc, "status", "--json").stdout)
+                         ["replicas"]) == 1, what="heartbeat")
+    code, report, stderr = drill(fleet)
+    assert code == 0, stderr
+    assert report["ok"] is True and all(c["ok"] for c in report["checks"])
+    checks = {c["check"]: c for c in report["checks"] if c["replica"] == "pool"}
+    assert set(checks) == {"logical_digest", "resident", "pinned", "probes"}
+    assert checks["probes"]["detail"] == "skipped: no inference (pool only)"
+    assert checks["pinned"]["got"] == ["chat"]

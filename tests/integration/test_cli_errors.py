@@ -172,3 +172,50 @@ def test_empty_request_id_is_answered_with_null(tmp_path: Path) -> None:
     assert empty["error"]["code"] == "bad_request" and empty["error"]["field"] == "request.id"
     assert too_long["id"] is None and too_long["ok"] is False
     assert ok["id"] == "ok-id" and ok["ok"] is True
+
+
+def _auth_dirs(root: Path) -> dict[str, Path]:
+    """--auth dirs that hold no usable server key: what each lacks."""
+    from shared.keys import init_server_keys
+    init_server_keys(root / "keys")
+    dirs = {name: root / name for name in ("empty", "garbage", "public-only")}
+    for d in dirs.values():
+        d.mkdir()
+    (dirs["garbage"] / "server.key_secret").write_text("junk\n")
+    (dirs["public-only"] / "server.key").write_bytes((root / "keys" / "server.key").read_bytes())
+    return dirs
+
+
+AUTH_WHY = {"empty": "server.key_secret does not exist",
+            "garbage": 'server.key_secret has no `public-key = "..."` line',
+            "public-only": "holds server.key, the public half only"}
+
+
+@pytest.mark.parametrize("which", sorted(AUTH_WHY))
+def test_statesvc_auth_dir_without_server_key(tmp_path: Path, which: str) -> None:
+    """Refused before the data dir is created or a schema touched: the file and the fix."""
+    auth = _auth_dirs(tmp_path)[which]
+    res = run("statesvc", "serve", "--data-dir", str(tmp_path / "data"), "--control",
+              loopback(), "--publish", loopback(), "--auth", str(auth), timeout=60)
+    usage_error(res, f"--auth {auth}: ", AUTH_WHY[which], "statesvc keys init DIR")
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("which", ["empty", "public-only"])
+def test_computed_auth_dir_without_server_key(tmp_path: Path, example: ExampleAssets,
+                                              which: str) -> None:
+    dirs = _auth_dirs(tmp_path)
+    res = run("computed", "serve", "--model", str(example.model_dir), "--state", loopback(),
+              "--diffs", loopback(), "--replica-id", "r1", "--cache-dir", str(tmp_path / "c"),
+              "--no-inference", "--no-heartbeat", "--auth", str(dirs[which]),
+              "--key", str(tmp_path / "keys" / "server.key_secret"),
+              "--server-key", str(tmp_path / "keys" / "server.key"))
+    usage_error(res, f"--auth {dirs[which]}: ", AUTH_WHY[which])
+    assert not (tmp_path / "c").exists()
+
+
+def test_missing_client_key_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "me.key_secret"
+    res = run("loractl", "--state", loopback(), "--key", str(missing), "--server-key",
+              str(missing), "status", timeout=60)
+    usage_error(res, f"key file {missing} does not exist", "loractl keys new NAME")

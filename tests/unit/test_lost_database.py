@@ -56,6 +56,9 @@ def test_lost_mid_batch_keeps_what_was_committed(svc: StateService, example: Exa
     assert answers[0].error is None and answers[0].result["seq"] == 2
     assert answers[1].error is None and answers[1].result["head_seq"] == 2
     assert [a.error.code if a.error else None for a in answers[2:]] == ["storage_error"] * 3
+    # a read is asked again; a write is resent with its event_id
+    assert str(answers[2].error).endswith("; retry") and "event_id" in str(answers[3].error)
+    assert "server closed" in str(answers[2].error) and "SELECT" not in str(answers[2].error)
     assert [e.seq for e in committed] == [2] and svc.store.head() == 2
     again, _ = svc.handle([(y, "test"), (drop, "test"), (y, "test"), (x, "test")])  # retries
     assert [a.result["seq"] for a in again] == [3, 4, 3, 2]  # each recorded once
