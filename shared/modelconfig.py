@@ -13,7 +13,7 @@ No jax here: statesvc imports this module.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,23 +69,26 @@ class Architecture:
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                            head_dim=self.head_dim)
 
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a replica reads from the checkpoint, with its shape as transformers saves it."""
+    def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every tensor a replica reads from the checkpoint, with its shape as transformers
+        saves it, layer by layer: a generator, since config.json's num_hidden_layers is not
+        bounded until the checkpoint is seen to hold that many layers (`check_tensors` stops
+        at the first tensor missing; a dict of 2**62 layers' names was an out-of-memory)."""
         h, v = self.hidden_size, self.vocab_size
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h),
-                                              "model.norm.weight": (h,)}
+        yield "model.embed_tokens.weight", (v, h)
+        yield "model.norm.weight", (h,)
         if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (v, h)
+            yield "lm_head.weight", (v, h)
+        dims = self.module_dims
         for i in range(self.num_layers):
             p = f"model.layers.{i}"
-            shapes[f"{p}.input_layernorm.weight"] = (h,)
-            shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-            for m, (n_in, n_out) in self.module_dims.items():
+            yield f"{p}.input_layernorm.weight", (h,)
+            yield f"{p}.post_attention_layernorm.weight", (h,)
+            for m, (n_in, n_out) in dims.items():
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
-                shapes[f"{stem}.weight"] = (n_out, n_in)
+                yield f"{stem}.weight", (n_out, n_in)
                 if self.attention_bias if MODULE_PARENT[m] == "self_attn" else self.mlp_bias:
-                    shapes[f"{stem}.bias"] = (n_out,)
-        return shapes
+                    yield f"{stem}.bias", (n_out,)
 
 
 def _fail(what: str) -> ModelConfigError:
@@ -186,7 +189,7 @@ def _rope(cfg: Mapping[str, Any], max_pos: int) -> Rope:
 def check_tensors(arch: Architecture, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Raise ModelConfigError unless the checkpoint (tensor name -> shape) holds every tensor
     `arch` needs, in the shape config.json implies."""
-    for name, want in arch.tensor_shapes().items():
+    for name, want in arch.tensor_shapes():
         if name not in shapes:
             raise ModelConfigError(f"the checkpoint has no tensor {name!r}")
         if tuple(shapes[name]) != want:

@@ -43,6 +43,9 @@ BAD_CONFIGS = {
     "too large": lambda cfg: cfg.update(notes="x" * MAX_MODEL_CONFIG_BYTES),
     "heads not a multiple": lambda cfg: cfg.update(num_key_value_heads=3),
     "hidden_size against the tensors": lambda cfg: cfg.update(hidden_size=32),
+    # found by benchmarks/fuzz_long: the expected tensors were listed for every layer the
+    # config claims before any was looked up, and statesvc ran out of memory
+    "layers beyond the checkpoint": lambda cfg: cfg.update(num_hidden_layers=2**62),
 }
 EXPECTED = {
     "dynamic rope": "config.json: rope type 'dynamic' is not supported",
@@ -53,6 +56,7 @@ EXPECTED = {
     "too large": f"above the {MAX_MODEL_CONFIG_BYTES}-byte limit",
     "heads not a multiple": "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
     "hidden_size against the tensors": "config.json implies",
+    "layers beyond the checkpoint": "the checkpoint has no tensor 'model.layers.",
 }
 
 
@@ -97,7 +101,8 @@ def test_the_model_loader_and_pool_init_refuse_with_one_text(example: ExampleAss
 def test_pool_init_refuses_what_no_replica_can_serve(statesvc: StateSvc, example: ExampleAssets,
                                                      tmp_path: Path) -> None:
     """Through real statesvc, loractl and `computed serve`: the same text, nothing appended."""
-    for defect in ("dynamic rope", "yarn rope", "gelu", "deep nesting"):
+    for defect in ("dynamic rope", "yarn rope", "gelu", "deep nesting",
+                   "layers beyond the checkpoint"):
         model = bad_model(example, tmp_path, defect)
         res = loractl(statesvc, "pool", "init", "--model", str(model), "--max-loras", "2",
                       "--max-rank", "8", "--targets", "all", check=False)
