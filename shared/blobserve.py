@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import zmq
 from sqlalchemy.exc import OperationalError
 
-from shared.errors import CodedError
+from shared.errors import CodedError, cause
 from shared.protocol import Request, error_reply, error_reply_of, ok_reply
 from shared.threadname import name_os_thread
 
@@ -117,7 +117,7 @@ class BlobServer(threading.Thread):
             return error_reply_of(req.id, exc)
         except OperationalError as exc:
             return error_reply(req.id, "storage_error", "the blob could not be read "
-                               f"({str(exc.orig).splitlines()[0]}); retry")
+                               f"({cause(exc)}); retry")
         except Exception as exc:  # a bug costs one answer, never the thread
             log.exception("internal error reading a blob chunk")
             return error_reply(req.id, "internal_error", f"internal error "

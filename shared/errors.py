@@ -16,3 +16,11 @@ class CodedError(Exception):
         super().__init__(message)
         self.code = code
         self.field = field
+
+
+def cause(exc: BaseException) -> str:
+    """The first line of an error's own message, a database driver's where SQLAlchemy wraps
+    one (`orig`): SQLAlchemy's text adds the statement, its parameters and a link, which an
+    answer to a client or a log line has no use for."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

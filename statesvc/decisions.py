@@ -26,12 +26,6 @@ def storage_error(why: str, *, write: bool = True) -> CommandError:
                         "at most once)" if write else f"{why}; retry")
 
 
-def cause(exc: BaseException) -> str:
-    """The first line of a database error's own message: SQLAlchemy's text adds the
-    statement, its parameters and a link, which an answer to a client has no use for."""
-    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
 
 def pool_init(state: State, args: dict[str, Any], *,
               progress: Callable[[], None] = lambda: None) -> dict[str, Any] | tuple[Body, None]:

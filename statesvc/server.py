@@ -28,6 +28,7 @@ from sqlalchemy.exc import OperationalError
 
 from shared.config import HEARTBEAT_INTERVAL_S, HELD_REPLY_RETRY_MS
 from shared.endpoints import bind, check_bind
+from shared.errors import cause
 from shared.events import Event
 from shared.faults import Faults
 from shared.keys import ServerAuth
@@ -181,7 +182,7 @@ class Server:
             self._publish(self.service.catch_up())
         except OperationalError as exc:  # unreachable: commands answer storage_error meanwhile
             log.warning("reading the shared log failed (%s); retrying in %.0f s",
-                        str(exc.orig).splitlines()[0], CATCH_UP_S)
+                        cause(exc), CATCH_UP_S)
         except Exception:
             log.exception("reading the shared log failed; retrying in %.0f s", CATCH_UP_S)
 

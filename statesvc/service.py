@@ -18,7 +18,7 @@ from typing import Any, Callable
 import msgpack
 
 from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS
-from shared.errors import CodedError
+from shared.errors import CodedError, cause
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, EventError,
                            PoolConfigured, Replaced, encode_body, log_id_of)
 from shared.protocol import WRITE_COMMANDS, Request
@@ -27,7 +27,7 @@ from shared.reducer import (State, admit_load, apply, canonical, logical_digest,
 from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
 from statesvc.blobs import BlobStore
 from shared.blobserve import read_chunk
-from statesvc.decisions import CommandError, cause, pool_init, storage_error, unload
+from statesvc.decisions import CommandError, pool_init, storage_error, unload
 from statesvc.pgblobs import LogBlobStore
 from statesvc.registry import Registry
 from statesvc.store import (CATCH_UP_PAGE, UNAVAILABLE, EventStore, HeadMoved, NewBlob,
