@@ -54,8 +54,9 @@ class Header:
 
 
 def _check_entry(name: str, entry: Any, data_len: int) -> TensorInfo:
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise TensorFileError(f"tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
+    # other keys are ignored, as the safetensors library ignores them
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise TensorFileError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise TensorFileError(f"tensor {name!r}: unknown dtype {dtype!r}")

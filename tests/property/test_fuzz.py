@@ -1189,3 +1189,14 @@ def test_regression_heartbeat_ts_beyond_a_float() -> None:
     with pytest.raises(ProtocolError, match=r"hb\.ts is beyond a float's range"):
         validate(PUBLISHED_HEARTBEAT, {**HEARTBEAT, "ts": 10**400}, "hb")
     assert validate(PUBLISHED_HEARTBEAT, {**HEARTBEAT, "ts": 2**64}, "hb")["ts"] == 2.0**64
+
+
+def test_regression_tensor_entry_with_an_extra_key() -> None:
+    # found by benchmarks/fuzz_long (seed 270776134): the safetensors library ignores keys
+    # of a tensor entry beyond dtype, shape and data_offsets; the parser refused them
+    head = json.dumps({"a": {"dtype": "BF16", "shape": [], "data_offsets": [0, 2], "": None},
+                       "b": {"dtype": "BF16", "shape": [], "data_offsets": [2, 4]}}).encode()
+    header = parse_bytes(_json_header(head) + bytes(4))
+    assert sorted(header.tensors) == ["a", "b"]
+    with pytest.raises(TensorFileError, match="must have dtype, shape and data_offsets"):
+        parse_bytes(_json_header(json.dumps({"a": {"dtype": "BF16", "shape": []}}).encode()))
