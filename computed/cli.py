@@ -114,15 +114,13 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     if not ADAPTER_NAME_RE.fullmatch(replica_id):
         raise click.BadParameter(f"{replica_id!r}: a replica id is {ADAPTER_NAME_WORDS}",
                                  param_hint="--replica-id")
-    from shared.keys import KeyError_, client_keys, server_keys
+    from shared.keys import KeyError_, auth_dir_keys, client_keys
     try:
         keys = client_keys(key, server_key)
     except KeyError_ as exc:
         raise click.UsageError(str(exc)) from None
-    try:  # the listen socket's key pair, checked before the pool or the model is built
-        server_public = None if auth_dir is None else server_keys(auth_dir)[0]
-    except KeyError_ as exc:
-        raise click.UsageError(f"--auth {auth_dir}: {exc}") from None
+    # the listen socket's key pair, checked before the pool or the model is built
+    server_public = None if auth_dir is None else auth_dir_keys(auth_dir)[0]
     # peers serve with the server key of their --auth dir, which a fleet shares
     peer_keys = keys if keys is None or server_public is None else dataclasses.replace(
         keys, server=server_public)

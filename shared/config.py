@@ -48,6 +48,8 @@ ADAPTER_NAME_WORDS = "a letter or digit, then up to 63 letters, digits, '.', '_'
 # event ids and log ids: a lowercase UUID (any version)
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")  # a sha256 as the wire and the log write it
+MAX_SEQ = 2**62  # the largest seq (head, since, min_seq, offset) the wire and the log take
+MAX_SEED = 2**63 - 1  # the largest sampling seed a replica takes
 
 POOL_DTYPES = ("float32", "bfloat16")
 # The largest finite value of each pool dtype: an adapter's scaling must not exceed it.

@@ -24,3 +24,12 @@ def cause(exc: BaseException) -> str:
     answer to a client or a log line has no use for."""
     lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def short_int(value: int) -> str:
+    """An integer as a message shows it: whole up to 24 digits, else its first 8 and last 4
+    digits and how many there are (a JSON or command-line integer can have thousands)."""
+    digits = str(abs(value))
+    if len(digits) <= 24:
+        return str(value)
+    return f"{'-' * (value < 0)}{digits[:8]}...{digits[-4:]} ({len(digits)} digits)"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
@@ -78,6 +79,15 @@ def server_keys(directory: Path) -> tuple[bytes, bytes]:
     public, secret = read_key_file(path, secret=True, hint=AUTH_DIR_HINT)
     assert secret is not None
     return public, secret
+
+
+def auth_dir_keys(directory: Path) -> tuple[bytes, bytes]:
+    """`server_keys` for a service's `--auth DIR`, or click's usage error (exit 2) naming the
+    flag, the file and the fix."""
+    try:
+        return server_keys(directory)
+    except KeyError_ as exc:
+        raise click.UsageError(f"--auth {directory}: {exc}") from None
 
 
 def read_key_file(path: Path, *, secret: bool, hint: str) -> tuple[bytes, bytes | None]:

@@ -15,8 +15,8 @@ import msgpack
 
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_MAX_ADAPTERS,
                            MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE, MAX_FRAME_BYTES, MAX_LIST_PAGE,
-                           MAX_MAX_ADAPTERS, POOL_DTYPES, PROTOCOL_VERSION, SHA256_RE,
-                           UUID_RE)
+                           MAX_MAX_ADAPTERS, MAX_SEQ, POOL_DTYPES, PROTOCOL_VERSION,
+                           SHA256_RE, UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
 from shared.errors import CodedError
 from shared.llama import MODULES
@@ -180,8 +180,8 @@ def validate(schema: Schema, data: Any, where: str) -> dict[str, Any]:
 
 EVENT_ID = Field(str, check=matches(UUID_RE, "a lowercase UUID such as "
                                     "'0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a'"))
-EXPECT_HEAD = Field(int, required=False, check=int_range(0, 2**62))
-SEQ = Field(int, check=int_range(0, 2**62))
+EXPECT_HEAD = Field(int, required=False, check=int_range(0, MAX_SEQ))
+SEQ = Field(int, check=int_range(0, MAX_SEQ))
 NAME = Field(str, check=str_len(64))
 PATH = Field(str, check=str_len(4096))
 DIGEST = Field(str, check=matches(SHA256_RE, "64 lowercase hex digits"))
@@ -211,7 +211,7 @@ COMMANDS: dict[str, Schema] = {
                        check=int_range(1, MAX_LIST_PAGE)),
     },
     "events": {
-        "since": Field(int, required=False, default=0, check=int_range(0, 2**62)),
+        "since": Field(int, required=False, default=0, check=int_range(0, MAX_SEQ)),
         "limit": Field(int, required=False, default=MAX_EVENTS_PER_PAGE,
                        check=int_range(1, MAX_EVENTS_PER_PAGE)),
     },
@@ -219,7 +219,7 @@ COMMANDS: dict[str, Schema] = {
     "digest": {"seq": SEQ},
     "blob": {
         "sha256": DIGEST,
-        "offset": Field(int, required=False, default=0, check=int_range(0, 2**62)),
+        "offset": Field(int, required=False, default=0, check=int_range(0, MAX_SEQ)),
         "length": Field(int, required=False, default=MAX_BLOB_CHUNK,
                         check=int_range(1, MAX_BLOB_CHUNK)),
     },

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from shared.canonical import canonical_bytes, digest
-from shared.config import ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, UUID_RE
+from shared.config import ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, MAX_SEQ, UUID_RE
 from shared.errors import CodedError
 from shared.events import (AdapterLoaded, AdapterUnloaded, Body, EventError, PoolConfigured,
                            decode_body, encode_body, lora_scaling)
@@ -255,7 +255,7 @@ def body_of_diff(diff: dict[str, Any]) -> tuple[int, Body]:
     (absent, null or a lowercase UUID) is checked here and read by the caller."""
     try:
         seq, op, log_id = diff["seq"], diff["op"], diff.get("log_id")
-        if type(seq) is not int or not 1 <= seq <= 2**62:
+        if type(seq) is not int or not 1 <= seq <= MAX_SEQ:
             raise EventError(f"diff seq must be an int from 1 to 2**62, got {seq!r}")
         if log_id is not None and not (isinstance(log_id, str) and UUID_RE.fullmatch(log_id)):
             raise EventError(f"diff log_id must be null or a lowercase UUID, got {log_id!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Callable, TypedDict
 
-from shared.config import PROTOCOL_VERSION
+from shared.config import MAX_SEED, MAX_SEQ, PROTOCOL_VERSION
 from shared.protocol import COMMANDS as CONTROL_COMMANDS
 from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, str_len,
                              validate)
@@ -70,10 +70,10 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
                              "must be between 0 and 100"),
         "top_p": Field(float, required=False, default=d["top_p"],
                        check=lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]"),
-        "seed": Field(int, required=False, default=d["seed"], check=int_range(0, 2**63 - 1)),
+        "seed": Field(int, required=False, default=d["seed"], check=int_range(0, MAX_SEED)),
         "stop_token_ids": Field(list, required=False, default=d["stop_token_ids"], check=stops),
         "min_seq": Field(int, required=False, default=d["min_seq"],
-                         check=int_range(0, 2**62)),
+                         check=int_range(0, MAX_SEQ)),
         "stream": Field(bool, required=False, default=d["stream"]),
     }
 

@@ -148,7 +148,8 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
         raise click.UsageError(f"--control and --publish are both {control}; give each socket "
                                "an address of its own")
     if auth_dir is not None:  # before the data dir is created or the schema touched
-        _check_auth_dir(auth_dir)
+        from shared.keys import auth_dir_keys
+        auth_dir_keys(auth_dir)
     memtune.tune()  # a blob's buffers reuse their pages (shared/memtune.py)
     url = db_url or sqlite_url(data_dir)
     # SQLite: one writer per data dir; PostgreSQL: any number, serialised by the database
@@ -199,16 +200,6 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
         if lock is not None:
             lock.close()
     log.info("stopped")
-
-
-def _check_auth_dir(auth_dir: Path) -> None:
-    """A usage error naming the file and the fix when --auth holds no usable server key."""
-    from shared.keys import KeyError_, server_keys
-
-    try:
-        server_keys(auth_dir)
-    except KeyError_ as exc:
-        raise click.UsageError(f"--auth {auth_dir}: {exc}") from None
 
 
 def _shown(url: str) -> str:

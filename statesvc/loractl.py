@@ -22,8 +22,9 @@ from rich.table import Table
 from shared.client import (ControlClient, RemoteError, Unavailable, Unsendable, list_adapters,
                            new_event_id)
 from shared.config import (DEFAULT_CONTROL, DEFAULT_MAX_ADAPTERS, DEFAULT_PUBLISH, MAX_MAX_ADAPTERS,
-                           POOL_DTYPES, STATE_ENV, UUID_RE)
+                           MAX_SEED, MAX_SEQ, POOL_DTYPES, STATE_ENV, UUID_RE)
 from shared.endpoints import click_address, click_addresses, connect
+from shared.errors import short_int
 from shared.llama import MODULES
 from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
 from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
@@ -31,8 +32,6 @@ from statesvc.tools.commands import drill, make_example_cmd
 
 # the ranges the services take (shared/protocol.py, shared/replica_protocol.py), so a value
 # beyond them is a usage error naming the option, never a frame that cannot be encoded
-MAX_SEQ = 2**62
-MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on a replica
 MAX_TIMEOUT_S = 86400.0
 
@@ -457,14 +456,9 @@ def _parse_ids(value: str, option: str) -> list[int]:
     beyond = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
     if beyond is not None:
         raise click.BadParameter(f"token ids are 0 to {MAX_TOKEN_ID} (the model's vocabulary "
-                                 f"bounds them further), got {_short_int(beyond)}",
+                                 f"bounds them further), got {short_int(beyond)}",
                                  param_hint=option)
     return ids
-
-
-def _short_int(value: int) -> str:
-    text = str(value)
-    return text if len(text) <= 24 else f"{text[:10]}...{text[-4:]} ({len(text)} digits)"
 
 
 @main.command()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import POOL_DTYPE_MAX
-from shared.errors import CodedError
+from shared.errors import CodedError, short_int
 from shared.llama import MODULE_PARENT, MODULES
 
 MERGE_FIX = ("or merge it into the base model (PeftModel.merge_and_unload(), then save_pretrained) "
@@ -63,9 +63,8 @@ def _invalid(what: str) -> ConfigRefused:
 def shown(value: Any) -> str:
     """`value` as a message shows it: its repr, cut to 80 characters; an integer of more than
     24 digits as its first and last digits and how many there are."""
-    if type(value) is int and not -10**24 < value < 10**24:
-        digits = str(abs(value))  # JSON's integers are within Python's limit for str()
-        return f"{'-' * (value < 0)}{digits[:8]}...{digits[-4:]} ({len(digits)} digits)"
+    if type(value) is int:  # JSON's integers are within Python's limit for str()
+        return short_int(value)
     try:
         text = repr(value)
     except RecursionError:  # JSON nested nearly as deep as the decoder allows
