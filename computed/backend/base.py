@@ -106,12 +106,15 @@ class Backend(ABC):
 
     @abstractmethod
     def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,
-                         positions: jax.Array, active: jax.Array,
-                         attend_len: int) -> tuple[jax.Array, KVCache]:
+                         positions: jax.Array, active: jax.Array, attend_len: int, *,
+                         scale: float | None = None, window: int = 0,
+                         softcap: float = 0.0) -> tuple[jax.Array, KVCache]:
         """One decode step's attention of `layer`: writes k and v [B, kv, d] at positions[b] of each
         active row b of the cache, and attends q [B, kv, g, d] over [0, positions[b]]. Returns
         (out [B, heads * d] in q's dtype, the updated cache). `attend_len` (static) bounds the
-        positions read where the backend reads a bucket of them."""
+        positions read where the backend reads a bucket of them. The layer's options, static, as
+        computed/model/attention.py has them: `scale` (None: head_dim**-0.5), `window` (0: none;
+        else over (positions[b] - window, positions[b]]) and `softcap` (0: none)."""
 
     def attend_len(self, cache: KVCache, attend_len: int) -> int:
         """The `attend_len` decode compiles for, given the caller's (checked) bucket."""

@@ -10,8 +10,8 @@
   XLA's dot repacks it on every call. Weights left [in, out] (neither AVX-512 nor AVX2+FMA) go to
   XLA's dot.
 - Decode attention: `attention.cc` (`attention_kernel`), each row over its own positions of a
-  float32 cache with K in blocks (a bfloat16 model's too: `cache_dtype`), in place; one compile
-  serves every length.
+  float32 cache with K in blocks (a bfloat16 model's too: `cache_dtype`), in place (a sliding
+  window's last positions only); one compile serves every length.
 
 This is the only module that imports the kernels' build (computed/backend/kernels).
 """
@@ -83,18 +83,22 @@ def dense_matmuls(x: jax.Array, ws: Sequence[jax.Array | PackedWeight]) -> list[
 
 
 def attention_kernel(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, k: jax.Array,
-                     v: jax.Array, layer: int, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     v: jax.Array, layer: int, scale: float, *, window: int = 0,
+                     softcap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode step's attention of layer `layer` by the native kernel (computed/backend/kernels/attention.cc):
     writes `k` and `v` [B, kv, d] at position lengths[b] - 1 of row b of the caches (rows with
     length 0 write nothing), then attends q [B, kv, g, d] over each row's first lengths[b]
-    positions, read in place. Returns (out [B, kv, g, d] float32, k_cache, v_cache); the caches are
-    updated in place (the kernel's results alias them)."""
+    positions (its last `window` of them where `window` is set; scores soft-capped where `softcap`
+    is: computed/model/attention.py), read in place. Returns (out [B, kv, g, d] float32, k_cache,
+    v_cache); the caches are updated in place (the kernel's results alias them)."""
+    attention.check_options(window, softcap)
     kernels.require()
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
               jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     call = jax.ffi.ffi_call(kernels.ATTENTION, shapes, input_output_aliases={1: 1, 2: 2})
     out, k_cache, v_cache = call(q.astype(jnp.float32), k_cache, v_cache, lengths, k.astype(jnp.float32),
-                                 v.astype(jnp.float32), layer=np.int64(layer), scale=np.float32(scale))
+                                 v.astype(jnp.float32), layer=np.int64(layer), scale=np.float32(scale),
+                                 window=np.int64(window), softcap=np.float32(softcap))
     return out, k_cache, v_cache
 
 
@@ -163,12 +167,16 @@ class NativeBackend(Backend):
         return lora_sgmv(x, [(pool.A[m], pool.B[m]) for m in modules], pool.scaling, pool.rank, batch, layer)
 
     def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,
-                         positions: jax.Array, active: jax.Array,
-                         attend_len: int) -> tuple[jax.Array, KVCache]:
+                         positions: jax.Array, active: jax.Array, attend_len: int, *,
+                         scale: float | None = None, window: int = 0,
+                         softcap: float = 0.0) -> tuple[jax.Array, KVCache]:
         if self.attention == "xla":
-            return attention.bucket(q, k, v, cache, layer, positions, active, attend_len)
+            return attention.bucket(q, k, v, cache, layer, positions, active, attend_len, scale=scale,
+                                    window=window, softcap=softcap)
         lengths = jnp.where(active, positions + 1, 0).astype(jnp.int32)
-        out, k_cache, v_cache = attention_kernel(q, cache.k, cache.v, lengths, k, v, layer, q.shape[-1] ** -0.5)
+        out, k_cache, v_cache = attention_kernel(q, cache.k, cache.v, lengths, k, v, layer,
+                                                 q.shape[-1] ** -0.5 if scale is None else scale,
+                                                 window=window, softcap=softcap)
         return out.astype(q.dtype).reshape(q.shape[0], -1), KVCache(k_cache, v_cache)
 
     def attend_len(self, cache: KVCache, attend_len: int) -> int:

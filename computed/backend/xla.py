@@ -85,6 +85,8 @@ class XlaBackend(Backend):
         return lora.segmented_group(x, [(pool.A[m], pool.B[m]) for m in modules], pool.scaling, batch, layer)
 
     def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,
-                         positions: jax.Array, active: jax.Array,
-                         attend_len: int) -> tuple[jax.Array, KVCache]:
-        return attention.bucket(q, k, v, cache, layer, positions, active, attend_len)
+                         positions: jax.Array, active: jax.Array, attend_len: int, *,
+                         scale: float | None = None, window: int = 0,
+                         softcap: float = 0.0) -> tuple[jax.Array, KVCache]:
+        return attention.bucket(q, k, v, cache, layer, positions, active, attend_len, scale=scale, window=window,
+                                softcap=softcap)
