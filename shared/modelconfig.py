@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.canonical import canonical_bytes
-from shared.llama import MODULE_PARENT, module_dims
+from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, module_dims
+from shared.rope import ROPE_TYPES, Rope, read_rope
 
-ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = ["ROPE_TYPES", "Rope"]
+
 # What `pool.configured` may record of a config.json. Real Llama configs nest 2 levels (a
 # rope_scaling or quantization_config object) and take a few KiB; the event carries the config
 # about 5 levels deep in an `events` reply, whose decoder refuses nesting deeper than 32.
@@ -32,21 +34,17 @@ class ModelConfigError(ValueError):
     """A config.json no replica can serve; the message starts with "config.json: "."""
 
 
-@dataclass(frozen=True)
-class Rope:
-    """Rotary embedding parameters (transformers' `rope_parameters`, normalised)."""
-
-    theta: float
-    type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "olmo2", "granite")
+FULL, SLIDING = "full_attention", "sliding_attention"
+# transformers' activation names a family's MLP may use, and what we compute for each
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """The Llama architecture a replica builds from config.json."""
+    """The decoder a replica builds from config.json: Llama's fields, then what a family changes
+    (each default is Llama's, so a family is its difference from Llama; docs/adapters.md lists
+    the families and the options of each)."""
 
     vocab_size: int
     hidden_size: int
@@ -58,9 +56,29 @@ class Architecture:
     rms_norm_eps: float
     rope: Rope
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v and o
     mlp_bias: bool = False
     max_position_embeddings: int = 2048
+    model_type: str = "llama"
+    qkv_bias: bool = False  # q, k and v only (Qwen2)
+    # "llama": weight * x.astype(dtype); "gemma": (x * (1 + weight)) in float32, then cast;
+    # "olmo": (weight * x) in float32, then cast
+    norm: str = "llama"
+    # "pre": norm -> block -> add (Llama); "sandwich": also a norm after each block (Gemma 2/3);
+    # "post": only the norm after each block (OLMo 2)
+    layout: str = "pre"
+    qk_norm: str = ""  # "" | "head": q and k normed per head (Qwen3, Gemma 3) | "full": over the projection (OLMo 2)
+    act: str = "silu"  # the MLP's activation: "silu" | "gelu_tanh"
+    embed_multiplier: float = 1.0
+    embed_multiplier_in_dtype: bool = False  # Gemma rounds sqrt(hidden) to the model dtype first
+    query_scale: float | None = None  # the score scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () is all FULL
+    local_rope: Rope | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
 
     @property
     def module_dims(self) -> dict[str, tuple[int, int]]:
@@ -68,6 +86,41 @@ class Architecture:
         return module_dims(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                            head_dim=self.head_dim)
+
+    @property
+    def bias_modules(self) -> tuple[str, ...]:
+        """The projections that carry a bias."""
+        attn = ATTN_MODULES if self.attention_bias else ("q_proj", "k_proj", "v_proj") if self.qkv_bias else ()
+        return attn + (MLP_MODULES if self.mlp_bias else ())
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it attends to every earlier position)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else 0
+
+    def rope_index(self, layer: int) -> int:
+        """Which of `ropes` layer `layer` uses."""
+        return 1 if self.local_rope is not None and self.window(layer) else 0
+
+    @property
+    def ropes(self) -> tuple[Rope, ...]:
+        """The distinct RoPEs of the layers: the global one, then the sliding layers' if it differs."""
+        return (self.rope,) if self.local_rope is None else (self.rope, self.local_rope)
+
+    def layer_norms(self) -> tuple[str, ...]:
+        """The norms of a decoder layer, by their name in the checkpoint (under the layer, or
+        under its self_attn for q_norm and k_norm)."""
+        names = {"pre": ("input_layernorm", "post_attention_layernorm"),
+                 "sandwich": ("input_layernorm", "post_attention_layernorm",
+                              "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                 "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[self.layout]
+        return names + (("q_norm", "k_norm") if self.qk_norm else ())
+
+    def norm_dims(self, name: str) -> int:
+        if name in ("q_norm", "k_norm"):
+            if self.qk_norm == "head":
+                return self.head_dim
+            return (self.num_heads if name == "q_norm" else self.num_kv_heads) * self.head_dim
+        return self.hidden_size
 
     def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Every tensor a replica reads from the checkpoint, with its shape as transformers
@@ -79,15 +132,16 @@ class Architecture:
         yield "model.norm.weight", (h,)
         if not self.tie_word_embeddings:
             yield "lm_head.weight", (v, h)
-        dims = self.module_dims
+        dims, biased = self.module_dims, self.bias_modules
         for i in range(self.num_layers):
             p = f"model.layers.{i}"
-            yield f"{p}.input_layernorm.weight", (h,)
-            yield f"{p}.post_attention_layernorm.weight", (h,)
+            for name in self.layer_norms():
+                parent = f"{p}.self_attn" if name in ("q_norm", "k_norm") else p
+                yield f"{parent}.{name}.weight", (self.norm_dims(name),)
             for m, (n_in, n_out) in dims.items():
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
                 yield f"{stem}.weight", (n_out, n_in)
-                if self.attention_bias if MODULE_PARENT[m] == "self_attn" else self.mlp_bias:
+                if m in biased:
                     yield f"{stem}.bias", (n_out,)
 
 
@@ -114,76 +168,152 @@ def _float(cfg: Mapping[str, Any], key: str, default: float, *, what: str = "") 
     return float(value)
 
 
+def _optional_positive(cfg: Mapping[str, Any], key: str) -> float:
+    """A positive number, or 0.0 for absent or null (an option that is off)."""
+    if cfg.get(key) is None:
+        return 0.0
+    return _float(cfg, key, 1.0)
+
+
 def read_architecture(cfg: Mapping[str, Any]) -> Architecture:
-    """The architecture of a transformers 4.x or 5.x Llama config.json (as a dict); raises
-    ModelConfigError saying what no replica can serve."""
-    if cfg.get("model_type") != "llama":
-        raise _fail(f"model_type must be 'llama', got {cfg.get('model_type')!r}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise _fail(f"hidden_act {act!r} is not supported (only 'silu')")
+    """The architecture of a transformers 4.x or 5.x config.json (as a dict) of one of
+    FAMILIES; raises ModelConfigError naming the field and the value no replica can serve."""
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise _fail(f"model_type must be one of {', '.join(FAMILIES)}, got {family!r}")
+    gemma = family in ("gemma2", "gemma3_text")
+    act_key = "hidden_activation" if gemma and cfg.get("hidden_activation") is not None else "hidden_act"
+    act = cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    allowed = "gelu_pytorch_tanh" if gemma else "silu"
+    if act != allowed:
+        raise _fail(f"{act_key} {act!r} is not supported for {family} (only {allowed!r})")
     if cfg.get("pretraining_tp", 1) not in (None, 1):
         raise _fail("pretraining_tp other than 1 is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise _fail("use_bidirectional_attention is not supported (a causal decoder only)")
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     kv_heads = _int(cfg, "num_key_value_heads", heads)
     head_dim = _int(cfg, "head_dim", hidden // heads)
+    layers = _int(cfg, "num_hidden_layers")
     max_pos = _int(cfg, "max_position_embeddings", 2048)
-    arch = Architecture(
-        vocab_size=_int(cfg, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size"),
-        num_layers=_int(cfg, "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
-        rope=_rope(cfg, max_pos),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        max_position_embeddings=max_pos,
-    )
     if heads % kv_heads:
         raise _fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if head_dim % 2:
         raise _fail(f"head_dim {head_dim} must be even for RoPE")
-    return arch
+    rope, local_rope = _ropes(cfg, family, max_pos, head_dim)
+    window, layer_types = _windows(cfg, family, layers, max_pos)
+    options: dict[str, Any] = {}
+    if family == "qwen2":
+        options.update(qkv_bias=True)
+    if family in ("qwen3", "gemma3_text"):
+        options.update(qk_norm="head")
+    if gemma:
+        options.update(norm="gemma", layout="sandwich", act="gelu_tanh", embed_multiplier=math.sqrt(hidden),
+                       embed_multiplier_in_dtype=True,
+                       query_scale=_float(cfg, "query_pre_attn_scalar", 256.0) ** -0.5,
+                       attn_softcap=_optional_positive(cfg, "attn_logit_softcapping"),
+                       final_softcap=_optional_positive(cfg, "final_logit_softcapping"))
+    if family == "olmo2":
+        options.update(norm="olmo", layout="post", qk_norm="full")
+    if family == "granite":
+        options.update(embed_multiplier=_float(cfg, "embedding_multiplier", 1.0),
+                       query_scale=_float(cfg, "attention_multiplier", 1.0),
+                       residual_multiplier=_float(cfg, "residual_multiplier", 1.0),
+                       logits_scaling=_float(cfg, "logits_scaling", 1.0))
+    return Architecture(
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+        rope=rope,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        attention_bias=family not in ("qwen2", "mistral") and bool(cfg.get("attention_bias", False)),
+        mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
+        max_position_embeddings=max_pos,
+        model_type=family,
+        sliding_window=window,
+        layer_types=layer_types,
+        local_rope=local_rope,
+        **options,
+    )
 
 
-def _rope(cfg: Mapping[str, Any], max_pos: int) -> Rope:
-    # transformers 5: rope_parameters {rope_type, rope_theta, ...}; 4.x: rope_theta at the top
-    # level and rope_scaling {type|rope_type, factor, ...} or null. A file may carry both.
+def _windows(cfg: Mapping[str, Any], family: str, layers: int, max_pos: int) -> tuple[int, tuple[str, ...]]:
+    """(the sliding window, each layer's attention type) as transformers 5 derives them, checked
+    against each other and against max_position_embeddings."""
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # transformers drops the window when use_sliding_window is off
+    if family in ("llama", "olmo2", "granite"):
+        if window is not None or cfg.get("layer_types") is not None and any(
+                t != FULL for t in cfg.get("layer_types") or ()):
+            raise _fail(f"sliding_window is not part of {family}: remove sliding_window and layer_types")
+        return 0, ()
+    if window is None:
+        return 0, ()
+    if type(window) is not int or window < 1:
+        raise _fail(f"sliding_window must be a positive integer or null, got {window!r}")
+    if window > max_pos:
+        raise _fail(f"sliding_window {window} is larger than max_position_embeddings {max_pos}: "
+                    "a window cannot reach past the positions the model has")
+    if family == "mistral":  # every layer slides (transformers' Mistral ignores layer_types)
+        return window, (SLIDING,) * layers
+    types = cfg.get("layer_types")
+    if types is None:
+        if family == "gemma2":
+            types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+        elif family == "gemma3_text":
+            pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+            if type(pattern) is not int or pattern < 1:
+                raise _fail(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        else:  # qwen2, qwen3
+            start = cfg.get("max_window_layers", 28)
+            if type(start) is not int or start < 0:
+                raise _fail(f"max_window_layers must be a non-negative integer, got {start!r}")
+            types = [SLIDING if i >= start else FULL for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        n = len(types) if isinstance(types, list) else types
+        raise _fail(f"layer_types has {n!r} entries; num_hidden_layers is {layers}: give one per layer")
+    for i, t in enumerate(types):
+        if t not in (FULL, SLIDING):
+            raise _fail(f"layer_types[{i}] must be {FULL!r} or {SLIDING!r}, got {t!r}")
+    return window, tuple(types)
+
+
+def _ropes(cfg: Mapping[str, Any], family: str, max_pos: int, head_dim: int) -> tuple[Rope, Rope | None]:
+    """(the global RoPE, the sliding layers' where it differs). transformers 5: rope_parameters
+    {rope_type, rope_theta, ...}, or one such object per layer type (Gemma 3); 4.x: rope_theta
+    at the top level and rope_scaling {type|rope_type, factor, ...} or null, and Gemma 3's
+    rope_local_base_freq. A file may carry both forms."""
     params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise _fail("rope_parameters and rope_scaling must be objects or null")
-    if "layer_types" in cfg or any(isinstance(v, dict) for v in params.values()):
-        raise _fail("per-layer rope parameters are not supported")
-    merged = {**scaling, **params}
-    theta = _float({"rope_theta": merged.get("rope_theta", cfg.get("rope_theta", 10000.0))},
-                   "rope_theta", 10000.0)
-    kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise _fail(f"rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
-    if merged.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _fail("partial_rotary_factor other than 1 is not supported")
-    if kind == "default":
-        return Rope(theta=theta)
-    if "factor" not in merged:
-        raise _fail(f"rope type {kind!r} needs a factor")
-    factor = _float(merged, "factor", 1.0, what=f"rope {kind} factor")
-    if kind == "linear":
-        return Rope(theta=theta, type=kind, factor=factor)
-    for key in ("low_freq_factor", "high_freq_factor"):
-        if key not in merged:
-            raise _fail(f"llama3 rope scaling lacks {key!r}")
-    low = _float(merged, "low_freq_factor", 1.0)
-    high = _float(merged, "high_freq_factor", 4.0)
-    if high <= low:
-        raise _fail(f"llama3 rope scaling needs high_freq_factor {high:g} above low_freq_factor {low:g}")
-    return Rope(theta=theta, type=kind, factor=factor, low_freq_factor=low, high_freq_factor=high,
-                original_max_position_embeddings=_int(merged, "original_max_position_embeddings",
-                                                      max_pos))
+    per_type = any(isinstance(v, dict) for v in params.values())
+    if per_type and family != "gemma3_text":
+        raise _fail(f"per-layer rope parameters are not part of {family}")
+    top = {"rope_theta": cfg["rope_theta"]} if cfg.get("rope_theta") is not None else {}
+    if family != "gemma3_text":
+        return read_rope({**top, **scaling, **params}, max_pos=max_pos, head_dim=head_dim, fail=_fail), None
+    if per_type:
+        for key in params:
+            if key not in (FULL, SLIDING):
+                raise _fail(f"rope_parameters has {key!r}; Gemma 3's are {FULL!r} and {SLIDING!r}")
+        full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+    else:
+        full = {**top, **scaling, **params}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    full.pop("truncate", None), local.pop("truncate", None)  # transformers always truncates here
+    full.setdefault("rope_theta", 1000000.0)
+    local.setdefault("rope_theta", 10000.0)
+    rope = read_rope(full, max_pos=max_pos, head_dim=head_dim, fail=_fail)
+    local_rope = read_rope(local, max_pos=max_pos, head_dim=head_dim, fail=_fail)
+    return rope, None if local_rope == rope else local_rope
 
 
 def check_tensors(arch: Architecture, shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -48,31 +48,39 @@ import numpy as np
 
 from computed.backend.base import Backend
 from computed.model import attention, kv_cache
-from computed.model.config import LlamaConfig, inv_freq
+from computed.model import rope as rope_lib
+from computed.model.config import LlamaConfig
 from computed.model.kv_cache import KVCache
 from computed.model.params import LayerParams, LlamaParams, PackedWeight
 from computed.pool import LoraPool
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, config: LlamaConfig) -> jax.Array:
+    """RMSNorm as the family computes it: Llama casts back before the weight multiplies; Gemma
+    and OLMo multiply in float32 and cast once (a Gemma weight is stored as 1 + w in float32,
+    computed/model/loader.py)."""
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return weight * h.astype(x.dtype)
+    if config.norm == "llama":
+        return weight * h.astype(x.dtype)
+    return (weight.astype(jnp.float32) * h).astype(x.dtype)
 
 
-RopeTables = tuple[jax.Array, jax.Array]
+RopeTables = tuple[tuple[jax.Array, jax.Array], ...]  # (cos, sin) for each of the config's `ropes`
 
 
-def rope_tables(positions: Any, config: LlamaConfig) -> RopeTables:
-    """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`: in the graph for a traced
-    array, on the host for a numpy one. Decode passes host tables in: computed in the graph, XLA
-    fused cos and sin into every layer's RoPE and evaluated them once per element of q and k."""
-    xp: Any = np if isinstance(positions, np.ndarray) else jnp
-    freqs = positions.astype(np.float32)[..., None, None] * xp.asarray(inv_freq(config))
-    return xp.cos(freqs).astype(np.float32), xp.sin(freqs).astype(np.float32)
+def rope_tables(positions: Any, config: LlamaConfig, seq_lens: Any = None) -> RopeTables:
+    """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`, one pair per distinct
+    RoPE of the layers (`config.ropes`): in the graph for a traced array, on the host for a numpy
+    one. Decode passes host tables in: computed in the graph, XLA fused cos and sin into every
+    layer's RoPE and evaluated them once per element of q and k. `seq_lens` (dynamic RoPE only):
+    each row's sequence length, by default position + 1 (a decode step's; computed/model/rope.py)."""
+    if seq_lens is None and any(r.type == "dynamic" for r in config.ropes):
+        seq_lens = positions + 1
+    return tuple(rope_lib.rope_tables(positions, r, config.head_dim, seq_lens=seq_lens) for r in config.ropes)
 
 
-def rope(x: jax.Array, tables: RopeTables) -> jax.Array:
+def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate `x [..., heads, head_dim]` by the positions of `tables` (rotate-half form, as HF)."""
     cos, sin = (t.astype(x.dtype) for t in tables)
     # HF's x * cos + rotate_half(x) * sin on the two halves: the same products and sums
@@ -97,11 +105,16 @@ class _Projections:
 
 def _qkv(x: jax.Array, tables: RopeTables, layer: LayerParams, index: int, project: _Projections,
          config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], RoPE applied."""
-    lead, hd, kvh = x.shape[:-1], config.head_dim, config.num_kv_heads
+    """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], q/k norms and RoPE applied."""
+    lead, hd, kvh, eps = x.shape[:-1], config.head_dim, config.num_kv_heads, config.rms_norm_eps
     q, k, v = project(x, layer, index, ("q_proj", "k_proj", "v_proj"))
+    if config.qk_norm == "full":  # OLMo 2: over the whole projection
+        q, k = rms_norm(q, layer.norms["q_norm"], eps, config), rms_norm(k, layer.norms["k_norm"], eps, config)
     q, k = q.reshape(*lead, config.num_heads, hd), k.reshape(*lead, kvh, hd)
-    q, k = rope(q, tables), rope(k, tables)
+    if config.qk_norm == "head":  # Qwen3, Gemma 3: per head
+        q, k = rms_norm(q, layer.norms["q_norm"], eps, config), rms_norm(k, layer.norms["k_norm"], eps, config)
+    cos_sin = tables[config.rope_index(index)]
+    q, k = rope(q, cos_sin), rope(k, cos_sin)
     return q.reshape(*lead, kvh, config.num_heads // kvh, hd), k, v.reshape(*lead, kvh, hd)
 
 
@@ -112,41 +125,89 @@ def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
-def _mlp(x: jax.Array, layer: LayerParams, index: int, project: _Projections) -> jax.Array:
+def gelu_tanh_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gelu_pytorch_tanh(gate) * up, the activation in float32 and rounded once, as torch does."""
+    return jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype) * up
+
+
+def _mlp(x: jax.Array, layer: LayerParams, index: int, project: _Projections, config: LlamaConfig) -> jax.Array:
     gate, up = project(x, layer, index, ("gate_proj", "up_proj"))
-    return project(silu_mul(gate, up), layer, index, ("down_proj",))[0]
+    act = silu_mul if config.act == "silu" else gelu_tanh_mul
+    return project(act(gate, up), layer, index, ("down_proj",))[0]
+
+
+def _scaled(x: jax.Array, factor: float) -> jax.Array:
+    """x * a Python float, computed in float32 and rounded once (torch's scalar multiply)."""
+    return x if factor == 1.0 else (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
 def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
-    """The embeddings of `tokens`: rows of `embed`, or for a tied packed model columns of its lm_head."""
+    """The embeddings of `tokens`: rows of `embed`, or for a tied packed model columns of its
+    lm_head; times the family's embedding multiplier."""
+    config = params.config
     if params.embed is not None:
-        return params.embed[tokens]
-    assert isinstance(params.lm_head, PackedWeight)
-    return params.lm_head.columns(tokens)  # [*tokens.shape, hidden]
+        h = params.embed[tokens]
+    else:
+        assert isinstance(params.lm_head, PackedWeight)
+        h = params.lm_head.columns(tokens)  # [*tokens.shape, hidden]
+    if config.embed_multiplier_in_dtype:  # Gemma: sqrt(hidden) rounded to the model dtype first
+        return h * jnp.asarray(config.embed_multiplier, h.dtype)
+    return _scaled(h, config.embed_multiplier)
 
 
 def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
+    config = params.config
     if params.lm_head is None:
-        return jnp.einsum("...h,vh->...v", h, params.embed).astype(jnp.float32)
-    return params.backend.matmuls(h, [params.lm_head])[0].astype(jnp.float32)
+        logits = jnp.einsum("...h,vh->...v", h, params.embed)
+    else:
+        logits = params.backend.matmuls(h, [params.lm_head])[0]
+    if config.logits_scaling != 1.0:
+        logits = _scaled(logits, 1.0 / config.logits_scaling)
+    logits = logits.astype(jnp.float32)
+    if config.final_softcap:
+        logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits
 
 
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def attention_options(config: LlamaConfig, layer: int) -> dict[str, Any]:
+    """The keyword options of layer `layer`'s attention (computed/model/attention.py)."""
+    return dict(scale=config.query_scale, window=config.window(layer), softcap=config.attn_softcap)
+
+
 def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, project: _Projections,
-             attend: Attend, tables: RopeTables | None = None) -> jax.Array:
+             attend: Attend, tables: RopeTables | None = None, seq_lens: Any = None) -> jax.Array:
     """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the
     attention; RoPE by `tables` (else computed from `positions`)."""
     config = params.config
+    eps, r = config.rms_norm_eps, config.residual_multiplier
     h = _embed(params, tokens)
     if tables is None:
-        tables = rope_tables(positions, config)
+        tables = rope_tables(positions, config, seq_lens)
     for i, layer in enumerate(params.layers):
-        q, k, v = _qkv(rms_norm(h, layer.input_norm, config.rms_norm_eps), tables, layer, i, project, config)
-        h = h + project(attend(i, q, k, v), layer, i, ("o_proj",))[0]
-        h = h + _mlp(rms_norm(h, layer.post_attention_norm, config.rms_norm_eps), layer, i, project)
-    return rms_norm(h, params.norm, config.rms_norm_eps)
+        norms = layer.norms
+
+        def block(x: jax.Array, pre: str, post: str, run: Callable[[jax.Array], jax.Array]) -> jax.Array:
+            if config.layout != "post":
+                x = rms_norm(x, norms[pre], eps, config)
+            y = run(x)
+            if config.layout != "pre":
+                y = rms_norm(y, norms[post], eps, config)
+            return y
+
+        def attn(x: jax.Array, i: int = i, layer: LayerParams = layer) -> jax.Array:
+            q, k, v = _qkv(x, tables, layer, i, project, config)
+            return project(attend(i, q, k, v), layer, i, ("o_proj",))[0]
+
+        def mlp(x: jax.Array, i: int = i, layer: LayerParams = layer) -> jax.Array:
+            return _mlp(x, layer, i, project, config)
+
+        pre_mlp = "post_attention_layernorm" if config.layout == "pre" else "pre_feedforward_layernorm"
+        h = h + _scaled(block(h, "input_layernorm", "post_attention_layernorm", attn), r)
+        h = h + _scaled(block(h, pre_mlp, "post_feedforward_layernorm", mlp), r)
+    return rms_norm(h, params.norm, eps, config)
 
 
 def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
@@ -156,14 +217,15 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         nonlocal cache
         cache = kv_cache.write_prompts(cache, i, rows, k, v)
-        return attention.causal(q, k, v)
+        return attention.causal(q, k, v, **attention_options(params.config, i))
 
     # every token of prompt i reads slot i: windows of P tokens, one per prompt (XLA's window loop)
     token_slots = jnp.broadcast_to(slots[:, None], (n, p)).reshape(-1)
     batch = None if lora_pool is None else params.backend.prepare(token_slots, lora_pool.scaling.shape[0],
                                                                   params.backend.prefill_window(p))
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
-    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend)
+    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend,
+                 seq_lens=lengths)
     last = h[jnp.arange(n), lengths - 1]  # [n, hidden]
     return _logits(params, last), params.backend.shard_cache(cache)
 
@@ -181,13 +243,14 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
         # q [B, kv, g, d]; k and v [B, kv, d], written at position positions[b] of row b
         nonlocal cache
         if rows is None:
-            out, cache = backend.decode_attention(q, k, v, cache, i, positions, active, attend_len)
+            out, cache = backend.decode_attention(q, k, v, cache, i, positions, active, attend_len,
+                                                 **attention_options(params.config, i))
             return out
 
         def spread(x: jax.Array) -> jax.Array:  # entry i to cache row rows[i]; padding dropped
             return jnp.zeros((cache.max_batch, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop")
         out, cache = backend.decode_attention(spread(q), spread(k), spread(v), cache, i, spread(positions),
-                                              spread(active), attend_len)
+                                              spread(active), attend_len, **attention_options(params.config, i))
         return jnp.take(out, rows, axis=0, mode="clip")
 
     batch = None if lora_pool is None else backend.prepare(slots, lora_pool.scaling.shape[0], window)
@@ -202,7 +265,8 @@ def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.A
     batch = None if lora_pool is None else params.backend.prepare(token_slots, lora_pool.scaling.shape[0], None)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n_rows, t))
     h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch),
-                 lambda i, q, k, v: attention.causal(q, k, v))
+                 lambda i, q, k, v: attention.causal(q, k, v, **attention_options(params.config, i)),
+                 seq_lens=jnp.full((n_rows,), t, jnp.int32))
     return _logits(params, h)
 
 

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Llama checkpoint (config.json + safetensors) into `LlamaParams`.
+"""Loading a Hugging Face checkpoint of a served family (config.json + safetensors) into `LlamaParams`.
 
 Weights are read from the memory-mapped shards (shared/checkpoint.py lists them, as the fingerprint
 does), one tensor at a time, converted to the model dtype, and laid out for the backend chosen at
@@ -25,7 +25,7 @@ from computed.model import sharding
 from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
 from computed.model.params import LayerParams, LlamaParams, PackedWeight, pack, unpack
 from shared.checkpoint import shard_paths
-from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES
+from shared.llama import MODULE_PARENT, MODULES
 from shared.modelconfig import ModelConfigError, check_tensors
 from shared.tensorfile import TensorFileError, parse_header, to_float32
 
@@ -113,6 +113,14 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
             w = host(name).T
             return pack(w, panel) if panel else to_device(np.ascontiguousarray(w))
 
+        def norm(name: str) -> jax.Array:
+            """A norm's weight; a Gemma norm as 1 + w in float32, as Gemma's RMSNorm computes it."""
+            if config.norm != "gemma":
+                return get(name)
+            buf, header, info = tensors[name]
+            w = to_float32(buf, header, info).astype(jdt).astype(np.float32) + np.float32(1.0)
+            return cast(jax.Array, to_device(w))
+
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}"
@@ -121,17 +129,17 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
             for m in MODULES:
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
                 weights[m] = weight(f"{stem}.weight")
-                if (config.attention_bias and m in ATTN_MODULES) or (config.mlp_bias and m in MLP_MODULES):
+                if m in config.bias_modules:
                     biases[m] = get(f"{stem}.bias")
-            layers.append(LayerParams(input_norm=get(f"{p}.input_layernorm.weight"),
-                                      post_attention_norm=get(f"{p}.post_attention_layernorm.weight"),
-                                      weights=weights, biases=biases))
+            norms = {n: norm(f"{p}.self_attn.{n}.weight" if n in ("q_norm", "k_norm") else f"{p}.{n}.weight")
+                     for n in config.layer_norms()}
+            layers.append(LayerParams(norms=norms, weights=weights, biases=biases))
         params = LlamaParams(
             config=config,
             backend=backend,
             embed=get("model.embed_tokens.weight"),
             layers=tuple(layers),
-            norm=get("model.norm.weight"),
+            norm=norm("model.norm.weight"),
             # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
             lm_head=None if config.tie_word_embeddings else weight("lm_head.weight"),
         )

@@ -100,8 +100,9 @@ def unpack(w: PackedWeight) -> jax.Array:
 class LayerParams:
     """One decoder layer. Projection weights are stored [in, out], or packed (PackedWeight)."""
 
-    input_norm: jax.Array           # [hidden]
-    post_attention_norm: jax.Array  # [hidden]
+    # the layer's norms by their checkpoint name (input_layernorm, post_attention_layernorm, and
+    # the family's: pre_/post_feedforward_layernorm, q_norm, k_norm; LlamaConfig.layer_norms)
+    norms: dict[str, jax.Array]
     weights: dict[str, jax.Array | PackedWeight]  # module -> [in, out]
     biases: dict[str, jax.Array]    # module -> [out]; empty without attention/mlp bias
 

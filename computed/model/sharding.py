@@ -123,7 +123,7 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
         return jax.device_put(a, NamedSharding(mesh, spec))
 
     layers = tuple(LayerParams(
-        input_norm=put(layer.input_norm, P()), post_attention_norm=put(layer.post_attention_norm, P()),
+        norms={n: put(w, P()) for n, w in layer.norms.items()},
         weights={m: put(w, weight_spec(m)) for m, w in layer.weights.items()},
         biases={m: put(b, P() if m in ROW else P(AXIS)) for m, b in layer.biases.items()})
         for layer in params.layers)
@@ -148,7 +148,7 @@ def expected_param_bytes(params: LlamaParams, n: int) -> int:
     total = sum(int(np.prod(a.shape)) * a.dtype.itemsize
                 for a in (params.embed, params.lm_head, params.norm) if a is not None)
     for layer in params.layers:
-        total += layer.input_norm.nbytes + layer.post_attention_norm.nbytes
+        total += sum(w.nbytes for w in layer.norms.values())
         total += sum(int(np.prod(w.shape)) * w.dtype.itemsize // n for w in layer.weights.values())
         total += sum(b.nbytes if m in ROW else b.nbytes // n for m, b in layer.biases.items())
     return total

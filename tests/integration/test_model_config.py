@@ -35,8 +35,13 @@ def _rope(cfg: dict[str, Any], kind: str) -> None:
 
 
 BAD_CONFIGS = {
-    "dynamic rope": lambda cfg: _rope(cfg, "dynamic"),
-    "yarn rope": lambda cfg: _rope(cfg, "yarn"),
+    "unknown rope": lambda cfg: _rope(cfg, "su"),
+    "unknown family": lambda cfg: cfg.update(model_type="gpt2"),
+    "window beyond positions": lambda cfg: cfg.update(model_type="mistral", sliding_window=4096,
+                                                      max_position_embeddings=64),
+    "layer pattern length": lambda cfg: cfg.update(model_type="gemma2", hidden_act=None,
+                                                   hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                                                   layer_types=["sliding_attention"]),
     "gelu": lambda cfg: cfg.update(hidden_act="gelu"),
     "deep nesting": lambda cfg: cfg.update(quantization_config=_nested(40)),
     "just too deep": lambda cfg: cfg.update(quantization_config=_nested(MAX_MODEL_CONFIG_DEPTH)),
@@ -48,9 +53,11 @@ BAD_CONFIGS = {
     "layers beyond the checkpoint": lambda cfg: cfg.update(num_hidden_layers=2**62),
 }
 EXPECTED = {
-    "dynamic rope": "config.json: rope type 'dynamic' is not supported",
-    "yarn rope": "config.json: rope type 'yarn' is not supported",
-    "gelu": "config.json: hidden_act 'gelu' is not supported (only 'silu')",
+    "unknown rope": "config.json: rope type 'su' is not supported",
+    "unknown family": "config.json: model_type must be one of llama, qwen2",
+    "window beyond positions": "config.json: sliding_window 4096 is larger than max_position_embeddings 64",
+    "layer pattern length": "config.json: layer_types has 1 entries; num_hidden_layers is",
+    "gelu": "config.json: hidden_act 'gelu' is not supported for llama (only 'silu')",
     "deep nesting": f"nests deeper than {MAX_MODEL_CONFIG_DEPTH} levels",
     "just too deep": f"nests deeper than {MAX_MODEL_CONFIG_DEPTH} levels",
     "too large": f"above the {MAX_MODEL_CONFIG_BYTES}-byte limit",
@@ -101,7 +108,7 @@ def test_the_model_loader_and_pool_init_refuse_with_one_text(example: ExampleAss
 def test_pool_init_refuses_what_no_replica_can_serve(statesvc: StateSvc, example: ExampleAssets,
                                                      tmp_path: Path) -> None:
     """Through real statesvc, loractl and `computed serve`: the same text, nothing appended."""
-    for defect in ("dynamic rope", "yarn rope", "gelu", "deep nesting",
+    for defect in ("unknown rope", "window beyond positions", "layer pattern length", "gelu", "deep nesting",
                    "layers beyond the checkpoint"):
         model = bad_model(example, tmp_path, defect)
         res = loractl(statesvc, "pool", "init", "--model", str(model), "--max-loras", "2",
