@@ -34,7 +34,9 @@ class ModelConfigError(ValueError):
     """A config.json no replica can serve; the message starts with "config.json: "."""
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "olmo2", "granite")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "olmo2", "granite",
+            "mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # transformers' activation names a family's MLP may use, and what we compute for each
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -79,13 +81,42 @@ class Architecture:
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () is all FULL
     local_rope: Rope | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
+    # mixture of experts (Mixtral, Qwen3-MoE): a sparse layer's MLP is `num_experts` SwiGLU
+    # experts of `expert_size`, each token through the `experts_per_tok` its router ranks first
+    num_experts: int = 0  # 0: every MLP is dense
+    experts_per_tok: int = 0
+    expert_size: int = 0
+    norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1
+    route_in_dtype: bool = False  # the routing weights rounded to the model dtype (Qwen3-MoE)
+    dense_layers: tuple[int, ...] = ()  # a MoE model's layers with a dense MLP (Qwen3-MoE's mlp_only_layers)
 
     @property
     def module_dims(self) -> dict[str, tuple[int, int]]:
-        """Target module -> (in_features, out_features)."""
+        """LoRA target module -> (in_features, out_features): the seven projections, or a MoE
+        model's attention projections (LoRA on experts is refused: docs/adapters.md)."""
+        dims = self.projection_dims
+        return {m: dims[m] for m in ATTN_MODULES} if self.num_experts else dims
+
+    @property
+    def projection_dims(self) -> dict[str, tuple[int, int]]:
+        """Every dense projection of a layer -> (in_features, out_features), LoRA target or not."""
         return module_dims(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                            head_dim=self.head_dim)
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def moe_names(self, layer: int) -> tuple[str, tuple[tuple[str, str, str], ...]]:
+        """A sparse layer's tensors as transformers saves them: the router's weight, and each
+        expert's (gate, up, down) weights."""
+        p = f"model.layers.{layer}"
+        stem, (gate, up, down) = ((f"{p}.block_sparse_moe", ("w1", "w3", "w2")) if self.model_type == "mixtral"
+                                  else (f"{p}.mlp", ("gate_proj", "up_proj", "down_proj")))
+        return f"{stem}.gate.weight", tuple(
+            (f"{stem}.experts.{e}.{gate}.weight", f"{stem}.experts.{e}.{up}.weight", f"{stem}.experts.{e}.{down}.weight")
+            for e in range(self.num_experts))
 
     @property
     def bias_modules(self) -> tuple[str, ...]:
@@ -132,13 +163,22 @@ class Architecture:
         yield "model.norm.weight", (h,)
         if not self.tie_word_embeddings:
             yield "lm_head.weight", (v, h)
-        dims, biased = self.module_dims, self.bias_modules
+        dims, biased = self.projection_dims, self.bias_modules
         for i in range(self.num_layers):
             p = f"model.layers.{i}"
             for name in self.layer_norms():
                 parent = f"{p}.self_attn" if name in ("q_norm", "k_norm") else p
                 yield f"{parent}.{name}.weight", (self.norm_dims(name),)
+            if self.sparse(i):
+                router, experts = self.moe_names(i)
+                yield router, (self.num_experts, h)
+                for gate, up, down in experts:
+                    yield gate, (self.expert_size, h)
+                    yield up, (self.expert_size, h)
+                    yield down, (h, self.expert_size)
             for m, (n_in, n_out) in dims.items():
+                if self.sparse(i) and m in MLP_MODULES:
+                    continue
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
                 yield f"{stem}.weight", (n_out, n_in)
                 if m in biased:
@@ -216,6 +256,10 @@ def read_architecture(cfg: Mapping[str, Any]) -> Architecture:
                        final_softcap=_optional_positive(cfg, "final_logit_softcapping"))
     if family == "olmo2":
         options.update(norm="olmo", layout="post", qk_norm="full")
+    if family in MOE_FAMILIES:
+        options.update(_experts(cfg, family, layers))
+    if family == "qwen3_moe":
+        options.update(qk_norm="head")
     if family == "granite":
         options.update(embed_multiplier=_float(cfg, "embedding_multiplier", 1.0),
                        query_scale=_float(cfg, "attention_multiplier", 1.0),
@@ -232,7 +276,7 @@ def read_architecture(cfg: Mapping[str, Any]) -> Architecture:
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        attention_bias=family not in ("qwen2", "mistral") and bool(cfg.get("attention_bias", False)),
+        attention_bias=family not in ("qwen2", "mistral", "mixtral") and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         max_position_embeddings=max_pos,
         model_type=family,
@@ -243,11 +287,37 @@ def read_architecture(cfg: Mapping[str, Any]) -> Architecture:
     )
 
 
+def _experts(cfg: Mapping[str, Any], family: str, layers: int) -> dict[str, Any]:
+    """A MoE family's expert options as transformers 5 reads them (Mixtral: every layer sparse,
+    top-k always renormalised; Qwen3-MoE: `norm_topk_prob`, dense layers from `mlp_only_layers`
+    and `decoder_sparse_step`), checked against each other."""
+    # transformers 5 saves num_local_experts for both; Qwen3-MoE's own name is num_experts
+    key = "num_local_experts" if cfg.get("num_local_experts") is not None or family == "mixtral" else "num_experts"
+    experts = _int(cfg, key, 8 if family == "mixtral" else 128)
+    top_k = _int(cfg, "num_experts_per_tok", 2 if family == "mixtral" else 8)
+    if top_k > experts:
+        raise _fail(f"num_experts_per_tok {top_k} is larger than {key} {experts}: a token cannot "
+                    "be routed to more experts than there are")
+    if family == "mixtral":
+        return dict(num_experts=experts, experts_per_tok=top_k, expert_size=_int(cfg, "intermediate_size"))
+    norm_topk = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm_topk, bool):
+        raise _fail(f"norm_topk_prob must be true or false, got {norm_topk!r}")
+    step = _int(cfg, "decoder_sparse_step", 1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(type(i) is not int or not 0 <= i < layers for i in only):
+        raise _fail(f"mlp_only_layers must be a list of layer indices below num_hidden_layers {layers}, "
+                    f"got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return dict(num_experts=experts, experts_per_tok=top_k, expert_size=_int(cfg, "moe_intermediate_size"),
+                norm_topk=norm_topk, route_in_dtype=True, dense_layers=dense)
+
+
 def _windows(cfg: Mapping[str, Any], family: str, layers: int, max_pos: int) -> tuple[int, tuple[str, ...]]:
     """(the sliding window, each layer's attention type) as transformers 5 derives them, checked
     against each other and against max_position_embeddings."""
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None  # transformers drops the window when use_sliding_window is off
     if family in ("llama", "olmo2", "granite"):
         if window is not None or cfg.get("layer_types") is not None and any(
@@ -261,7 +331,7 @@ def _windows(cfg: Mapping[str, Any], family: str, layers: int, max_pos: int) -> 
     if window > max_pos:
         raise _fail(f"sliding_window {window} is larger than max_position_embeddings {max_pos}: "
                     "a window cannot reach past the positions the model has")
-    if family == "mistral":  # every layer slides (transformers' Mistral ignores layer_types)
+    if family in ("mistral", "mixtral", "qwen3_moe"):  # every layer slides (layer_types ignored)
         return window, (SLIDING,) * layers
     types = cfg.get("layer_types")
     if types is None:

@@ -17,7 +17,8 @@ from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, POOL_DTYPE_MAX
 from shared.errors import CodedError
 from shared.events import AdapterLoaded, PoolConfigured, lora_scaling
 from shared.files import Beneath, FileError, OutsideRoots, read_limited
-from shared.llama import MODULES
+from shared.llama import ATTN_MODULES, MODULES
+from shared.modelconfig import MOE_FAMILIES
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
                                read_header_of)
@@ -154,6 +155,12 @@ def _read_config(d: _Opened) -> dict[str, Any]:
 def _refuse_unsupported(d: _Opened, cfg: dict[str, Any], pool: PoolConfigured) -> None:
     """Every option that changes what PEFT computes and the pool cannot serve (statesvc/peft_config.py)."""
     base_has_bias = bool(pool.model_config.get("attention_bias") or pool.model_config.get("mlp_bias"))
+    if _moe(pool) and cfg.get("target_parameters"):
+        raise AdapterError("unsupported", f"{d.path}: target_parameters "
+                           f"{shown(cfg['target_parameters'])} puts LoRA on the weights of "
+                           f"{_moe(pool)}'s experts, which no replica serves (LoRA on a mixture of "
+                           f"experts is not supported); retrain with target_modules on attention: "
+                           f"{', '.join(ATTN_MODULES)}")
     try:
         refuse_unsupported(cfg, base_has_bias=base_has_bias)
     except ConfigRefused as exc:
@@ -164,6 +171,12 @@ def _refuse_unsupported(d: _Opened, cfg: dict[str, Any], pool: PoolConfigured) -
                            "model's vocabulary is fixed; retrain without adding tokens")
 
 
+def _moe(pool: PoolConfigured) -> str:
+    """The pool's model family where it is a mixture of experts, else ""."""
+    family = pool.model_config.get("model_type")
+    return family if family in MOE_FAMILIES else ""
+
+
 def _targeted(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> frozenset[tuple[int, str]]:
     """The (layer, module) pairs PEFT puts LoRA on, each of a module the pool holds."""
     try:
@@ -171,6 +184,10 @@ def _targeted(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> frozense
     except ConfigRefused as exc:
         raise AdapterError(exc.code, f"{path}: {exc}") from None
     outside = [m for m in MODULES if m not in pool.targets and any(p[1] == m for p in pairs)]
+    if outside and _moe(pool):
+        raise _invalid(path, f"target_modules selects {', '.join(outside)}, which {_moe(pool)} has "
+                       "only as experts, and LoRA on a mixture of experts is not served; retrain "
+                       f"with target_modules on attention: {', '.join(ATTN_MODULES)}")
     if outside:
         raise _invalid(path, f"target_modules selects {', '.join(outside)}, which the pool does "
                        f"not hold (pool targets: {', '.join(pool.targets)}); configure a new pool "
@@ -251,6 +268,10 @@ def _check_header(path: Path, header: Header, pool: PoolConfigured,
     keys: dict[LoraKey, str] = {}
     for name, info in sorted(header.tensors.items()):
         key = parse_lora_name(name)
+        if key is None and ".experts." in name:
+            raise AdapterError("unsupported", f"{path}: tensor {name!r} is LoRA on a mixture of "
+                               "experts, which no replica serves; retrain with target_modules on "
+                               f"attention: {', '.join(ATTN_MODULES)}")
         if key is None:
             if "embed_tokens" in name or "lm_head" in name:
                 raise AdapterError("unsupported", f"{path}: tensor {name!r} holds weights of the "

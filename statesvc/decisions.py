@@ -37,8 +37,13 @@ def pool_init(state: State, args: dict[str, Any], *,
         weights = weights_digest(path, progress=progress)
     except ModelError as exc:
         raise CommandError("invalid_model", str(exc), "args.model") from None
-    targets = MODULES if args["targets"] == "all" else tuple(
-        m for m in MODULES if m in args["targets"])
+    served = tuple(m for m in MODULES if m in model.module_dims)  # a MoE model's: attention only
+    if args["targets"] != "all" and set(args["targets"]) - set(served):
+        family = model.config.get("model_type")
+        raise CommandError("bad_request", f"args.targets {', '.join(sorted(set(args['targets']) - set(served)))}: "
+                           f"{family}'s MLP is a mixture of experts, and LoRA on experts is not served; "
+                           f"its LoRA targets are {', '.join(served)}", "args.targets")
+    targets = served if args["targets"] == "all" else tuple(m for m in served if m in args["targets"])
     body = PoolConfigured(model.fingerprint, model.config, model.num_layers,
                           model.module_dims, args["max_loras"], args["max_rank"], targets,
                           args["dtype"], log_id=str(uuid.uuid4()),

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from computed.backend.base import Backend
-from computed.model import attention, kv_cache
+from computed.model import attention, kv_cache, moe
 from computed.model import rope as rope_lib
 from computed.model.config import LlamaConfig
 from computed.model.kv_cache import KVCache
@@ -131,8 +131,10 @@ def gelu_tanh_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def _mlp(x: jax.Array, layer: LayerParams, index: int, project: _Projections, config: LlamaConfig) -> jax.Array:
-    gate, up = project(x, layer, index, ("gate_proj", "up_proj"))
     act = silu_mul if config.act == "silu" else gelu_tanh_mul
+    if layer.experts is not None:  # a sparse layer: no LoRA on the experts (docs/adapters.md)
+        return moe.moe(x, layer.experts, config, act)
+    gate, up = project(x, layer, index, ("gate_proj", "up_proj"))
     return project(act(gate, up), layer, index, ("down_proj",))[0]
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from computed.backend import Backend, TensorParallelBackend, select
 from computed.model import sharding
 from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
-from computed.model.params import LayerParams, LlamaParams, PackedWeight, pack, unpack
+from computed.model.params import Experts, LayerParams, LlamaParams, PackedWeight, pack, unpack
 from shared.checkpoint import shard_paths
 from shared.llama import MODULE_PARENT, MODULES
 from shared.modelconfig import ModelConfigError, check_tensors
@@ -121,19 +121,31 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
             w = to_float32(buf, header, info).astype(jdt).astype(np.float32) + np.float32(1.0)
             return cast(jax.Array, to_device(w))
 
+        def experts(i: int) -> Experts:
+            """Layer i's router and experts, each expert's weights stacked [in, out]."""
+            router, names = config.moe_names(i)
+            gate_up = np.stack([np.concatenate([host(g).T, host(u).T], axis=1) for g, u, _ in names])
+            down = np.stack([host(d).T for _, _, d in names])
+            return Experts(router=cast(jax.Array, to_device(np.ascontiguousarray(host(router).T))),
+                           gate_up=cast(jax.Array, to_device(gate_up)), down=cast(jax.Array, to_device(down)))
+
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}"
             weights: dict[str, jax.Array | PackedWeight] = {}
             biases = {}
+            sparse = config.sparse(i)
             for m in MODULES:
+                if sparse and MODULE_PARENT[m] == "mlp":
+                    continue
                 stem = f"{p}.{MODULE_PARENT[m]}.{m}"
                 weights[m] = weight(f"{stem}.weight")
                 if m in config.bias_modules:
                     biases[m] = get(f"{stem}.bias")
             norms = {n: norm(f"{p}.self_attn.{n}.weight" if n in ("q_norm", "k_norm") else f"{p}.{n}.weight")
                      for n in config.layer_norms()}
-            layers.append(LayerParams(norms=norms, weights=weights, biases=biases))
+            layers.append(LayerParams(norms=norms, weights=weights, biases=biases,
+                                      experts=experts(i) if sparse else None))
         params = LlamaParams(
             config=config,
             backend=backend,

@@ -97,6 +97,16 @@ def unpack(w: PackedWeight) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class Experts:
+    """A sparse layer's mixture of experts (computed/model/moe.py), in the model dtype, for XLA's dot."""
+
+    router: jax.Array   # [hidden, experts]
+    gate_up: jax.Array  # [experts, hidden, 2 * expert_size]: each expert's gate, then its up
+    down: jax.Array     # [experts, expert_size, hidden]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class LayerParams:
     """One decoder layer. Projection weights are stored [in, out], or packed (PackedWeight)."""
 
@@ -105,6 +115,7 @@ class LayerParams:
     norms: dict[str, jax.Array]
     weights: dict[str, jax.Array | PackedWeight]  # module -> [in, out]
     biases: dict[str, jax.Array]    # module -> [out]; empty without attention/mlp bias
+    experts: Experts | None = None  # a sparse layer's MLP (then `weights` has no MLP projections)
 
 
 @functools.partial(jax.tree_util.register_dataclass,

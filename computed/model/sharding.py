@@ -51,6 +51,10 @@ def check(config: LlamaConfig, n: int, devices: int) -> None:
     intermediate size, or that exceeds the `devices` there are."""
     if n < 1:
         raise TensorParallelError(f"--tensor-parallel must be at least 1, got {n}")
+    if config.num_experts and n > 1:
+        raise TensorParallelError(f"--tensor-parallel {n} is not supported for mixture-of-experts models "
+                                  f"({config.model_type}: no expert-parallel rules yet); serve it with "
+                                  "--tensor-parallel 1")
     problems = []
     if config.num_kv_heads % n:
         problems.append(f"the model's {config.num_kv_heads} KV heads (num_key_value_heads)")

@@ -42,6 +42,11 @@ BAD_CONFIGS = {
     "layer pattern length": lambda cfg: cfg.update(model_type="gemma2", hidden_act=None,
                                                    hidden_activation="gelu_pytorch_tanh", sliding_window=8,
                                                    layer_types=["sliding_attention"]),
+    "more experts per token than experts": lambda cfg: cfg.update(model_type="mixtral", num_local_experts=4,
+                                                                  num_experts_per_tok=6),
+    "dense layer beyond the layers": lambda cfg: cfg.update(model_type="qwen3_moe", num_experts=4,
+                                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                                            mlp_only_layers=[0, 9]),
     "gelu": lambda cfg: cfg.update(hidden_act="gelu"),
     "deep nesting": lambda cfg: cfg.update(quantization_config=_nested(40)),
     "just too deep": lambda cfg: cfg.update(quantization_config=_nested(MAX_MODEL_CONFIG_DEPTH)),
@@ -57,6 +62,9 @@ EXPECTED = {
     "unknown family": "config.json: model_type must be one of llama, qwen2",
     "window beyond positions": "config.json: sliding_window 4096 is larger than max_position_embeddings 64",
     "layer pattern length": "config.json: layer_types has 1 entries; num_hidden_layers is",
+    "more experts per token than experts": "config.json: num_experts_per_tok 6 is larger than num_local_experts 4",
+    "dense layer beyond the layers": "config.json: mlp_only_layers must be a list of layer indices below "
+                                     "num_hidden_layers 2, got [0, 9]",
     "gelu": "config.json: hidden_act 'gelu' is not supported for llama (only 'silu')",
     "deep nesting": f"nests deeper than {MAX_MODEL_CONFIG_DEPTH} levels",
     "just too deep": f"nests deeper than {MAX_MODEL_CONFIG_DEPTH} levels",
@@ -109,7 +117,7 @@ def test_pool_init_refuses_what_no_replica_can_serve(statesvc: StateSvc, example
                                                      tmp_path: Path) -> None:
     """Through real statesvc, loractl and `computed serve`: the same text, nothing appended."""
     for defect in ("unknown rope", "window beyond positions", "layer pattern length", "gelu", "deep nesting",
-                   "layers beyond the checkpoint"):
+                   "layers beyond the checkpoint", "more experts per token than experts"):
         model = bad_model(example, tmp_path, defect)
         res = loractl(statesvc, "pool", "init", "--model", str(model), "--max-loras", "2",
                       "--max-rank", "8", "--targets", "all", check=False)

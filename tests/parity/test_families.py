@@ -40,6 +40,7 @@ from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill, prefill_batch  # noqa: E402
 from computed.pool import MemoryPool, PoolSpec  # noqa: E402
+from shared.fleet import StateSvc, loractl  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
 from tests.helpers import adapter_weights  # noqa: E402
 
@@ -73,7 +74,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", dict()),
     "granite": ("GraniteConfig", dict(embedding_multiplier=6.0, attention_multiplier=0.15,
                                       residual_multiplier=0.4, logits_scaling=3.0)),
+    # experts of another size than the dense MLP; Qwen3-MoE with a dense layer between sparse ones
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
 }
+MOE = ("mixtral", "qwen3_moe")  # LoRA on attention only (the experts': refused, docs/adapters.md)
 ADAPTERS = {"all-r8": dict(r=8, lora_alpha=16, target_modules=list(MODULES)),
             "attn-rs-r4": dict(r=4, lora_alpha=8, target_modules=list(ATTN_MODULES), use_rslora=True)}
 
@@ -125,6 +131,8 @@ def write_family(root: Path, family: str, dtype: Any = None) -> tuple[Path, dict
     for i, (name, spec) in enumerate(ADAPTERS.items()):
         torch.manual_seed(100 + i)
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        if family in MOE:
+            spec = {**spec, "target_modules": [m for m in spec["target_modules"] if m in ATTN_MODULES]}
         tuned = peft.get_peft_model(base, peft.LoraConfig(**spec, init_lora_weights=False))
         with torch.no_grad():
             for pname, p in tuned.named_parameters():
@@ -136,7 +144,11 @@ def write_family(root: Path, family: str, dtype: Any = None) -> tuple[Path, dict
 
 
 def reference(model_dir: Path, adapter_dirs: dict[str, Path], dtype: Any) -> Any:
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    moe = json.loads((model_dir / "config.json").read_text())["model_type"] in MOE
+    # the experts as modeling_*.py writes them (a loop over the experts), not a grouped-GEMM kernel
+    extra = {"experts_implementation": "eager"} if moe else {}
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                             **extra)
     names = list(adapter_dirs)
     model = peft.PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -268,3 +280,37 @@ def test_family_in_bfloat16_is_close_to_transformers_bfloat16(family: Family) ->
     # as close to the float32 model as transformers' own bfloat16 model is, give or take rounding
     assert ours_err <= max(2 * theirs_err, BF16_RTOL), (ours_err, theirs_err)
     assert json.loads((fam.model_dir / "config.json").read_text())["model_type"] == config.model_type
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_pool_holds_attention_lora_and_refuses_lora_on_experts(name: str, tmp_path: Path) -> None:
+    """Through real statesvc and loractl: a MoE pool's targets are its attention projections; an
+    adapter PEFT saved with LoRA on the experts (PEFT 0.21 turns target_modules on a MoE's MLP
+    into target_parameters on the stacked experts) is refused naming what to retrain, and so is
+    a pool asking for MLP targets; nothing of either is appended."""
+    model_dir, dirs = write_family(tmp_path / "family", name)
+    torch.manual_seed(9)
+    tuned = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir),
+                                peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                target_modules=["q_proj", *(("w1", "w3") if name == "mixtral" else ("gate_proj", "up_proj"))]))
+    tuned.save_pretrained(tmp_path / "experts")
+    saved = json.loads((tmp_path / "experts" / "adapter_config.json").read_text())
+    assert saved["target_parameters"], saved  # LoRA on the experts, as PEFT writes it
+    svc = StateSvc(tmp_path / "data")
+    try:
+        svc.start()
+        init = ["pool", "init", "--model", str(model_dir), "--max-loras", "2", "--max-rank", "8", "--json"]
+        mlp = loractl(svc, *init, "--targets", "q_proj,gate_proj", check=False)
+        assert mlp.returncode == 1 and "(bad_request)" in mlp.stderr, mlp.stderr
+        assert "mixture of experts" in mlp.stderr and "q_proj, k_proj, v_proj, o_proj" in " ".join(mlp.stderr.split())
+        pool = json.loads(loractl(svc, *init, "--targets", "all").stdout)
+        assert pool["targets"] == list(ATTN_MODULES)
+        refused = loractl(svc, "load", "experts", str(tmp_path / "experts"), check=False)
+        assert refused.returncode == 1 and "(unsupported)" in refused.stderr, refused.stderr
+        said = " ".join(refused.stderr.split())
+        assert "experts" in said and "retrain with target_modules on attention" in said, said
+        assert json.loads(loractl(svc, "load", "attn", str(dirs["all-r8"]), "--json").stdout)["seq"] == 2
+        events = json.loads(loractl(svc, "events", "--json").stdout)
+        assert [e["type"] for e in events] == ["pool.configured", "adapter.loaded"]
+    finally:
+        svc.stop()
