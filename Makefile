@@ -36,8 +36,9 @@ test: kernels postgres
 test-fast: kernels postgres
 	$(PYTEST) -m "not slow" tests
 
+# FAMILY=qwen2 (or any `loractl make-example --family`): the demo on that family's example
 demo: kernels
-	$(BIN)/python -m statesvc.tools.demo
+	$(BIN)/python -m statesvc.tools.demo $(if $(FAMILY),--family $(FAMILY))
 
 # every benchmark, then benchmarks/results/latest.json, the plots and the README tables
 bench: kernels

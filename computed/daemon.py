@@ -441,8 +441,13 @@ class Daemon:
                 "peer_blob_fetches": r.blobs.peer_fetches,
                 "inference": None if self.engine is None else self.engine.stats(),
                 "slots": {str(s): {"name": h.name, "version": h.version, "pinned": h.pinned,
-                                   "digest": None if pool is None or pool.pending else d}
+                                   "digest": None if pool is None or pool.pending else d,
+                                   "sha256": h.sha256}
                           for s, (h, d) in r.resident().items()},
+                "host_tier": [{"name": n, "version": v, "sha256": sha}
+                              for n, v, sha in r.host_tier()],
+                "adapter_requests": None if self.engine is None else
+                self.engine.adapter_requests(),
                 "residency": residency_stats(r)}
 
     def _forward_blobs(self) -> None:

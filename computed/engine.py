@@ -191,6 +191,19 @@ class Engine:
                 "waiting": len(self.waiting), "max_batch": self.model.max_batch,
                 "max_len": self.model.max_len, "cancelled": self.cancelled}
 
+    def adapter_requests(self) -> dict[str, dict[str, int]]:
+        """Per adapter, the requests running on it (their grant's adapter) and waiting for it
+        (the adapter their args name): what `status` reports to routers. Requests for the
+        base model are not in it."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.rows:
+            if r is not None and r.grant.name is not None:
+                out.setdefault(r.grant.name, {"running": 0, "waiting": 0})["running"] += 1
+        for req in self.waiting:
+            if (name := req.args["adapter"]) is not None:
+                out.setdefault(name, {"running": 0, "waiting": 0})["waiting"] += 1
+        return out
+
     # ---- one step ----------------------------------------------------------------
 
     def step(self, intake: Callable[[], object] | None = None) -> list[Done]:

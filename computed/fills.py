@@ -191,6 +191,11 @@ class Fills:
 
     # ---- status ------------------------------------------------------------------
 
+    def host_keys(self) -> list[Key]:
+        """The (name, version) of every entry in the host tier, least recently used first."""
+        with self._lock:
+            return self.host.keys()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             h = self.host

@@ -127,6 +127,14 @@ class Replica:
             return {}
         return {s: (h, pool.slot_digest(s)) for s, h in sorted(holders.items())}
 
+    def host_tier(self) -> list[tuple[str, int, str]]:
+        """(name, version, sha256) of each adapter version in the host tier, least recently used
+        first: parsed and ready for a slot write without a fetch. Only registered versions
+        (one that just left the registry is dropped from the tier on the next advance)."""
+        adapters = self.state.adapters
+        return [(n, v, a.sha256) for n, v in self.fills.host_keys()
+                if (a := adapters.get(n)) is not None and a.version == v]
+
     def pool_digest(self) -> str:
         """The digest of the resident set: sha256 over its (name, version, content digest)
         triples in name order, wherever the slots are; 'pending' while a write waits for a

@@ -4,11 +4,15 @@ it, and incremental detokenization that never splits a multi-byte character."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
 REPLACEMENT = "\ufffd"  # what decoding yields for bytes that are not (yet) a whole character
+# The named special tokens a template sees as variables (transformers' special_tokens_map)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                       "mask_token")
 
 
 class NoTokenizer(ValueError):
@@ -31,6 +35,8 @@ class TextCodec:
     bos_token: str | None
     eos_token: str | None
     eos_token_id: int | None
+    # every named special token tokenizer_config.json gives (bos_token, pad_token, ...)
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, model_dir: Path) -> TextCodec:
@@ -50,9 +56,11 @@ class TextCodec:
         if template is None and jinja.is_file():
             template = jinja.read_text()
         eos = _token_text(cfg.get("eos_token"))
+        named = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token_text(cfg.get(k))) is not None}
         return cls(tokenizer=tok, chat_template=template if isinstance(template, str) else None,
                    bos_token=_token_text(cfg.get("bos_token")), eos_token=eos,
-                   eos_token_id=None if eos is None else tok.token_to_id(eos))
+                   eos_token_id=None if eos is None else tok.token_to_id(eos),
+                   special_tokens=named)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
@@ -66,22 +74,83 @@ class TextCodec:
         if self.chat_template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json "
                              "chat_template); use /v1/completions with a prompt instead")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        # what apply_chat_template passes: the named special tokens, no tools or documents,
+        # and each message without its None-valued keys
+        tokens = {**self.special_tokens, **{k: v for k, v in (("bos_token", self.bos_token),
+                                                             ("eos_token", self.eos_token)) if v is not None}}
+        return str(_compile(self.chat_template).render(
+            messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+            tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens))
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a rendered chat; the template writes its own special tokens."""
         return list(self.tokenizer.encode(self.render_chat(messages),
                                           add_special_tokens=False).ids)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    """A chat template compiled in the environment transformers' apply_chat_template compiles it
+    in (transformers/utils/chat_template_utils.py): a sandbox with trim_blocks, lstrip_blocks
+    and loop controls (break, continue); `{% generation %}` blocks (which mark the assistant's
+    text for training masks) rendered as their contents; tojson without HTML escaping; and the
+    globals raise_exception, strftime_now, dict and a namespace that refuses _-names."""
+    import json as _json
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return _json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                           sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    class TemplateDict:  # dict(...) and dict.fromkeys(...), nothing else of the type
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                _check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store _-prefixed attributes on a namespace, got {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now,
+                       dict=TemplateDict(), namespace=Namespace)
+    return env.from_string(template)
 
 
 class IncrementalDecoder:

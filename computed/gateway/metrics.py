@@ -1,7 +1,10 @@
 """GET /metrics (prometheus_client): requests, tokens and latency per model (the base model
 or an adapter: only names the gateway resolved, never a caller's arbitrary string), requests
-in flight, each replica's queue, and vLLM's `vllm:lora_requests_info` per replica, the gauge
-Kubernetes' Gateway API Inference Extension reads for LoRA-affinity routing."""
+in flight, each replica's queue, and what routers outside need to prefer the replica holding
+an adapter: vLLM's `vllm:lora_requests_info` per replica (the gauge Kubernetes' Gateway API
+Inference Extension reads for LoRA-affinity routing), from the replica's own running and
+waiting requests per adapter, and explicit gauges of each replica's resident set (slots and
+host tier) and per-adapter queue, all from its last status (docs/gateway.md "Metrics")."""
 from __future__ import annotations
 
 import time
@@ -29,23 +32,45 @@ class FleetCollector(Collector):
         queued = GaugeMetricFamily("loraplane_gateway_replica_queued",
                                    "Requests running or waiting on a replica (its last status "
                                    "plus what this gateway sent since)", labels=["replica"])
-        # vLLM's form: one sample per replica, value the scrape time, the adapters in labels;
-        # running = adapters of this gateway's requests in flight there that are resident,
-        # waiting = those that are not (the replica fills a slot first)
+        # vLLM's form: one sample per replica, value the scrape time, the adapters in labels:
+        # those with requests running on the replica and those with requests waiting there
+        # (at its last status), comma-separated as vLLM writes them
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA "
                                  "adapters per replica (vLLM's metric)",
                                  labels=["replica", "max_lora", "running_lora_adapters",
                                          "waiting_lora_adapters"])
+        resident = GaugeMetricFamily("loraplane_adapter_resident", "1 for each adapter a "
+                                     "replica holds in a slot (tier=slot) or parsed in its host "
+                                     "tier (tier=host), at its last status",
+                                     labels=["replica", "adapter", "tier"])
+        running = GaugeMetricFamily("loraplane_adapter_running", "Requests running on an "
+                                    "adapter on a replica, at its last status",
+                                    labels=["replica", "adapter"])
+        waiting = GaugeMetricFamily("loraplane_adapter_waiting", "Requests waiting for an "
+                                    "adapter on a replica (its queue), at its last status",
+                                    labels=["replica", "adapter"])
         max_lora = str((view.pool or {}).get("max_loras", ""))
+        # only registered names become label values (a replica's queue may name anything a
+        # client sent it directly)
+        known = view.adapters
         now = time.time()
         for r in view.replicas:
             inflight = self.router.inflight(r.address)
             queued.add_metric([r.id], r.queued + sum(inflight.values()))
-            names = sorted(a for a in inflight if a is not None)
-            info.add_metric([r.id, max_lora, ",".join(a for a in names if a in r.resident),
-                             ",".join(a for a in names if a not in r.resident)], now)
+            requests = {a: c for a, c in sorted(r.requests.items()) if a in known}
+            info.add_metric([r.id, max_lora, ",".join(a for a, c in requests.items() if c[0]),
+                             ",".join(a for a, c in requests.items() if c[1])], now)
+            for a, (run, wait) in requests.items():
+                running.add_metric([r.id, a], run)
+                waiting.add_metric([r.id, a], wait)
+            for tier, names in (("slot", r.resident), ("host", r.host)):
+                for a in sorted(names & known.keys()):
+                    resident.add_metric([r.id, a, tier], 1)
         yield queued
         yield info
+        yield resident
+        yield running
+        yield waiting
 
 
 class Metrics:

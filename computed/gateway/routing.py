@@ -2,17 +2,19 @@
 
 A poller thread reads statesvc's `status` (replicas) and `list` (the registry: each adapter's
 version is the seq of its load) and each live replica's own `status` (queue and resident
-set) every `interval_s`. A request goes to an ACTIVE replica that agrees with the log and has
-applied at least the adapter's load seq (`min_seq`), preferring one where the adapter is
-resident, then the fewest queued requests (its last status plus what this gateway has sent it
-since); when none has applied that seq yet, any ACTIVE agreeing replica, which waits for it.
+set, host tier and per-adapter requests) every `interval_s`. A request goes to an ACTIVE
+replica that agrees with the log and has applied at least the adapter's load seq (`min_seq`),
+preferring one where the adapter is resident in a slot, then one that holds it in its host
+tier (parsed: a slot write away), then the fewest queued requests (its last status plus what
+this gateway has sent it since); when none has applied that seq yet, any ACTIVE agreeing
+replica, which waits for it. docs/gateway.md "Routing" writes the score down.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
 from shared.keys import ClientKeys
@@ -30,6 +32,16 @@ class ReplicaView:
     queued: int  # running + waiting at its last status
     resident: frozenset[str]  # adapter names in its slots
     max_len: int
+    host: frozenset[str] = frozenset()  # adapter names in its host tier (parsed weights)
+    # adapter name -> (requests running on it, requests waiting for it) at its last status
+    requests: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def tier(self, adapter: str | None) -> int:
+        """Where `adapter` is on this replica, best first: 0 in a slot (or the base model), 1 in
+        the host tier only, 2 neither (its weights are fetched and parsed first)."""
+        if adapter is None or adapter in self.resident:
+            return 0
+        return 1 if adapter in self.host else 2
 
 
 @dataclass
@@ -156,7 +168,8 @@ class Router:
                 id=str(r["id"]), address=str(r["address"]),
                 applied_seq=max(int(r["applied_seq"]), int(own.get("applied_seq", 0))),
                 queued=int(inf["running"]) + int(inf["waiting"]), resident=resident,
-                max_len=int(inf["max_len"])))
+                max_len=int(inf["max_len"]), host=_host_tier(own),
+                requests=_adapter_requests(own)))
         return FleetView(ok=True, error="", head_seq=int(status["head_seq"]),
                          pool=first.get("pool"),
                          adapters={a["name"]: int(a["version"]) for a in adapters},
@@ -182,8 +195,8 @@ class Router:
         caught_up = [r for r in replicas if r.applied_seq >= min_seq]
         pool = caught_up or replicas  # none has it yet: one that will wait for min_seq
         with self._lock:
-            def key(r: ReplicaView) -> tuple[bool, int, str]:
-                return (adapter is not None and adapter not in r.resident,
+            def key(r: ReplicaView) -> tuple[int, int, str]:
+                return (r.tier(adapter),
                         r.queued + sum(self._inflight.get(r.address, {}).values()), r.id)
             return sorted(pool, key=key)
 
@@ -203,3 +216,19 @@ class Router:
     def inflight(self, address: str) -> dict[str | None, int]:
         with self._lock:
             return dict(self._inflight.get(address, {}))
+
+
+def _host_tier(status: dict[str, Any]) -> frozenset[str]:
+    """The adapter names in a replica status's `host_tier` (absent from a replica that does
+    not report it: none)."""
+    return frozenset(e["name"] for e in status.get("host_tier") or []
+                     if isinstance(e, dict) and isinstance(e.get("name"), str))
+
+
+def _adapter_requests(status: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """A replica status's `adapter_requests` as name -> (running, waiting)."""
+    got = status.get("adapter_requests")
+    if not isinstance(got, dict):
+        return {}
+    return {name: (int(c.get("running", 0)), int(c.get("waiting", 0)))
+            for name, c in got.items() if isinstance(name, str) and isinstance(c, dict)}

@@ -11,7 +11,12 @@ from rich.table import Table
 
 from shared.config import DEFAULT_PUBLISH
 from shared.endpoints import click_addresses
+from shared.modelconfig import FAMILIES
 from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
+from statesvc.tools.families import FAMILIES as EXAMPLE_FAMILIES
+
+# the families a replica serves that the example writer has an entry for
+EXAMPLE_CHOICES = tuple(f for f in FAMILIES if f in EXAMPLE_FAMILIES)
 
 
 @click.command()
@@ -96,9 +101,13 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
 @click.command("make-example")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--family", type=click.Choice(EXAMPLE_CHOICES), default="llama", show_default=True,
+              help="The model family (config.json model_type) of the checkpoint, with that "
+                   "family's tokenizer and chat template (docs/adapters.md, the families served).")
 @JSON_OPT
-def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
-    """Write a small random Llama checkpoint and PEFT adapters (nothing is downloaded)."""
+def make_example_cmd(directory: Path, seed: int, family: str, as_json: bool) -> None:
+    """Write a small random checkpoint of one model family, with its tokenizer, and PEFT
+    adapters (nothing is downloaded)."""
     from statesvc.tools.example import make_example
 
     try:
@@ -108,17 +117,17 @@ def make_example_cmd(directory: Path, seed: int, as_json: bool) -> None:
                                  "directory whose path is", param_hint="DIRECTORY") from None
     t0 = time.perf_counter()
     try:
-        assets = make_example(directory, seed=seed)
+        assets = make_example(directory, seed=seed, family=family)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename not in (None, str(directory)) else ""
         raise click.UsageError(f"DIRECTORY {directory}: {exc.strerror or exc}{where}; choose "
                                "a directory this user can create and write") from None
-    res: dict[str, Any] = {"model": str(assets.model_dir.resolve()),
+    res: dict[str, Any] = {"family": family, "model": str(assets.model_dir.resolve()),
            "adapters": {n: str(p.resolve()) for n, p in sorted(assets.adapter_dirs.items())}}
     if as_json:
         emit(res)
     else:
-        out.print(f"model    {res['model']}")
+        out.print(f"model    {res['model']} ({family})")
         for n, p in res["adapters"].items():
             out.print(f"adapter  {n:<16} {p}")
         out.print(f"written in {time.perf_counter() - t0:.2f} s")

@@ -1,16 +1,19 @@
 """`make demo`: the main job end to end, from nothing, on the embedded defaults.
 
-A generated example model and adapters; CURVE keys for everyone; statesvc and
+A generated example model (`make demo FAMILY=qwen2`: of that family, with its tokenizer and
+chat template; default llama) and adapters; CURVE keys for everyone; statesvc and
 two replicas on free loopback ports, all with --auth; five adapters registered on a pool of
 three slots per replica; one batch that mixes the base model and all five adapters (the
 replica evicts to serve it: docs/residency.md), then the same batch through the
-OpenAI-compatible gateway with the `openai` client (one request streamed); an unload and
+OpenAI-compatible gateway with the `openai` client (one request streamed) and a chat in the
+family's template; an unload and
 a request for it refused; a drill that kills
 a replica and rebuilds it by replay with matching digests; a clean shutdown
 with no process left behind. Every process started here is stopped here.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -25,6 +28,7 @@ from typing import Any
 import httpx
 import msgpack
 import zmq
+from jinja2.exceptions import TemplateError
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
@@ -34,12 +38,17 @@ from shared.fleet import BIN, Computed, Gateway, StateSvc, alive, loopback, wait
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, STATUS, generate_args
+from shared.text import TextCodec
+from statesvc.tools.commands import EXAMPLE_CHOICES
 
 console = Console(highlight=False, soft_wrap=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 ADAPTERS = {"support-bot": "attn-qv-r8", "sql-writer": "mlp-only-r16", "summarizer": "all-r2",
             "translator": "attn-all-r4", "coder": "all-r32-rslora"}
 SLOTS = 3  # fewer than the adapters: the mixed batch needs evictions
+# short enough for every family's template within the replicas' --max-len 64 (Qwen2.5's and
+# Granite's default system turns are not: the system message replaces them)
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is LoRA?"}]
 
 
 class Demo:
@@ -186,14 +195,29 @@ def gateway_batch(url: str, models: list[str]) -> dict[str, tuple[str, float, in
         return dict(zip(models, pool.map(one, range(len(models)), models)))
 
 
-def run(root: Path) -> None:
+def gateway_chat(url: str, model: str, messages: list[dict[str, str]]) -> tuple[str, int]:
+    """One chat completion through the gateway: (the answer, usage.prompt_tokens)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    res = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                         max_tokens=8, temperature=0)
+    assert res.usage is not None
+    return res.choices[0].message.content or "", res.usage.prompt_tokens
+
+
+def run(root: Path, family: str = "llama") -> None:
     t0 = time.perf_counter()
     demo = Demo(root)
-    console.print(Rule("1. example model and adapters (generated here, nothing downloaded)"))
-    assets = json.loads(demo.loractl("make-example", str(root / "example"), "--json",
-                                     show=False))
+    console.print(Rule(f"1. example {family} model and adapters (generated here, nothing "
+                       "downloaded)"))
+    assets = json.loads(demo.loractl("make-example", str(root / "example"), "--family", family,
+                                     "--json", show=False))
     dirs: dict[str, str] = assets["adapters"]
-    console.print(f"Llama checkpoint (GQA, untied) and PEFT adapters {', '.join(dirs)}")
+    cfg = json.loads((Path(assets["model"]) / "config.json").read_text())
+    tied = "tied" if cfg["tie_word_embeddings"] else "untied"
+    console.print(f"{cfg['architectures'][0]} checkpoint (GQA, {tied}, with {family}'s tokenizer "
+                  f"and chat template) and PEFT adapters {', '.join(dirs)}")
     report: list[tuple[str, bool]] = []
     try:
         console.print(Rule("2. statesvc and two replicas on loopback, every socket with --auth"))
@@ -211,8 +235,11 @@ def run(root: Path) -> None:
                            f"adapters on {SLOTS} slots"))
         # min_seq: the replica answers once it has applied our last load
         replica_key = ("--replica-server-key", str(demo.replica_keys / "server.key"))
-        demo.loractl("generate", "--replica", r1, *replica_key, "--adapter", "support-bot",
-                     "--input-ids", ",".join(map(str, PROMPT)), "--min-seq", str(head))
+        # the replica answers once it has compiled too (seconds per prefill bucket and window:
+        # longer on a busy machine, and for a family with sliding windows)
+        demo.loractl("--timeout", "240", "generate", "--replica", r1, *replica_key,
+                     "--adapter", "support-bot", "--input-ids", ",".join(map(str, PROMPT)),
+                     "--min-seq", str(head))
         replies = replica_batch(r1, [None, *ADAPTERS], demo.replica_client_keys())
         table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
         for col in ("adapter", "version", "output_ids", "total ms"):
@@ -253,6 +280,20 @@ def run(root: Path) -> None:
         report.append((f"mixed batch through the gateway: {distinct} different outputs from "
                        f"{len(texts)} requests", distinct == len(texts)))
         report.append(("the streamed request came as one chunk per token", texts[base][2] == 9))
+        codec, chat = TextCodec.load(Path(assets["model"])), CHAT
+        try:
+            codec.render_chat(chat)
+        except TemplateError as exc:  # Gemma 2's takes no system message
+            console.print(f"{family}'s chat template refuses a system message ({exc}): the "
+                          "chat goes without it", markup=False)
+            chat = CHAT[1:]
+        console.print(f"a chat through the gateway, rendered with {family}'s chat template:")
+        console.print(repr(codec.render_chat(chat)), markup=False)
+        answer, prompt_tokens = gateway_chat(url, "support-bot", chat)
+        console.print(f"support-bot answers {answer!r} (random weights: noise)", markup=False)
+        want = len(codec.encode_chat(chat))
+        report.append((f"chat through the gateway in {family}'s template: {prompt_tokens} prompt "
+                       f"tokens, the template's {want}", prompt_tokens == want))
         console.print(Rule("6. unload one; a request for it is refused"))
         demo.loractl("unload", "summarizer")
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
@@ -286,8 +327,13 @@ def run(root: Path) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m statesvc.tools.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=EXAMPLE_CHOICES, default="llama",
+                        help="the example model's family (default: llama)")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="loraplane-demo-") as tmp:
-        run(Path(tmp))
+        run(Path(tmp), args.family)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A tiny random Llama checkpoint and PEFT LoRA adapters, written as HF writes them.
+"""A tiny random checkpoint of any served family and PEFT LoRA adapters, written as HF writes them.
 
 Only numpy, json and ``safetensors.numpy`` are used (no torch, jax or
 transformers), so the state service can build example assets by itself.
@@ -9,6 +9,11 @@ asked otherwise, and both major versions load it.
 
 Every tensor is drawn from its own ``numpy.random.Generator`` seeded by
 ``(seed, sha256(name))``, so the same seed gives byte-identical files.
+
+A family other than Llama is its entry in `FAMILIES`: what its config.json adds, replaces or
+lacks against Llama's, what its decoder layers hold against Llama's, where its norm weights
+sit, and its tokenizer (statesvc/tools/tokenizer.py `TOKENIZERS`). Those configs are written as
+transformers 5 writes them (``config_style="v5"``; only Llama also carries the 4.x keys).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,13 +31,17 @@ from safetensors.numpy import save_file
 
 from shared.events import lora_scaling
 from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES, module_dims
-from statesvc.tools.tokenizer import MIN_VOCAB, write_tokenizer
+from statesvc.tools.families import FAMILIES, INITS, Family
+from statesvc.tools.families import family as _family
+from statesvc.tools.tokenizer import write_tokenizer
 
 __all__ = [
     "EXAMPLE_ADAPTERS",
     "EXAMPLE_BASE_MODEL_NAME",
+    "FAMILIES",
     "AdapterSpec",
     "ExampleAssets",
+    "Family",
     "ModelShape",
     "adapter_config",
     "adapter_tensor_names",
@@ -42,6 +51,8 @@ __all__ = [
     "write_adapter",
     "write_model",
     "encode_safetensors",
+    "generation_config",
+    "shaped",
     "write_safetensors",
 ]
 
@@ -59,7 +70,8 @@ _ST_DTYPES: dict[str, str] = {"float32": "F32", "bfloat16": "BF16"}
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture of a Llama checkpoint (the fields LlamaConfig takes)."""
+    """The sizes of a checkpoint (the fields LlamaConfig takes; a family's own options come
+    from its `FAMILIES` entry, which may also tie the embeddings: Gemma's always are)."""
 
     vocab_size: int = 512  # 3 special tokens, 256 bytes and the example tokenizer's merges
     hidden_size: int = 64
@@ -141,8 +153,9 @@ class ExampleAssets:
     root: Path
     model_dir: Path
     adapter_dirs: dict[str, Path]
-    shape: ModelShape
+    shape: ModelShape  # as written (`shaped`: a Gemma example's embeddings are tied)
     adapters: tuple[AdapterSpec, ...]
+    family: str = "llama"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -225,53 +238,82 @@ def _write_json(path: Path, obj: dict[str, Any], *, newline: bool = True) -> Non
 
 # --------------------------------------------------------------------------- model
 
-def model_tensor_names(shape: ModelShape) -> list[str]:
-    """The tensor names of a Llama checkpoint of this shape, sorted."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+def shaped(shape: ModelShape, family: str = "llama") -> ModelShape:
+    """`shape` as the family writes it (Gemma's embeddings are always tied)."""
+    if _family(family).tied and not shape.tie_word_embeddings:
+        return replace(shape, tie_word_embeddings=True)
+    return shape
+
+
+def _tensor_specs(shape: ModelShape, family: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the checkpoint: name -> (shape, how it is drawn: families.INITS)."""
+    fam, shape = _family(family), shaped(shape, family)
+    h, v = shape.hidden_size, shape.vocab_size
+    specs = {"model.embed_tokens.weight": ((v, h), "embed"), "model.norm.weight": ((h,), "norm")}
     if not shape.tie_word_embeddings:
-        names.append("lm_head.weight")
+        specs["lm_head.weight"] = ((v, h), "embed")
+    layer = fam.layer(shape)
     for i in range(shape.num_hidden_layers):
-        p = f"model.layers.{i}"
-        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.{MODULE_PARENT[m]}.{m}.weight" for m in MODULES]
-    return sorted(names)
+        specs.update({f"model.layers.{i}.{name}": spec for name, spec in layer.items()})
+    return specs
 
 
-def _model_tensors(shape: ModelShape, seed: int) -> dict[str, npt.NDArray[np.float32]]:
-    h = shape.hidden_size
+def model_tensor_names(shape: ModelShape, family: str = "llama") -> list[str]:
+    """The tensor names of a checkpoint of this shape and family, sorted."""
+    return sorted(_tensor_specs(shape, family))
+
+
+def _model_tensors(shape: ModelShape, seed: int, family: str = "llama") -> dict[str, npt.NDArray[np.float32]]:
+    specs, center = _tensor_specs(shape, family), np.float32(_family(family).norm_center)
     # Embedding rows of std 2/sqrt(h): after the final RMSNorm the hidden state has
     # unit RMS, so logits come out with std around 2 (tied or not).
-    emb_std = 2.0 / math.sqrt(h)
+    emb_std = 2.0 / math.sqrt(shape.hidden_size)
     out: dict[str, npt.NDArray[np.float32]] = {}
-    for name in model_tensor_names(shape):
+    for name in sorted(specs):
+        dims, init = specs[name]
         key = (name,)
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            norm = _normal(seed, key, (h,), 0.1)
-            norm += np.float32(1.0)
+        if init == "norm":
+            norm = _normal(seed, key, dims, 0.1)
+            norm += center
             out[name] = norm
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = _normal(seed, key, (shape.vocab_size, h), emb_std)
-        else:
-            module = name.split(".")[-2]
-            fan_in, fan_out = shape.module_dims(module)
+        elif init == "embed":
+            scale = _family(family).input_scale(shape) if name == "model.embed_tokens.weight" else 1.0
+            out[name] = _normal(seed, key, dims, emb_std / scale)
+        elif init == "linear":
             # torch Linear layout [out, in]; std 1/sqrt(fan_in) keeps activations O(1).
-            out[name] = _normal(seed, key, (fan_out, fan_in), 1.0 / math.sqrt(fan_in))
+            out[name] = _normal(seed, key, dims, 1.0 / math.sqrt(dims[-1]))
+        elif init == "bias":
+            out[name] = _normal(seed, key, dims, 0.2)
+        else:
+            raise ValueError(f"{name}: unknown init {init!r}; expected one of {', '.join(INITS)}")
     return out
 
 
-def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyle = "both") -> dict[str, Any]:
-    """The config.json transformers writes for LlamaForCausalLM of this shape.
+def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyle | None = None,
+                 family: str = "llama") -> dict[str, Any]:
+    """The config.json transformers writes for the family's ``*ForCausalLM`` of this shape.
 
     ``style``: "v5" is what transformers 5 writes (``dtype``, ``rope_parameters``),
     "v4" what 4.x writes (``torch_dtype``, ``rope_theta``, ``rope_scaling``),
-    "both" carries both sets of keys (the default; each version reads it).
+    "both" carries both sets of keys (Llama's default; each version reads it). Families
+    other than Llama are written as transformers 5 writes them ("v5", their default).
     """
+    fam = _family(family)
+    if style is None:
+        style = "both" if family == "llama" else "v5"
+    if style not in ("v4", "v5", "both"):
+        raise ValueError(f"style must be v4, v5 or both, got {style!r}")
+    if family != "llama" and style != "v5":
+        raise ValueError(f"{family} is written as transformers 5 writes it: style must be v5, "
+                         f"got {style!r}")
+    shape = shaped(shape, family)
+    tok = fam.tokenizer
     cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [fam.architecture],
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        "bos_token_id": tok.token_id("bos_token"),
+        "eos_token_id": tok.token_id("eos_token"),
         "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "hidden_size": shape.hidden_size,
@@ -279,7 +321,7 @@ def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyl
         "intermediate_size": shape.intermediate_size,
         "max_position_embeddings": shape.max_position_embeddings,
         "mlp_bias": False,
-        "model_type": "llama",
+        "model_type": fam.model_type,
         "num_attention_heads": shape.num_attention_heads,
         "num_hidden_layers": shape.num_hidden_layers,
         "num_key_value_heads": shape.num_key_value_heads,
@@ -294,37 +336,39 @@ def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyl
         if shape.rope_scaling is not None:
             rope = {k: v for k, v in shape.rope_scaling.items() if k != "type"}
         rope["rope_theta"] = shape.rope_theta
-        cfg.update(dtype=dtype, pad_token_id=None, rope_parameters=rope,
+        cfg.update(dtype=dtype, pad_token_id=tok.token_id("pad_token"), rope_parameters=rope,
                    transformers_version=TRANSFORMERS_VERSION)
     if style in ("v4", "both"):
         scaling = None if shape.rope_scaling is None else dict(shape.rope_scaling)
         cfg.update(torch_dtype=dtype, rope_theta=shape.rope_theta, rope_scaling=scaling)
         if style == "v4":
             cfg["transformers_version"] = TRANSFORMERS_V4_VERSION
-    if style not in ("v4", "v5", "both"):
-        raise ValueError(f"style must be v4, v5 or both, got {style!r}")
+    for key in fam.drop:
+        del cfg[key]
+    cfg.update(fam.config(shape))
     return cfg
 
 
+def generation_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The generation_config.json transformers derives from a model's config.json."""
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    return {"_from_model_config": True, **ids, "output_attentions": False,
+            "output_hidden_states": False, "transformers_version": cfg["transformers_version"],
+            "use_cache": True}
+
+
 def write_model(dir: Path, shape: ModelShape = ModelShape(), *, seed: int = 0,
-                dtype: str = "float32", config_style: ConfigStyle = "both") -> Path:
+                dtype: str = "float32", config_style: ConfigStyle | None = None,
+                family: str = "llama") -> Path:
     """Write config.json, generation_config.json and model.safetensors; return dir."""
     if dtype not in _ST_DTYPES:
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    cfg = model_config(shape, dtype=dtype, style=config_style, family=family)
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
-    cfg = model_config(shape, dtype=dtype, style=config_style)
     _write_json(dir / "config.json", cfg)
-    _write_json(dir / "generation_config.json", {
-        "_from_model_config": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "output_attentions": False,
-        "output_hidden_states": False,
-        "transformers_version": cfg["transformers_version"],
-        "use_cache": True,
-    })
-    _save(dir / "model.safetensors", _model_tensors(shape, seed), dtype)
+    _write_json(dir / "generation_config.json", generation_config(cfg))
+    _save(dir / "model.safetensors", _model_tensors(shape, seed, family), dtype)
     return dir
 
 
@@ -416,26 +460,32 @@ def write_adapter(dir: Path, spec: AdapterSpec, shape: ModelShape, *, seed: int,
     return dir
 
 
-def make_example(dir: Path, *, seed: int = 0, shape: ModelShape = ModelShape(),
+def make_example(dir: Path, *, family: str = "llama", seed: int = 0,
+                 shape: ModelShape = ModelShape(),
                  adapters: tuple[AdapterSpec, ...] = EXAMPLE_ADAPTERS,
                  dtype: str = "float32",
-                 base_model_name_or_path: str = EXAMPLE_BASE_MODEL_NAME) -> ExampleAssets:
-    """Write dir/model (with the example tokenizer when the vocab has room for one: see
-    statesvc/tools/tokenizer.py) and dir/adapters/<name>/ for each adapter."""
+                 base_model_name_or_path: str | None = None) -> ExampleAssets:
+    """Write dir/model, a checkpoint of `family` (one of `FAMILIES`) with that family's example
+    tokenizer when the vocab has room for one (statesvc/tools/tokenizer.py), and
+    dir/adapters/<name>/ for each adapter; `base_model_name_or_path` defaults to
+    loraplane/tiny-random-<family>."""
+    fam = _family(family)
     names = [a.name for a in adapters]
     if len(set(names)) != len(names):
         raise ValueError("adapter names must be unique")
     for n in names:
         if not n or "/" in n or "\\" in n or n in (".", ".."):
             raise ValueError(f"adapter name {n!r} is not a valid directory name")
+    shape = shaped(shape, family)
+    base_name = base_model_name_or_path or f"loraplane/tiny-random-{family}"
     root = Path(dir)
-    model_dir = write_model(root / "model", shape, seed=seed, dtype=dtype)
-    if shape.vocab_size >= MIN_VOCAB:
+    model_dir = write_model(root / "model", shape, seed=seed, dtype=dtype, family=family)
+    if shape.vocab_size >= fam.tokenizer.min_vocab:
         write_tokenizer(model_dir, vocab_size=shape.vocab_size,
-                        max_len=shape.max_position_embeddings)
+                        max_len=shape.max_position_embeddings, spec=fam.tokenizer)
     adapter_dirs = {
         a.name: write_adapter(root / "adapters" / a.name, a, shape, seed=seed,
-                              base_model_name_or_path=base_model_name_or_path, dtype=dtype)
+                              base_model_name_or_path=base_name, dtype=dtype)
         for a in adapters}
     return ExampleAssets(root=root, model_dir=model_dir, adapter_dirs=adapter_dirs,
-                         shape=shape, adapters=tuple(adapters))
+                         shape=shape, adapters=tuple(adapters), family=family)
