@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import pytest
 import zmq
 
 from shared.client import ControlClient, new_event_id
@@ -253,3 +254,14 @@ def held(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def slot_holding(status: dict[str, Any], name: str) -> int:
     """The slot a replica's status shows holding adapter `name`."""
     return next(int(s) for s, h in status["slots"].items() if h["name"] == name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread in the module that imports this: the reference models are tiny, and extra
+    torch threads only contend with XLA's (10x slower here)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

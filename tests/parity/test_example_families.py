@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from statesvc.tools.example import (  # noqa: E402
     make_example,
 )
 from statesvc.tools.inproc import call, init_pool, open_service  # noqa: E402
-from tests.helpers import adapter_weights  # noqa: E402
+from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -63,14 +63,6 @@ EXERCISED: dict[str, Callable[[Architecture], bool]] = {
     "granite": lambda a: (a.embed_multiplier, a.residual_multiplier, a.logits_scaling) == (12.0, 0.22, 4.0)
     and a.query_scale == 1 / 16,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 _BUILT: dict[str, ExampleAssets] = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from computed.model.runner import decode, forward_full, init_cache, prefill, pre
 from computed.pool import MemoryPool, PoolSpec  # noqa: E402
 from shared.fleet import StateSvc, loractl  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
-from tests.helpers import adapter_weights  # noqa: E402
+from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -164,14 +163,6 @@ def fill_pool(adapter_dirs: dict[str, Path], config: Any, dtype: str = "float32"
         assert pool.write_slot(i + 1, adapter_weights(path, i + 1))
         slots[name] = i + 1
     return pool, slots
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 _BUILT: dict[str, Family] = {}

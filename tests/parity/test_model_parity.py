@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from statesvc.tools.example import (  # noqa: E402
     model_config,
 )
 from computed.jaxcount import counting_compiles  # noqa: E402
-from tests.helpers import adapter_weights  # noqa: E402
+from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own deprecations
 
@@ -94,15 +93,6 @@ def close(ours: Any, ref: np.ndarray, rtol: float = RTOL) -> float:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The reference models are tiny: extra torch threads only contend with XLA's (10x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Reference:
