@@ -26,9 +26,25 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _config_eos_ids(model_dir: Path) -> set[int]:
+    """The eos_token_id of config.json and of generation_config.json, each an id or a list of
+    ids (Gemma's generation_config.json: <eos> and <end_of_turn>); a file or key that is
+    missing or null names none."""
+    ids: set[int] = set()
+    for path in (model_dir / "config.json", model_dir / "generation_config.json"):
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+        value = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        named = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(type(t) is int for t in named):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of token ids, "
+                             f"got {value!r}")
+        ids.update(named)
+    return ids
+
+
 @dataclass
 class TextCodec:
-    """A checkpoint's tokenizer and chat template."""
+    """A checkpoint's tokenizer, chat template and the ids that end its answers."""
 
     tokenizer: Any  # tokenizers.Tokenizer (the library ships no type hints)
     chat_template: str | None
@@ -37,6 +53,9 @@ class TextCodec:
     eos_token_id: int | None
     # every named special token tokenizer_config.json gives (bos_token, pad_token, ...)
     special_tokens: dict[str, str] = field(default_factory=dict)
+    # the ids that end generation, as transformers' generate and vLLM stop: eos_token_id and
+    # the eos_token_id (an id or a list) of config.json and of generation_config.json
+    eos_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def load(cls, model_dir: Path) -> TextCodec:
@@ -56,11 +75,13 @@ class TextCodec:
         if template is None and jinja.is_file():
             template = jinja.read_text()
         eos = _token_text(cfg.get("eos_token"))
+        eos_id = None if eos is None else tok.token_to_id(eos)
         named = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token_text(cfg.get(k))) is not None}
         return cls(tokenizer=tok, chat_template=template if isinstance(template, str) else None,
                    bos_token=_token_text(cfg.get("bos_token")), eos_token=eos,
-                   eos_token_id=None if eos is None else tok.token_to_id(eos),
-                   special_tokens=named)
+                   eos_token_id=eos_id, special_tokens=named,
+                   eos_token_ids=frozenset(_config_eos_ids(model_dir)
+                                           | ({eos_id} if eos_id is not None else set())))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)

@@ -63,7 +63,6 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
     from computed.gateway.routing import Router
     from computed.gateway.service import Gateway
     from shared.keys import KeyError_, client_keys
-    from shared.text import NoTokenizer
 
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -88,7 +87,7 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
     try:
         gw = Gateway(router, model, served_name=served_model_name or model.resolve().name,
                      request_timeout_s=request_timeout)
-    except NoTokenizer as exc:
+    except ValueError as exc:  # NoTokenizer, or a config's eos_token_id that is no token id
         raise click.UsageError(str(exc))
     router.wait_polled(10.0)
     bound = sock.getsockname()

@@ -130,6 +130,9 @@ class Gateway:
         self.codec = TextCodec.load(model_dir)
         self.served_name = served_name
         self.vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        # the model's eos ids (an id outside the vocabulary, never generated, is left out: a
+        # replica refuses it as a stop token)
+        self.eos_ids = frozenset(t for t in self.codec.eos_token_ids if 0 <= t < self.vocab_size)
         self.request_timeout_s = request_timeout_s
         self.links = ReplicaLinks(zmq.Context.instance(), router.replica_keys)
 
@@ -278,12 +281,13 @@ class Gateway:
         return {"output_ids": list(seen)}
 
     def stop_ids(self, s: Sampling) -> set[int]:
-        """The tokens that end the output: `stop_token_ids`, and eos unless `ignore_eos`."""
+        """The tokens that end the output: `stop_token_ids`, and unless `ignore_eos` every eos
+        id of the model (the tokenizer's, config.json's and generation_config.json's)."""
         stop_ids = set(s.stop_token_ids)
         if any(t >= self.vocab_size for t in stop_ids):
             raise bad(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
-        if self.codec.eos_token_id is not None and not s.ignore_eos:
-            stop_ids.add(self.codec.eos_token_id)
+        if not s.ignore_eos:
+            stop_ids |= self.eos_ids
         if len(stop_ids) > MAX_STOP_TOKENS:
             raise bad(f"at most {MAX_STOP_TOKENS} stop token ids", "stop_token_ids")
         return stop_ids

@@ -40,11 +40,13 @@ from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, STATUS, generate_args
 from shared.text import TextCodec
 from statesvc.tools.commands import EXAMPLE_CHOICES
+from statesvc.tools.example import example_adapters
 
 console = Console(highlight=False, soft_wrap=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-ADAPTERS = {"support-bot": "attn-qv-r8", "sql-writer": "mlp-only-r16", "summarizer": "all-r2",
-            "translator": "attn-all-r4", "coder": "all-r32-rslora"}
+# the names the example's adapters are served under, in `example_adapters` order (a dense
+# family's attn-qv-r8, attn-all-r4, mlp-only-r16, all-r32-rslora, all-r2; a MoE's on attention)
+ROLES = ("support-bot", "translator", "sql-writer", "coder", "summarizer")
 SLOTS = 3  # fewer than the adapters: the mixed batch needs evictions
 # short enough for every family's template within the replicas' --max-len 64 (Qwen2.5's and
 # Granite's default system turns are not: the system message replaces them)
@@ -214,6 +216,7 @@ def run(root: Path, family: str = "llama") -> None:
     assets = json.loads(demo.loractl("make-example", str(root / "example"), "--family", family,
                                      "--json", show=False))
     dirs: dict[str, str] = assets["adapters"]
+    adapters = dict(zip(ROLES, (a.name for a in example_adapters(family)), strict=True))
     cfg = json.loads((Path(assets["model"]) / "config.json").read_text())
     tied = "tied" if cfg["tie_word_embeddings"] else "untied"
     console.print(f"{cfg['architectures'][0]} checkpoint (GQA, {tied}, with {family}'s tokenizer "
@@ -225,13 +228,13 @@ def run(root: Path, family: str = "llama") -> None:
         r1 = demo.start_replica("replica-1", assets["model"], svc)
         demo.start_replica("replica-2", assets["model"], svc)
         console.print(Rule(f"3. configure {SLOTS} slots per replica, register "
-                           f"{len(ADAPTERS)} adapters"))
+                           f"{len(adapters)} adapters"))
         demo.loractl("pool", "init", "--model", assets["model"], "--max-loras", str(SLOTS),
                      "--max-rank", "32", "--targets", "all")
-        for name, adapter in ADAPTERS.items():
+        for name, adapter in adapters.items():
             demo.loractl("load", name, dirs[adapter])
         head = json.loads(demo.loractl("status", "--json", show=False))["head_seq"]
-        console.print(Rule(f"4. one batch mixing the base model and all {len(ADAPTERS)} "
+        console.print(Rule(f"4. one batch mixing the base model and all {len(adapters)} "
                            f"adapters on {SLOTS} slots"))
         # min_seq: the replica answers once it has applied our last load
         replica_key = ("--replica-server-key", str(demo.replica_keys / "server.key"))
@@ -240,7 +243,7 @@ def run(root: Path, family: str = "llama") -> None:
         demo.loractl("--timeout", "240", "generate", "--replica", r1, *replica_key,
                      "--adapter", "support-bot", "--input-ids", ",".join(map(str, PROMPT)),
                      "--min-seq", str(head))
-        replies = replica_batch(r1, [None, *ADAPTERS], demo.replica_client_keys())
+        replies = replica_batch(r1, [None, *adapters], demo.replica_client_keys())
         table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch")
         for col in ("adapter", "version", "output_ids", "total ms"):
             table.add_column(col)
@@ -258,17 +261,17 @@ def run(root: Path, family: str = "llama") -> None:
         console.print(f"replica-1 residency: {res['resident']} of {res['slots']} slots held, "
                       f"{res['hits']} hits, {res['misses']} misses, {res['evictions']} evictions; "
                       f"host tier {res['host_entries']} entries, {res['host_bytes']} bytes")
-        report.append((f"{len(ADAPTERS)} adapters served on {SLOTS} slots: "
-                       f"{res['evictions']} evictions", res["evictions"] >= len(ADAPTERS) - SLOTS
+        report.append((f"{len(adapters)} adapters served on {SLOTS} slots: "
+                       f"{res['evictions']} evictions", res["evictions"] >= len(adapters) - SLOTS
                        and res["resident"] <= SLOTS))
         console.print(Rule("5. the same batch through the OpenAI-compatible gateway"))
         url = demo.start_gateway(assets["model"], svc)
         base = Path(assets["model"]).name
-        wait_for(lambda: len(httpx.get(url + "/v1/models").json()["data"]) == 1 + len(ADAPTERS),
+        wait_for(lambda: len(httpx.get(url + "/v1/models").json()["data"]) == 1 + len(adapters),
                  what="the gateway to list the adapters")
         console.print(f"through the gateway at {url} with the official openai client "
                       f"(model = {base} or an adapter's name), the first request streamed")
-        texts = gateway_batch(url, [base, *ADAPTERS])
+        texts = gateway_batch(url, [base, *adapters])
         table = Table(title=f"prompt {PROMPT}, greedy, 8 new tokens, all in one batch (random "
                       "weights: the text is noise, different per adapter)")
         for col in ("model", "text", "ms", "SSE chunks"):

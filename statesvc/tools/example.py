@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 
 from shared.events import lora_scaling
 from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES, module_dims
+from shared.modelconfig import MOE_FAMILIES
 from statesvc.tools.families import FAMILIES, INITS, Family
 from statesvc.tools.families import family as _family
 from statesvc.tools.tokenizer import write_tokenizer
@@ -39,12 +40,15 @@ __all__ = [
     "EXAMPLE_ADAPTERS",
     "EXAMPLE_BASE_MODEL_NAME",
     "FAMILIES",
+    "MOE_EXAMPLE_ADAPTERS",
     "AdapterSpec",
     "ExampleAssets",
     "Family",
     "ModelShape",
     "adapter_config",
     "adapter_tensor_names",
+    "example_adapters",
+    "lora_targets",
     "make_example",
     "model_config",
     "model_tensor_names",
@@ -144,6 +148,26 @@ EXAMPLE_ADAPTERS: tuple[AdapterSpec, ...] = (
     AdapterSpec("all-r32-rslora", r=32, lora_alpha=16, target_modules=MODULES, use_rslora=True),
     AdapterSpec("all-r2", r=2, lora_alpha=8, target_modules=MODULES),
 )
+# A mixture of experts takes LoRA on attention only (docs/adapters.md): EXAMPLE_ADAPTERS' ranks,
+# alphas and rsLoRA, each on attention
+MOE_EXAMPLE_ADAPTERS: tuple[AdapterSpec, ...] = (
+    *EXAMPLE_ADAPTERS[:2],  # attn-qv-r8, attn-all-r4
+    AdapterSpec("attn-ko-r16", r=16, lora_alpha=32, target_modules=("k_proj", "o_proj")),
+    AdapterSpec("attn-all-r32-rslora", r=32, lora_alpha=16, target_modules=ATTN_MODULES, use_rslora=True),
+    AdapterSpec("attn-all-r2", r=2, lora_alpha=8, target_modules=ATTN_MODULES),
+)
+
+
+def lora_targets(family: str) -> tuple[str, ...]:
+    """The modules a replica serves LoRA on in `family`: the seven, or a mixture of experts'
+    attention projections."""
+    return ATTN_MODULES if family in MOE_FAMILIES else MODULES
+
+
+def example_adapters(family: str = "llama") -> tuple[AdapterSpec, ...]:
+    """The adapters make_example writes for `family` unless told: EXAMPLE_ADAPTERS, or a mixture
+    of experts' MOE_EXAMPLE_ADAPTERS (in the same order, of the same ranks)."""
+    return MOE_EXAMPLE_ADAPTERS if family in MOE_FAMILIES else EXAMPLE_ADAPTERS
 
 
 @dataclass(frozen=True)
@@ -349,9 +373,15 @@ def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyl
     return cfg
 
 
-def generation_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The generation_config.json transformers derives from a model's config.json."""
+def generation_config(cfg: dict[str, Any], *, family: str = "llama") -> dict[str, Any]:
+    """The generation_config.json transformers derives from a model's config.json; for a family
+    whose checkpoints end an answer on more tokens than eos (Gemma's <end_of_turn>, Qwen's
+    <|endoftext|>), what ``GenerationConfig(bos_token_id=, eos_token_id=[eos, ...],
+    pad_token_id=).save_pretrained`` writes instead, as those checkpoints' files are."""
     ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    eos = _family(family).tokenizer.eos_ids
+    if len(eos) > 1:
+        return {**ids, "eos_token_id": eos, "transformers_version": cfg["transformers_version"]}
     return {"_from_model_config": True, **ids, "output_attentions": False,
             "output_hidden_states": False, "transformers_version": cfg["transformers_version"],
             "use_cache": True}
@@ -367,7 +397,7 @@ def write_model(dir: Path, shape: ModelShape = ModelShape(), *, seed: int = 0,
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     _write_json(dir / "config.json", cfg)
-    _write_json(dir / "generation_config.json", generation_config(cfg))
+    _write_json(dir / "generation_config.json", generation_config(cfg, family=family))
     _save(dir / "model.safetensors", _model_tensors(shape, seed, family), dtype)
     return dir
 
@@ -462,14 +492,20 @@ def write_adapter(dir: Path, spec: AdapterSpec, shape: ModelShape, *, seed: int,
 
 def make_example(dir: Path, *, family: str = "llama", seed: int = 0,
                  shape: ModelShape = ModelShape(),
-                 adapters: tuple[AdapterSpec, ...] = EXAMPLE_ADAPTERS,
+                 adapters: tuple[AdapterSpec, ...] | None = None,
                  dtype: str = "float32",
                  base_model_name_or_path: str | None = None) -> ExampleAssets:
     """Write dir/model, a checkpoint of `family` (one of `FAMILIES`) with that family's example
     tokenizer when the vocab has room for one (statesvc/tools/tokenizer.py), and
-    dir/adapters/<name>/ for each adapter; `base_model_name_or_path` defaults to
-    loraplane/tiny-random-<family>."""
+    dir/adapters/<name>/ for each adapter (default: `example_adapters(family)`);
+    `base_model_name_or_path` defaults to loraplane/tiny-random-<family>."""
     fam = _family(family)
+    adapters = example_adapters(family) if adapters is None else adapters
+    for a in adapters:
+        outside = [m for m in a.target_modules if m not in lora_targets(family)]
+        if outside:
+            raise ValueError(f"adapter {a.name} targets {', '.join(outside)}: {family}'s MLP is a mixture "
+                             f"of experts, and LoRA is served on its {', '.join(lora_targets(family))} only")
     names = [a.name for a in adapters]
     if len(set(names)) != len(names):
         raise ValueError("adapter names must be unique")

@@ -7,7 +7,9 @@ tests/parity/test_example_families.py, which loads each in transformers and in o
 with options set away from their defaults where the family has them, so the example exercises
 them: sliding windows of 8 positions (shorter than the prompts the tests and the demo send),
 Qwen2's sliding layers from the middle, Gemma's soft-caps and query scale, Gemma 3's two RoPE
-bases with linear scaling on the global one, Granite's four multipliers.
+bases with linear scaling on the global one, Granite's four multipliers, Qwen3-MoE's top-k
+renormalised. A mixture of experts has `EXPERTS` experts, each token through `EXPERTS_PER_TOK`
+(Mixtral's of intermediate_size, Qwen3-MoE's a quarter of it), on every layer.
 
 Adding a family is one `FAMILIES` entry: ``config`` and ``drop`` for config.json, ``layer``
 for the tensors of one decoder layer (names under ``model.layers.{i}.``, each with its shape and
@@ -40,6 +42,7 @@ INITS = {
     "embed": "N(0, 4/hidden): after the final norm, logits of std about 2; model.embed_tokens "
              "divided by the family's `input_scale` (tied: lm_head with it)",
 }
+EXPERTS, EXPERTS_PER_TOK = 4, 2  # a mixture of experts' (few and small: a tiny example)
 WINDOW = 8  # the sliding window of every family that has one (at most max_position_embeddings)
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -71,6 +74,20 @@ def _ffn_norms(shape: ModelShape) -> LayerTensors:
     h = shape.hidden_size
     return {"pre_feedforward_layernorm.weight": ((h,), "norm"),
             "post_feedforward_layernorm.weight": ((h,), "norm")}
+
+
+def _experts(shape: ModelShape, *, stem: str, names: tuple[str, str, str], size: int) -> LayerTensors:
+    """A Llama layer with a sparse MLP under `stem` in place of its MLP: a router (`gate`, drawn
+    like a linear) and `EXPERTS` SwiGLU experts of `size`, their gate, up and down projections
+    named `names`."""
+    h, (gate, up, down) = shape.hidden_size, names
+    out = {k: v for k, v in llama_layer(shape).items() if not k.startswith("mlp.")}
+    out[f"{stem}.gate.weight"] = ((EXPERTS, h), "linear")
+    for e in range(EXPERTS):
+        out.update({f"{stem}.experts.{e}.{gate}.weight": ((size, h), "linear"),
+                    f"{stem}.experts.{e}.{up}.weight": ((size, h), "linear"),
+                    f"{stem}.experts.{e}.{down}.weight": ((h, size), "linear")})
+    return out
 
 
 def _window(shape: ModelShape) -> int:
@@ -118,6 +135,26 @@ GRANITE_EMBEDDING_MULTIPLIER = 12.0
 def _granite(shape: ModelShape) -> dict[str, Any]:
     return {"embedding_multiplier": GRANITE_EMBEDDING_MULTIPLIER, "attention_multiplier": 1.0 / shape.head_dim,
             "residual_multiplier": 0.22, "logits_scaling": 4.0}
+
+
+def _moe_size(shape: ModelShape) -> int:
+    """Qwen3-MoE's expert size: smaller than the dense MLP's, as the family's are."""
+    return max(shape.intermediate_size // 4, 1)
+
+
+# the routing keys Mixtral and Qwen3-MoE share (transformers 5 writes num_local_experts for both)
+_ROUTING: dict[str, Any] = {"num_local_experts": EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOK,
+                            "output_router_logits": False, "router_aux_loss_coef": 0.001}
+
+
+def _mixtral(shape: ModelShape) -> dict[str, Any]:
+    return {**_ROUTING, "router_jitter_noise": 0.0, "sliding_window": _window(shape)}
+
+
+def _qwen3_moe(shape: ModelShape) -> dict[str, Any]:  # Qwen3's attention: no window
+    return {**_ROUTING, "moe_intermediate_size": _moe_size(shape), "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+            "sliding_window": None}
 
 
 def _none(shape: ModelShape) -> dict[str, Any]:
@@ -176,6 +213,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                             **_qk_norm(s, per_head=False)}),
     Family("granite", "GraniteForCausalLM", TOKENIZERS["granite"], _granite, drop=("pretraining_tp",),
            input_scale=lambda s: GRANITE_EMBEDDING_MULTIPLIER),
+    Family("mixtral", "MixtralForCausalLM", TOKENIZERS["mistral"], _mixtral,
+           drop=("attention_bias", *_NOT_LLAMA),
+           layer=lambda s: _experts(s, stem="block_sparse_moe", names=("w1", "w3", "w2"),
+                                    size=s.intermediate_size)),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", TOKENIZERS["qwen3"], _qwen3_moe, drop=_NOT_LLAMA,
+           layer=lambda s: {**_experts(s, stem="mlp", names=("gate_proj", "up_proj", "down_proj"),
+                                       size=_moe_size(s)), **_qk_norm(s, per_head=True)}),
 )}
 
 

@@ -4,11 +4,12 @@ carry it (tokenizer.json, tokenizer_config.json with a chat template, special_to
 Trained on corpus.txt beside this file (text that ships with the repository), so the same
 vocab size gives byte-identical files. Byte-level: every byte has a token, so any text
 round-trips. Each family (`TOKENIZERS`) has its own special tokens (ids 0, 1, ... in the
-order given, before the bytes), the roles they play (bos, eos, pad, unk) and its chat
-template, written here in the form that family's tokenizer_config.json carries it (jinja2,
-rendered by transformers' apply_chat_template and by shared/text.py), reduced to what the
-gateway sends (each message's role and text content; no tools, no images). Llama's are
-<unk>, <s>, </s> at ids 0, 1, 2, the example config's bos 1 and eos 2.
+order given, before the bytes), the roles they play (bos, eos, pad, unk), the tokens besides
+eos that end an answer (generation_config.json's eos_token_id list) and its chat template,
+written here in the form that family's tokenizer_config.json carries it (jinja2, rendered by
+transformers' apply_chat_template and by shared/text.py), reduced to what the gateway sends
+(each message's role and text content; no tools, no images). Llama's are <unk>, <s>, </s> at
+ids 0, 1, 2, the example config's bos 1 and eos 2.
 """
 from __future__ import annotations
 
@@ -203,12 +204,19 @@ class TokenizerSpec:
     add_bos: bool = False  # the tokenizer puts bos in front of every text it encodes
     nulls: tuple[str, ...] = ()  # roles tokenizer_config.json gives as null (Qwen's bos and unk)
     split: str | None = None  # a regex splitting NFC text before the byte-level BPE (Qwen's)
+    # the tokens besides eos that end an answer: the family's generation_config.json lists them
+    # after eos in eos_token_id (Gemma's <end_of_turn>, Qwen's <|endoftext|>)
+    also_eos: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for role in ROLES:
             token = getattr(self, role)
             if token is not None and token not in self.special_tokens:
                 raise ValueError(f"{role} {token!r} is not one of the special tokens")
+        for token in self.also_eos:
+            if token not in self.special_tokens or token == self.eos_token:
+                raise ValueError(f"also_eos {token!r} is not one of the special tokens other "
+                                 f"than eos")
         if self.add_bos and self.bos_token is None:
             raise ValueError("add_bos needs a bos_token")
         if set(self.nulls) - set(ROLES) or any(getattr(self, r) is not None for r in self.nulls):
@@ -223,6 +231,11 @@ class TokenizerSpec:
         """The id of the token playing `role` ("bos_token", ...), None if the family has none."""
         token = getattr(self, role)
         return None if token is None else self.special_tokens.index(token)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The ids that end an answer, eos first, as generation_config.json lists them."""
+        return [self.special_tokens.index(t) for t in (self.eos_token, *self.also_eos)]
 
     @property
     def named(self) -> dict[str, str]:
@@ -241,7 +254,8 @@ LLAMA = TokenizerSpec(("<unk>", "<s>", "</s>"), CHAT_TEMPLATE, bos_token="<s>", 
 _CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _GEMMA = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
 _QWEN: dict[str, Any] = dict(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                             nulls=("bos_token", "unk_token"), split=QWEN_SPLIT)
+                             also_eos=("<|endoftext|>",), nulls=("bos_token", "unk_token"),
+                             split=QWEN_SPLIT)
 TOKENIZERS: dict[str, TokenizerSpec] = {
     "llama": LLAMA,
     "qwen2": TokenizerSpec(_CHATML, QWEN2_TEMPLATE, **_QWEN),
@@ -249,9 +263,11 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
     "mistral": TokenizerSpec(("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), MISTRAL_TEMPLATE,
                              bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos=True),
     "gemma2": TokenizerSpec(_GEMMA, GEMMA2_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
-                            pad_token="<pad>", unk_token="<unk>", add_bos=True),
+                            pad_token="<pad>", unk_token="<unk>", add_bos=True,
+                            also_eos=("<end_of_turn>",)),
     "gemma3": TokenizerSpec(_GEMMA, GEMMA3_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
-                            pad_token="<pad>", unk_token="<unk>", add_bos=True),
+                            pad_token="<pad>", unk_token="<unk>", add_bos=True,
+                            also_eos=("<end_of_turn>",)),
     "olmo2": TokenizerSpec(("<|endoftext|>", "<|pad|>"), OLMO2_TEMPLATE, bos_token="<|endoftext|>",
                            eos_token="<|endoftext|>", pad_token="<|pad|>"),
     "granite": TokenizerSpec(("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"),

@@ -17,7 +17,8 @@ from safetensors.numpy import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from shared.llama import MLP_MODULES, MODULES  # noqa: E402
+from shared.llama import ATTN_MODULES, MLP_MODULES, MODULES  # noqa: E402
+from shared.modelconfig import MOE_FAMILIES  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402
     EXAMPLE_ADAPTERS,
     TRANSFORMERS_VERSION,
@@ -25,6 +26,7 @@ from statesvc.tools.example import (  # noqa: E402
     ModelShape,
     adapter_tensor_names,
     encode_safetensors,
+    example_adapters,
     make_example,
     model_tensor_names,
     write_adapter,
@@ -90,6 +92,22 @@ def test_example_adapters_cover_the_cases() -> None:
     assert any(a.use_rslora for a in EXAMPLE_ADAPTERS)
     assert any(set(a.target_modules) == set(MLP_MODULES) for a in EXAMPLE_ADAPTERS)
     assert any(set(a.target_modules) == set(MODULES) for a in EXAMPLE_ADAPTERS)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_moe_example_has_lora_on_attention_only(family: str, tmp_path: Path) -> None:
+    """A mixture of experts is served LoRA on attention only: its example adapters are those of
+    a dense family, rank for rank, on attention; one on the MLP is refused, naming why."""
+    adapters = example_adapters(family)
+    assert [(a.r, a.lora_alpha, a.use_rslora) for a in adapters] == \
+        [(a.r, a.lora_alpha, a.use_rslora) for a in EXAMPLE_ADAPTERS]
+    assert all(set(a.target_modules) <= set(ATTN_MODULES) for a in adapters)
+    assert sorted(make_example(tmp_path / "ex", family=family).adapter_dirs) == sorted(a.name for a in adapters)
+    mlp = next(a for a in EXAMPLE_ADAPTERS if set(a.target_modules) == set(MLP_MODULES))
+    with pytest.raises(ValueError, match=f"{mlp.name} targets gate_proj, up_proj, down_proj: {family}'s MLP "
+                                         "is a mixture of experts"):
+        make_example(tmp_path / "refused", family=family, adapters=(mlp,))
+    assert not (tmp_path / "refused").exists()
 
 
 def test_encoder_matches_reference_writer(tmp_path: Path) -> None:

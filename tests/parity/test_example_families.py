@@ -29,13 +29,15 @@ from computed import lora  # noqa: E402
 from computed.model.loader import load_model  # noqa: E402
 from computed.model.runner import forward_full  # noqa: E402
 from computed.pool import MemoryPool, PoolSpec  # noqa: E402
-from shared.modelconfig import SLIDING, Architecture, read_architecture  # noqa: E402
+from shared.modelconfig import MOE_FAMILIES, SLIDING, Architecture, read_architecture  # noqa: E402
 from shared.text import TextCodec  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402
-    EXAMPLE_ADAPTERS,
     FAMILIES,
     TRANSFORMERS_VERSION,
+    AdapterSpec,
     ExampleAssets,
+    example_adapters,
+    lora_targets,
     make_example,
 )
 from statesvc.tools.inproc import call, init_pool, open_service  # noqa: E402
@@ -44,7 +46,6 @@ from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 RTOL = 1e-4  # of the logit scale, as tests/parity/test_families.py
-ADAPTER = next(a for a in EXAMPLE_ADAPTERS if a.name == "all-r2")  # every module
 PROMPT = 12  # tokens: longer than the examples' sliding window of 8
 
 # What each family's example sets away from Llama's, as our reader sees it: the example
@@ -62,7 +63,17 @@ EXERCISED: dict[str, Callable[[Architecture], bool]] = {
     "olmo2": lambda a: a.layout == "post" and a.qk_norm == "full",
     "granite": lambda a: (a.embed_multiplier, a.residual_multiplier, a.logits_scaling) == (12.0, 0.22, 4.0)
     and a.query_scale == 1 / 16,
+    "mixtral": lambda a: (a.num_experts, a.experts_per_tok, a.expert_size) == (4, 2, 128) and not a.dense_layers
+    and a.layer_types == (SLIDING, SLIDING) and a.sliding_window == 8,
+    "qwen3_moe": lambda a: (a.num_experts, a.experts_per_tok, a.expert_size) == (4, 2, 32) and not a.dense_layers
+    and a.norm_topk and a.qk_norm == "head",
 }
+
+
+def adapter_of(family: str) -> AdapterSpec:
+    """The family's example adapter on every module it serves LoRA on, of rank 2."""
+    return next(a for a in example_adapters(family)
+                if a.r == 2 and set(a.target_modules) == set(lora_targets(family)))
 
 
 _BUILT: dict[str, ExampleAssets] = {}
@@ -72,7 +83,8 @@ _BUILT: dict[str, ExampleAssets] = {}
 def example_of(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ExampleAssets:
     name = request.param
     if name not in _BUILT:
-        _BUILT[name] = make_example(tmp_path_factory.mktemp(name), family=name, seed=1, adapters=(ADAPTER,))
+        _BUILT[name] = make_example(tmp_path_factory.mktemp(name), family=name, seed=1,
+                                    adapters=(adapter_of(name),))
     return _BUILT[name]
 
 
@@ -87,14 +99,16 @@ def _names(path: Path) -> list[str]:
 
 def test_example_loads_in_transformers_pool_init_and_our_model(example_of: ExampleAssets, tmp_path: Path) -> None:
     ex = example_of
-    family = ex.family
+    family, adapter = ex.family, ex.adapters[0]
     cfg = _json(ex.model_dir / "config.json")
     assert cfg["model_type"] == family and cfg["architectures"] == [FAMILIES[family].architecture]
     assert EXERCISED[family](read_architecture(cfg)), family
 
-    # transformers loads it as its own, and writes the same files back
+    # transformers loads it as its own, and writes the same files back (a MoE's experts as
+    # modeling_*.py writes them, a loop over the experts: tests/parity/test_families.py)
+    moe = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        ex.model_dir, output_loading_info=True, attn_implementation="eager")
+        ex.model_dir, output_loading_info=True, attn_implementation="eager", **moe)
     assert not any(info.values()), info
     model.save_pretrained(tmp_path / "resaved")
     again = _json(tmp_path / "resaved" / "config.json")
@@ -106,24 +120,29 @@ def test_example_loads_in_transformers_pool_init_and_our_model(example_of: Examp
     gen, gen_again = (_json(d / "generation_config.json") for d in (ex.model_dir, tmp_path / "resaved"))
     gen_again["transformers_version"] = TRANSFORMERS_VERSION
     assert gen == gen_again
+    if isinstance(gen["eos_token_id"], list):  # not derived from config.json: the family's own
+        own = {k: v for k, v in gen.items() if k != "transformers_version"}
+        transformers.GenerationConfig(**own).save_pretrained(tmp_path / "own")
+        assert {**_json(tmp_path / "own" / "generation_config.json"),
+                "transformers_version": TRANSFORMERS_VERSION} == gen
     assert _names(tmp_path / "resaved" / "model.safetensors") == _names(ex.model_dir / "model.safetensors")
 
     # pool init takes the checkpoint, and a load takes its adapter
     service = open_service(tmp_path / "data")
-    init_pool(service, ex.model_dir, max_rank=ADAPTER.r)
-    call(service, "load", name=ADAPTER.name, path=str(ex.adapter_dirs[ADAPTER.name]), pin=False,
+    init_pool(service, ex.model_dir, max_rank=adapter.r)
+    call(service, "load", name=adapter.name, path=str(ex.adapter_dirs[adapter.name]), pin=False,
          replace=False, expect_head=None)
 
     # our logits, base and adapter, are transformers + PEFT's
-    ref = peft.PeftModel.from_pretrained(model, ex.adapter_dirs[ADAPTER.name], adapter_name=ADAPTER.name).eval()
+    ref = peft.PeftModel.from_pretrained(model, ex.adapter_dirs[adapter.name], adapter_name=adapter.name).eval()
     tokens = np.random.default_rng(3).integers(0, cfg["vocab_size"], (2, PROMPT))
     with torch.no_grad():
-        want = ref(torch.tensor(tokens), adapter_names=["__base__", ADAPTER.name]).logits.float().numpy()
+        want = ref(torch.tensor(tokens), adapter_names=["__base__", adapter.name]).logits.float().numpy()
     config, params = load_model(ex.model_dir)
     assert config.model_type == family
     pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=2,
-                               max_rank=ADAPTER.r, dtype="float32"))
-    assert pool.write_slot(1, adapter_weights(ex.adapter_dirs[ADAPTER.name], 1))
+                               max_rank=adapter.r, dtype="float32"))
+    assert pool.write_slot(1, adapter_weights(ex.adapter_dirs[adapter.name], 1))
     got = np.asarray(forward_full(params, pool.arrays, tokens, [lora.BASE, 1]), np.float32)
     scale = float(np.abs(want).max())
     assert float(np.abs(got - want).max()) <= RTOL * scale, family
@@ -156,6 +175,10 @@ REFUSED = {
     "mistral": {"roles out of turn": "conversation roles must alternate",
                 "a tool turn": "Only user and assistant roles are supported"},
 }
+# what generation_config.json's eos_token_id lists after eos, as the family's checkpoints do
+# (Gemma 2 and 3: [1, 107] and [1, 106]; Qwen2.5, Qwen3 and Qwen3-MoE: [151645, 151643])
+ALSO_EOS = {"gemma2": ["<end_of_turn>"], "gemma3_text": ["<end_of_turn>"],
+            **{f: ["<|endoftext|>"] for f in ("qwen2", "qwen3", "qwen3_moe")}}
 # the family's own marks, in the rendering of [SYSTEM, USER] (Gemma 2: of [USER])
 MARKS = {
     "llama": "<s><|system|>\nBe brief.</s>\n",
@@ -183,9 +206,15 @@ def test_chat_template_renders_as_transformers(example_of: ExampleAssets) -> Non
     cfg, gen = _json(ex.model_dir / "config.json"), _json(ex.model_dir / "generation_config.json")
     # the ids config.json and generation_config.json name are the tokenizer's
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
-    assert (gen.get("bos_token_id"), gen["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
-    assert codec.eos_token_id == tok.eos_token_id
-    refused = REFUSED.get(ex.family, {})
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    assert (gen.get("bos_token_id"), eos[0]) == (tok.bos_token_id, tok.eos_token_id)
+    # then the tokens that end a turn, as the family's checkpoints list them; the gateway
+    # stops on each
+    assert tok.convert_ids_to_tokens(eos[1:]) == ALSO_EOS.get(ex.family, [])
+    assert codec.eos_token_id == tok.eos_token_id and codec.eos_token_ids == set(eos)
+    # a family with another's tokenizer renders as that one (Mixtral as Mistral, Qwen3-MoE as Qwen3)
+    own = next(f for f in FAMILIES if FAMILIES[f].tokenizer is FAMILIES[ex.family].tokenizer)
+    refused = REFUSED.get(own, {})
     for name, chat in CHATS.items():
         want = _render(lambda: tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
         got = _render(lambda: codec.render_chat(chat))
@@ -199,7 +228,7 @@ def test_chat_template_renders_as_transformers(example_of: ExampleAssets) -> Non
         ids = tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert codec.encode_chat(chat) == ids, (ex.family, name)
     shown = codec.render_chat([USER] if ex.family == "gemma2" else [SYSTEM, USER])
-    assert MARKS[ex.family] in shown, shown
+    assert MARKS[own] in shown, shown
     if ex.family == "qwen2":  # Qwen2.5's default system turn when the chat has none
         assert codec.render_chat([USER]).startswith(
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n")

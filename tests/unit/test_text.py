@@ -3,6 +3,7 @@ round-trips, the chat template renders as transformers renders it, and increment
 detokenization never releases part of a multi-byte character."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,31 @@ def test_the_same_vocab_gives_byte_identical_files(tmp_path: Path,
     again = make_example(tmp_path / "again", seed=0)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (again.model_dir / name).read_bytes() == (example.model_dir / name).read_bytes()
+
+
+def test_eos_ids_are_the_tokenizers_and_every_configs(tmp_path: Path) -> None:
+    """As transformers' generate and vLLM stop: the tokenizer's eos, and the eos_token_id of
+    config.json and generation_config.json, each an id or a list (Gemma's example lists
+    <eos> and <end_of_turn>)."""
+    gemma = make_example(tmp_path / "gemma", family="gemma2", adapters=())
+    model = gemma.model_dir
+    codec = TextCodec.load(model)
+    end_of_turn = codec.tokenizer.token_to_id("<end_of_turn>")
+    assert codec.eos_token_ids == {codec.eos_token_id, end_of_turn} == {1, 5}
+    gen, cfg = model / "generation_config.json", model / "config.json"
+    config = json.loads(cfg.read_text())
+    for config_eos, gen_eos, want in ((1, None, {1}), ([1, 40], 7, {1, 7, 40}),
+                                      (None, [9, 1], {1, 9}), (None, None, {1})):
+        cfg.write_text(json.dumps({**config, "eos_token_id": config_eos}))
+        gen.write_text(json.dumps({"eos_token_id": gen_eos}))
+        assert TextCodec.load(model).eos_token_ids == want, (config_eos, gen_eos)
+    gen.unlink()  # a checkpoint without generation_config.json
+    assert TextCodec.load(model).eos_token_ids == {1}
+    for bad in ("1", [1, "2"], [1.0], True, {"id": 1}):
+        gen.write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a "
+                                             "token id or a list of token ids"):
+            TextCodec.load(model)
 
 
 def test_a_vocab_without_room_for_bytes_gets_no_tokenizer(tmp_path: Path) -> None:
