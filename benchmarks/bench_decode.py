@@ -94,6 +94,7 @@ nothing unless `python -m benchmarks --quick` points it elsewhere.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import multiprocessing
 import os
@@ -246,10 +247,10 @@ def write_assets(root: Path, shape: ModelShape, dtype: str = "float32") -> tuple
     return model_dir, dirs
 
 
-def loaded_event(name: str, slot: int, data: bytes) -> AdapterLoaded:
+def loaded_event(name: str, slot: int, data: bytes, targets: tuple[str, ...] = MODULES) -> AdapterLoaded:
     return AdapterLoaded(name=name, version=slot + 2, sha256="", size=len(data), rank=RANK,
                          alpha=float(ALPHA), scaling=lora_scaling(ALPHA, RANK, False), use_rslora=False,
-                         targets=MODULES, pinned=False)
+                         targets=targets, pinned=False)
 
 
 @dataclass
@@ -391,6 +392,9 @@ class PeftDecode:
         with torch.no_grad():
             out = model(input_ids=self.prompts, use_cache=True, adapter_names=self.names, logits_to_keep=1)
         self.cache = out.cache
+        # a sliding-window layer's cache cannot be cropped back once the window is full: each
+        # round of such a model (bench_families) restarts from a copy of the prefilled cache
+        self.prefilled = copy.deepcopy(self.cache) if any(getattr(self.cache, "is_sliding", ())) else None
         self.first = out.logits[:, -1].argmax(-1, keepdim=True)
         self.tokens: list[np.ndarray] = []
 
@@ -417,7 +421,9 @@ class PeftDecode:
     def round(self, steps: int, timing: Timing | None) -> None:
         torch, model = self.torch, self.model
         surplus = self.cache.get_seq_length() - PROMPT
-        if surplus:
+        if self.prefilled is not None:
+            self.cache = copy.deepcopy(self.prefilled)
+        elif surplus:
             self.cache.crop(-surplus)
         tokens, out = self.first, []
         with torch.no_grad(), timed(timing):
@@ -435,7 +441,7 @@ def load_peft(model_dir: Path, dirs: dict[str, Path], threads: int) -> Any:
     import transformers
     torch.set_num_threads(threads)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    names = adapter_names()
+    names = list(dirs)  # adapter_names(), or the first of them (bench_families)
     model = peft.PeftModel.from_pretrained(base, str(dirs[names[0]]), adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(str(dirs[name]), adapter_name=name)
@@ -443,8 +449,9 @@ def load_peft(model_dir: Path, dirs: dict[str, Path], threads: int) -> Any:
 
 
 def peft_worker(conn: Connection, model_dir: Path, dirs: dict[str, Path], threads: int,
-                prompts: np.ndarray) -> None:
-    """The PEFT side, in its own process: runs a round when told to and answers its timing and tokens.
+                prompts: np.ndarray, mixes: tuple[int, ...] | None = None) -> None:
+    """The PEFT side, in its own process: runs a round when told to and answers its timing and tokens
+    (on `mixes`, by default MIXES).
 
     A process of its own because torch and XLA in one process slow each other
     down: PEFT's steps there took up to 15 times as long as alone.
@@ -453,7 +460,7 @@ def peft_worker(conn: Connection, model_dir: Path, dirs: dict[str, Path], thread
     import torch
     import transformers
     model = load_peft(model_dir, dirs, threads)
-    runs = {k: PeftDecode(model, prompts, row_adapters(k)) for k in MIXES}
+    runs = {k: PeftDecode(model, prompts, row_adapters(k)) for k in (mixes or MIXES)}
     conn.send({"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
                "attn_implementation": model.base_model.model.config._attn_implementation})
     while True:
@@ -478,10 +485,12 @@ def peft_worker(conn: Connection, model_dir: Path, dirs: dict[str, Path], thread
 class PeftProcess:
     """The parent's handle on peft_worker."""
 
-    def __init__(self, model_dir: Path, dirs: dict[str, Path], threads: int, prompts: np.ndarray) -> None:
+    def __init__(self, model_dir: Path, dirs: dict[str, Path], threads: int, prompts: np.ndarray,
+                 mixes: tuple[int, ...] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=peft_worker, args=(child, model_dir, dirs, threads, prompts), daemon=True)
+        self.proc = ctx.Process(target=peft_worker, args=(child, model_dir, dirs, threads, prompts, mixes),
+                                daemon=True)
         self.proc.start()
         child.close()
         self.info: dict[str, str] = self.conn.recv()

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import REPO, machine_info, median, output_flags, publish, spread
+from benchmarks.report import REPO, machine_info, median, peer_output_flags, publish_peer, spread
 
 VENV_ENV = "LORAPLANE_LLAMACPP_VENV"
 PEER_VERSION = "0.3.36"  # llama-cpp-python, the sdist pip resolves (vendors llama.cpp)
@@ -306,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="greedy steps per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the CPU count)")
-    output_flags(ap, "peer", "a tiny model, for a smoke run; never builds the peer")
-    ap.add_argument("--out", type=Path, help="write the JSON to this file instead of benchmarks/results/peer.json "
-                    "(and leave the README alone)")
+    peer_output_flags(ap, "peer", "a tiny model, for a smoke run; never builds the peer")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.steps = 1, 4
@@ -321,13 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"machine": machine_info(), "peer": "build failed", "why": built[1]}
     else:
         result = run(args, py or venv / "bin" / "python")
-    markdown = report(result)
-    print(markdown)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results written to {args.out}")
-    publish("peer", result, markdown, quick=args.quick, no_write=args.no_write or bool(args.out), say=print)
-    return 0
+    return publish_peer("peer", result, report(result), args)
 
 
 if __name__ == "__main__":

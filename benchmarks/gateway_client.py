@@ -154,14 +154,15 @@ class _Exchange(asyncio.Protocol):
 class Http:
     """Keep-alive HTTP/1.1 connections to the gateway, one per concurrent request."""
 
+    protocol: type[_Exchange] = _Exchange  # what each connection is (a subclass may time its reads)
+
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.idle: list[_Exchange] = []
 
-    async def stream(self, body: bytes) -> tuple[int, float, float, float]:
-        """POST a streaming completion; the number of `data: {` events, checked to end in
-        `data: [DONE]`, when the first one came and when the answer ended (perf_counter),
-        and the gateway's `upstream_ms` from the finish chunk."""
+    async def completion(self, body: bytes) -> tuple[_Exchange, bytes, float, float]:
+        """POST `body` to /v1/completions on an idle connection, or a new one: the connection
+        (back among the idle ones), the raw answer, when its first byte and its end came."""
         request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                    b"application/json\r\nContent-Length: %d\r\n\r\n%s"
                    % (self.host.encode(), len(body), body))
@@ -175,9 +176,16 @@ class Http:
             except ConnectionError:
                 conn.transport.close()  # type: ignore[union-attr]
         else:
-            _, conn = await asyncio.get_running_loop().create_connection(
-                _Exchange, self.host, self.port)
+            _, conn = await asyncio.get_running_loop().create_connection(self.protocol, self.host, self.port)
             raw, first, end = await conn.exchange(request)
+        self.idle.append(conn)
+        return conn, raw, first, end
+
+    async def stream(self, body: bytes) -> tuple[int, float, float, float]:
+        """POST a streaming completion; the number of `data: {` events, checked to end in
+        `data: [DONE]`, when the first one came and when the answer ended (perf_counter),
+        and the gateway's `upstream_ms` from the finish chunk."""
+        _, raw, first, end = await self.completion(body)
         head, _, chunked = raw.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"transfer-encoding: chunked" in head.lower(), head
@@ -188,7 +196,6 @@ class Http:
             got += chunked[at:at + size]
             at += size + 2
         assert got.endswith(b"data: [DONE]\n\n"), bytes(got[-200:])
-        self.idle.append(conn)
         last = got.rsplit(b"data: ", 2)[1]  # the finish chunk, before `[DONE]`
         finish = json.loads(last)
         return got.count(b"data: {"), first, end, finish["timings"]["upstream_ms"]

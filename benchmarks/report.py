@@ -188,6 +188,23 @@ def output_flags(ap: argparse.ArgumentParser, name: str, quick_help: str) -> Non
                     help=f"print only: leave benchmarks/results/{name}.json and README.md alone")
 
 
+def peer_output_flags(ap: argparse.ArgumentParser, name: str, quick_help: str) -> None:
+    """A side-by-side peer's `output_flags` and its --out FILE."""
+    output_flags(ap, name, quick_help)
+    ap.add_argument("--out", type=Path, help=f"write the JSON to this file instead of benchmarks/results/{name}.json "
+                    "(and leave the README alone)")
+
+
+def publish_peer(name: str, result: dict[str, Any], markdown: str, args: argparse.Namespace) -> int:
+    """Print a peer benchmark's README section, then write it to --out or `publish` it."""
+    print(markdown)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results written to {args.out}")
+    publish(name, result, markdown, quick=args.quick, no_write=args.no_write or bool(args.out), say=print)
+    return 0
+
+
 def run_and_publish(name: str, args: argparse.Namespace,
                     run: Callable[[argparse.Namespace], dict[str, Any]],
                     render: Callable[[dict[str, Any]], str]) -> int:

@@ -16,7 +16,8 @@ those files and writes
 writes into `--out` (default: a fresh temp dir) and a copy of the README there,
 never into the repository. `make test` runs it once so the suite cannot rot.
 
-    .venv/bin/python -m benchmarks [--quick [--jobs 2]] [--only events,replay] [--out DIR] [--collect-only] [--isa avx2]
+    .venv/bin/python -m benchmarks [--quick [--jobs 2]] [--only events,replay] [--skip vllm] [--out DIR]
+        [--collect-only] [--isa avx2]
 """
 from __future__ import annotations
 
@@ -58,11 +59,15 @@ BENCHES = (
     Bench("replay", "benchmarks.bench_replay", ("--quick",)),
     Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
     Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
+    # decode per model family: 16 adapters / base, ours / PEFT, over Llama's (issue 38)
+    Bench("families", "benchmarks.bench_families", ("--quick",), isa_bound=True),
     Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True),
     Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
     Bench("tp", "benchmarks.bench_tp", ("--quick",)),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
+    # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
+    Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",)),
 )
 
 # `--isa avx2` (a forced AVX2+FMA build on any x86 CPU) keeps its results here, beside the
@@ -395,6 +400,46 @@ def peer_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def vllm_figures(r: dict[str, Any]) -> list[Figure]:
+    """Our fleet over vLLM's CPU server, same requests through the OpenAI API (issue 39): the
+    bench's targets, the closed loop's ratio, vLLM's own rate, greedy agreement and startup;
+    none when the peer was not installed."""
+    if r.get("peer") != "installed":
+        return []
+    runs, cells = r["settings"]["rounds"], r["workloads"]
+    out = [figure("vllm", t["name"], cells[t["workload"]][t["stat"]], "x", target=t["target"], meets=t["met"],
+                  spread=cells[t["workload"]][t["stat"] + "_spread"], runs=runs) for t in r["targets"]]
+    closed = cells["closed"]
+    out += [figure("vllm", f"tokens/s, {closed['label']}: ours / vLLM", closed["ours_over_vllm"], "x",
+                   spread=closed["ours_over_vllm_spread"], runs=runs),
+            figure("vllm", f"vLLM CPU server, {cells['adapters']['label']}", cells["adapters"]["vllm"]["tok_s"],
+                   "tokens/s", spread=cells["adapters"]["vllm"]["tok_s_spread"], runs=runs)]
+    out += [figure("vllm", f"greedy tokens agreeing with vLLM, {w} burst", 100 * a["positions"], "%")
+            for w, a in r["agreement"].items()]
+    out += [figure("vllm", f"startup to healthy, {'ours' if side == 'ours' else 'vLLM'}", s, "s")
+            for side, s in r["startup_s"].items()]
+    return out
+
+
+def families_figures(r: dict[str, Any]) -> list[Figure]:
+    """Per family (issue 38): decode tokens/s on 16 adapters, 16 adapters / its base model, ours /
+    PEFT on the same batch, and the family's 16 adapters / base over Llama's (target >= 0.9x)."""
+    out, steps, batch = [], r["settings"]["steps"], r["settings"]["batch"]
+    k = r["adapters"]["count"]
+    for name, c in r["families"].items():
+        rates = decode_rates(c["adapters"], batch * steps)
+        label = f"decode, {name}, {k} distinct adapters"
+        out += [figure("families", label, median(rates), "tokens/s", spread=spread(rates), runs=len(rates)),
+                figure("families", f"{label} / base model", c["over_base"], "x", spread=c["over_base_spread"],
+                       runs=len(rates)),
+                figure("families", f"{label}: ours / PEFT mixed batch", c["over_peft"], "x",
+                       spread=c["over_peft_spread"], runs=len(rates))]
+    for t in r["targets"]:
+        out.append(figure("families", f"decode, {t['name']}", t["measured"], "x", target=t["target"],
+                          meets=t["met"]))
+    return out
+
+
 def tp_figures(r: dict[str, Any]) -> list[Figure]:
     """Issue 19: bytes per device against the formula, decode beside N = 1 (forced CPU devices)."""
     out = []
@@ -412,8 +457,9 @@ def tp_figures(r: dict[str, Any]) -> list[Figure]:
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "pg": pg_figures, "replica": replica_figures,
     "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
-    "residency": residency_figures, "gateway": gateway_figures, "peer": peer_figures,
-    "tp": tp_figures}
+    "families": families_figures, "residency": residency_figures, "gateway": gateway_figures,
+    "peer": peer_figures,
+    "tp": tp_figures, "vllm": vllm_figures}
 
 
 # ---- the README table -------------------------------------------------------------------
@@ -561,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny settings, results in --out (default a temp dir)")
     ap.add_argument("--only", default="", help="comma-separated benchmark names (default all)")
+    ap.add_argument("--skip", default="", help="comma-separated benchmark names not to run (e.g. vllm)")
     ap.add_argument("--out", type=Path, default=None,
                     help="where results, plots and (for --quick) the README copy go")
     ap.add_argument("--collect-only", action="store_true",
@@ -579,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                  "since side by side they colour each other's timings")
     forced = a.isa == FORCED
     # a forced-ISA run redoes only what the ISA changes, unless --only says otherwise
-    chosen = [b for b in BENCHES if (b.name in a.only.split(",") if a.only else b.isa_bound or not forced)]
+    chosen = [b for b in BENCHES if (b.name in a.only.split(",") if a.only else b.isa_bound or not forced)
+              and b.name not in a.skip.split(",")]
     out = a.out or (Path(tempfile.mkdtemp(prefix="loraplane-bench-")) if a.quick
                     else RESULTS_DIR / FORCED if forced else RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
@@ -596,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(README, readme)
     runs: dict[str, dict[str, Any]] = {}
     previous = out / "latest.json"
-    if a.collect_only or a.only:  # keep what this run does not redo
+    if a.collect_only or a.only or a.skip:  # keep what this run does not redo
         if previous.is_file():
             runs = json.loads(previous.read_text()).get("runs", {})
         for b in BENCHES:

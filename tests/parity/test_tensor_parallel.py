@@ -6,6 +6,11 @@ Each N runs in its own process (tests/parity/tp_worker.py), since JAX fixes the 
 when it starts (XLA_FLAGS=--xla_force_host_platform_device_count=N). The checkpoint is the
 parity tests' second one (4 KV heads, intermediate size 96, tied embeddings, llama3 RoPE, an
 rsLoRA adapter on every module and one on attention): N = 2 and 4 divide it.
+
+Every other dense family (issue 38) runs on 2 forced devices too: its checkpoint and two adapters
+as transformers and PEFT save them (tests/parity/test_families.py `write_family`, 2 KV heads), all
+of them in one worker process (tests/parity/tp_families_worker.py), which runs each model on the
+mesh and on one device: greedy tokens equal, logits close, every array split as the rules say.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from computed.model.config import LlamaConfig
 from shared.fleet import wait_for
 from statesvc.tools.example import ExampleAssets, make_example
 from tests.helpers import Fleet
+from tests.parity.test_families import ADAPTERS as FAMILY_ADAPTERS
+from tests.parity.test_families import FAMILIES, write_family
 from tests.parity.test_model_parity import OTHER_ADAPTERS, OTHER_SHAPE, Reference, close
 from tests.parity.tp_worker import ADAPTERS, NEW_TOKENS
 
@@ -68,6 +75,60 @@ def runs(assets: ExampleAssets, tmp_path_factory: pytest.TempPathFactory) -> dic
                 proc.wait()
     return {n: (json.loads((out_dir / f"n{n}.json").read_text()), np.load(out_dir / f"n{n}.npz"))
             for n in (1, 2, 4)}
+
+
+# the dense families of test_families (Llama is the example above); a mixture-of-experts family
+# joins once the sharding rules (computed/model/sharding.py) place its experts
+TP_FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "olmo2", "granite")
+TP_FAMILY_DEGREE = 2  # divides test_families' 2 KV heads, 6 heads and intermediate size 72
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], Any]]:
+    """tp_families_worker's results per family: one process for them all (its start and the
+    compiles are most of the time)."""
+    assert set(TP_FAMILIES) <= set(FAMILIES)
+    root, out = tmp_path_factory.mktemp("tp-families"), tmp_path_factory.mktemp("tp-families-runs")
+    for family in TP_FAMILIES:
+        write_family(root / family, family)
+    log_path = out / "worker.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.parity.tp_families_worker", str(TP_FAMILY_DEGREE),
+                                 str(root), str(out), ",".join(FAMILY_ADAPTERS), *TP_FAMILIES],
+                                env=forced(TP_FAMILY_DEGREE), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        assert proc.wait(timeout=500) == 0, log_path.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:  # stopped by pid when it hung
+            proc.kill()
+            proc.wait()
+    return {f: (json.loads((out / f"{f}.json").read_text()), np.load(out / f"{f}.npz")) for f in TP_FAMILIES}
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_each_family_sharded_gives_the_one_device_outputs(family_runs: dict[str, tuple[dict[str, Any], Any]],
+                                                          family: str) -> None:
+    info, got = family_runs[family]
+    assert info["model_type"] == family and info["n"] == TP_FAMILY_DEGREE
+    assert set(info["mixed"]) == {None, *FAMILY_ADAPTERS}  # the base model and both adapters in one batch
+    # forward over every position, the mixed batch
+    close(got["tp_forward"], got["one_forward"])
+    # greedy through the KV cache: the mixed batch decoded together, and each request alone
+    assert (got["tp_mixed_tokens"] == got["one_mixed_tokens"]).all(), "mixed batch: greedy tokens differ"
+    assert (got["tp_single_tokens"] == got["one_single_tokens"]).all(), "a request alone: greedy tokens differ"
+    close(got["tp_mixed_logits"], got["one_mixed_logits"])
+    close(got["tp_single_logits"], got["one_single_logits"])
+    # the same sequence on every row: each adapter changes the logits, and row 3 repeats row 1's adapter
+    forward = got["tp_forward"]
+    for row in (1, 2):
+        assert np.abs(forward[row] - forward[0]).max() > 1e-2 * np.abs(forward[0]).max(), info["mixed"][row]
+    close(forward[3], forward[1])
+    # every weight, pool and cache array split 1/N per device or whole, the bytes the formula gives
+    assert info["bad_shards"] == []
+    sizes = info["bytes"]
+    assert len(sizes["weights"]) == TP_FAMILY_DEGREE and set(sizes["weights"].values()) == {sizes["weights_formula"]}
+    assert len(sizes["pool"]) == TP_FAMILY_DEGREE and set(sizes["pool"].values()) == {sizes["pool_formula"]}
 
 
 @pytest.fixture(scope="module")
