@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from computed.backend import Backend, TensorParallelBackend, select
-from computed.model import sharding
+from computed.model import moe, sharding
 from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
 from computed.model.params import Experts, LayerParams, LlamaParams, PackedWeight, pack, unpack
 from shared.checkpoint import shard_paths
@@ -122,12 +122,17 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
             return cast(jax.Array, to_device(w))
 
         def experts(i: int) -> Experts:
-            """Layer i's router and experts, each expert's weights stacked [in, out]."""
+            """Layer i's router and experts, each expert's weights [in, out]: an array each, or
+            stacked past moe.SPLIT_MAX experts."""
             router, names = config.moe_names(i)
-            gate_up = np.stack([np.concatenate([host(g).T, host(u).T], axis=1) for g, u, _ in names])
-            down = np.stack([host(d).T for _, _, d in names])
-            return Experts(router=cast(jax.Array, to_device(np.ascontiguousarray(host(router).T))),
-                           gate_up=cast(jax.Array, to_device(gate_up)), down=cast(jax.Array, to_device(down)))
+            gate_up = [np.concatenate([host(g).T, host(u).T], axis=1) for g, u, _ in names]
+            down = [np.ascontiguousarray(host(d).T) for _, _, d in names]
+            router_w = cast(jax.Array, to_device(np.ascontiguousarray(host(router).T)))
+            if len(names) <= moe.SPLIT_MAX:
+                return Experts(router=router_w, gate_up=tuple(cast(jax.Array, to_device(w)) for w in gate_up),
+                               down=tuple(cast(jax.Array, to_device(w)) for w in down))
+            return Experts(router=router_w, gate_up=cast(jax.Array, to_device(np.stack(gate_up))),
+                           down=cast(jax.Array, to_device(np.stack(down))))
 
         layers = []
         for i in range(config.num_layers):

@@ -98,11 +98,14 @@ def unpack(w: PackedWeight) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Experts:
-    """A sparse layer's mixture of experts (computed/model/moe.py), in the model dtype, for XLA's dot."""
+    """A sparse layer's mixture of experts (computed/model/moe.py), in the model dtype, for XLA's
+    dot: each expert's weights an array of its own (up to moe.SPLIT_MAX experts), else stacked."""
 
     router: jax.Array   # [hidden, experts]
-    gate_up: jax.Array  # [experts, hidden, 2 * expert_size]: each expert's gate, then its up
-    down: jax.Array     # [experts, expert_size, hidden]
+    # [experts, hidden, 2 * expert_size], or one [hidden, 2 * expert_size] per expert: each
+    # expert's gate, then its up
+    gate_up: jax.Array | tuple[jax.Array, ...]
+    down: jax.Array | tuple[jax.Array, ...]  # [experts, expert_size, hidden], or one [expert_size, hidden] each
 
 
 @jax.tree_util.register_dataclass
