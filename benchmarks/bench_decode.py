@@ -49,7 +49,7 @@ other down:
                 to the prompt. Its process waits on a pipe while ours run, and ours
                 while it runs.
 * served:       the served path, in the same rounds: a real `statesvc serve` and
-                `computed serve --max-batch 32` (shared/fleet.py, subprocesses) with the
+                `computed serve --max-batch 32` (testkit/fleet.py, subprocesses) with the
                 same model, the pool and the 32 adapters loaded through the state
                 service; `--served-clients` clients (one ZeroMQ DEALER each) each send
                 one `generate` (prompt i, adapter i % k, greedy, `--served-tokens` new
@@ -120,7 +120,6 @@ from benchmarks.report import (machine_info, median, output_flags, print_targets
 from computed.admission import Grant
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.engine import Engine
-from computed.jaxcount import counting_compiles
 from computed.model.loader import load_model, with_layout
 from computed.model.params import pack
 from computed.model.runner import LlamaRunner, decode
@@ -129,12 +128,13 @@ from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
-from shared.fleet import Computed, StateSvc, cpu_seconds, wait_for
 from shared.llama import MODULES
 from shared.protocol import encode_request, unpack
 from shared.reducer import State
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import AdapterSpec, ModelShape, write_adapter, write_model
+from testkit.fleet import Computed, StateSvc, cpu_seconds, wait_for
+from testkit.jaxcount import counting_compiles
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

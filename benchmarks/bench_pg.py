@@ -1,7 +1,7 @@
 """Durable events/s with the log on PostgreSQL, 1 and 2 statesvc instances, next to raw psycopg.
 
 Measurements, interleaved and repeated (median of `--repeats`), on one PostgreSQL server
-that the benchmark starts itself (initdb + pg_ctl into a temp dir, tests/pg.py: fsync=on,
+that the benchmark starts itself (initdb + pg_ctl into a temp dir, testkit/pg.py: fsync=on,
 synchronous_commit=on, the defaults, so a commit is acknowledged once its WAL is flushed):
 
 * raw:       one psycopg connection, one `INSERT` + `COMMIT` per row into a table shaped
@@ -53,9 +53,9 @@ from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measur
     sample_payload
 from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
 from shared.client import ControlClient, new_event_id
-from shared.fleet import Computed, StateSvc, cpu_seconds, thread_cpu, wait_for
 from statesvc.tools.example import make_example
-from tests.pg import PgServer
+from testkit.fleet import Computed, StateSvc, cpu_seconds, thread_cpu, wait_for
+from testkit.pg import PgServer
 
 TARGET_RATIO = 0.5
 TARGET_FANOUT = 3.0  # propagation p99 to the most replicas over the p99 to one

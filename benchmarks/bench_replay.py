@@ -53,10 +53,10 @@ from shared.client import ControlClient
 from shared.config import DEFAULT_SNAPSHOT_EVERY
 from shared.events import PoolConfigured
 from shared.fingerprint import read_model
-from shared.fleet import StateSvc
 from shared.llama import MODULES
 from statesvc.tools.example import AdapterSpec, make_example
-from statesvc.tools.inproc import init_pool, open_service, request
+from testkit.fleet import StateSvc
+from testkit.inproc import init_pool, open_service, request
 
 TARGET_RATIO = 1.5
 TARGET_SIZE = 100_000

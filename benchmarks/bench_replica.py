@@ -46,16 +46,16 @@ from rich.table import Table
 
 from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
                                spread, target_lines)
-from computed.jaxcount import counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
 from computed.weights import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc, memory_kb
 from shared.llama import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
+from testkit.fleet import Computed, StateSvc, memory_kb
+from testkit.jaxcount import counting_compiles
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
 TARGET_RSS_RATIO = 1.05

@@ -63,9 +63,9 @@ from computed.model.runner import LlamaRunner
 from computed.replica import Replica
 from shared.client import ControlClient
 from shared.fingerprint import read_model
-from shared.fleet import Computed, StateSvc, memory_kb, wait_for
 from statesvc.tools.example import AdapterSpec, write_adapter, write_model
-from statesvc.tools.inproc import init_pool, open_service, request
+from testkit.fleet import Computed, StateSvc, memory_kb, wait_for
+from testkit.inproc import init_pool, open_service, request
 
 RANK, TARGETS = 8, ("q_proj", "v_proj")
 SLOT_COUNTS = (16, 32)

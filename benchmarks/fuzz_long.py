@@ -1,6 +1,6 @@
 """Long fuzz runs of the decoders, beyond the bounded ones in `make test`.
 
-Two engines, the same oracles (the check_* functions of computed/fuzz_oracles.py):
+Two engines, the same oracles (the check_* functions of testkit/fuzz_oracles.py):
 
 * Hypothesis (default): the properties of tests/property/test_fuzz.py, LORAPLANE_FUZZ_EXAMPLES
   random examples each, round after round with a fresh seed, until the time is up or a
@@ -165,7 +165,7 @@ def run_atheris(target: str, minutes: float, input_timeout: int, strict: bool,
         import shared.tensorfile  # noqa: F401
         import statesvc.adapters  # noqa: F401
     from statesvc.tools.example import make_example
-    from computed import fuzz_oracles as props
+    from testkit import fuzz_oracles as props
     props.STEP_OVER_KNOWN_BUGS = not strict
 
     scratch = Path(tempfile.mkdtemp(prefix=f"fuzz-{target}-"))

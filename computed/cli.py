@@ -11,12 +11,12 @@ from typing import Any
 
 import click
 
+from gateway.cli import gateway
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
                            DEFAULT_HOST_CACHE_MB, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import (BindError, EndpointError, check_bind, click_addresses,
                               split_addresses)
 from shared.faults import Faults
-from computed.gateway.cli import gateway
 
 
 
@@ -94,7 +94,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
           client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
           tensor_parallel: int, prefetch: bool, peer_blobs: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
-    from computed.daemon import Daemon, PeerList
+    from computed.daemon import Daemon
+    from computed.sync import PeerList
     from computed.replica import ModelMismatch, Replica
     from shared import memtune, runfile
     from shared.client import ControlClient

@@ -38,7 +38,7 @@ class BlobError(Exception):
 
 
 class Peers(Protocol):
-    """Where a replica may fetch a blob besides statesvc (computed/daemon.py `PeerList`)."""
+    """Where a replica may fetch a blob besides statesvc (computed/sync.py `PeerList`)."""
 
     def candidates(self, version: int) -> list[str]:
         """Addresses of other replicas that have applied seq `version`, best first."""

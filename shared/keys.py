@@ -23,6 +23,10 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from shared.files import FileError, read_regular
+from shared.protocol import COMMANDS as CONTROL_COMMANDS
+from shared.protocol import WRITE_COMMANDS, ProtocolError
+from shared.replica_protocol import BLOB, CANCEL, GENERATE, SLOT, STATUS
+from shared.replica_protocol import COMMANDS as REPLICA_COMMANDS
 
 log = logging.getLogger("keys")
 
@@ -34,6 +38,60 @@ CLIENT_HINT = "make a key pair with `loractl keys new NAME` and pass its NAME.ke
 SERVER_HINT = "pass the server.key of the key dir that `statesvc keys init DIR` made"
 AUTH_DIR_HINT = ("--auth takes a key dir made by `statesvc keys init DIR` (or a copy of it, "
                  "server.key_secret included)")
+
+
+# The seam between a CURVE identity and the commands it may issue: what crosses it is the
+# caller's ROLE:NAME (the authenticator's User-Id, `ROLE` a key folder's name without its
+# "s") and a command's name, on one of the two sockets that admit keys; what comes back is
+# nothing or a `forbidden` refusal (`check_command`). Both services check here and nowhere
+# else: a new command or role is one row of ROLE_COMMANDS and, if refused, one of REFUSALS.
+CONTROL, INFERENCE = "control", "inference"  # statesvc's ROUTER, a replica's listen socket
+ROLE_COMMANDS: dict[str, dict[str, frozenset[str]]] = {
+    CONTROL: {  # ROLES
+        "operator": frozenset(CONTROL_COMMANDS) - {"heartbeat"},
+        "replica": frozenset(CONTROL_COMMANDS) - WRITE_COMMANDS,
+    },
+    INFERENCE: {  # INFERENCE_ROLES
+        "operator": frozenset(REPLICA_COMMANDS),
+        "client": frozenset({STATUS, GENERATE, CANCEL}),
+        "replica": frozenset({BLOB, STATUS}),
+    },
+}
+# What a refused caller is told, by its role where the role says it all, else by the command
+# ({actor}: its ROLE:NAME, {cmd}: the command)
+_CHANGES_LOG = "{actor} may not issue {cmd}: only operator keys may change the log"
+REFUSALS: dict[str, dict[str, str]] = {
+    CONTROL: {**{cmd: _CHANGES_LOG for cmd in sorted(WRITE_COMMANDS)},
+              "heartbeat": "{actor} may not heartbeat: only replica keys (the key dir's "
+                           "replicas/) register replicas"},
+    INFERENCE: {"replica": "{actor} may not issue {cmd}: replica keys may only fetch blobs "
+                           "(`blob`) and read `status`",
+                BLOB: "blob hands out an adapter's weights: only replica and operator keys "
+                      "may read it",
+                SLOT: "slot hands out an adapter's weights: only operator keys (the key dir's "
+                      "operators/) may read it"},
+}
+
+
+def role_of(actor: str) -> str:
+    """The ROLE of a ROLE:NAME identity ("" for an identity of no role)."""
+    role, colon, _ = actor.partition(":")
+    return role if colon else ""
+
+
+def check_command(socket: str, actor: str | None, cmd: str) -> None:
+    """ProtocolError `forbidden` unless `actor` may issue `cmd` on `socket` (CONTROL or
+    INFERENCE). `actor` None: no CURVE, a loopback-only socket whose every caller may issue
+    everything. An identity of no role (the authenticator's "unknown") may issue nothing."""
+    if actor is None:
+        return
+    role = role_of(actor)
+    if cmd in ROLE_COMMANDS[socket].get(role, frozenset()):
+        return
+    refusals = REFUSALS[socket]
+    why = refusals.get(role) or refusals.get(cmd) or \
+        "{actor} may not issue {cmd}: its key is in none of the key dir's role folders"
+    raise ProtocolError("forbidden", why.format(actor=actor, cmd=cmd))
 
 
 class KeyError_(ValueError):

@@ -1,7 +1,7 @@
 """A map bounded by the bytes of its values, least recently used evicted first: pure logic.
 
 Used for a replica's host tier of parsed weights (computed/hosttier.py) and for the blob bytes
-statesvc keeps for the fleet's fetches (statesvc/blobs.py, statesvc/pgblobs.py). No lock of
+statesvc keeps for the fleet's fetches (statesvc/persistence/). No lock of
 its own: each user holds its lock around every call.
 
 Rules: the sizes of the entries never exceed `limit` (an entry larger than the whole bound is

@@ -174,6 +174,39 @@ def _compile(template: str) -> Any:
     return env.from_string(template)
 
 
+class StopStrings:
+    """A request's stop strings and the one rule for cutting text at them (the gateway's
+    unstreamed answer, its streamed pieces and its early cancel all cut here): the text ends
+    where the first stop string to occur in it begins. While text streams, an end of it that
+    may still become a stop string is held back until the next token says otherwise."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def cut(self, text: str, start: int = 0) -> int:
+        """Where `text` ends: the index at which the first stop string found from `start`
+        begins, or len(text) when none is."""
+        return min([i for i in (text.find(s, start) for s in self.stops) if i >= 0],
+                   default=len(text))
+
+    def ends_one(self, text: str, checked: int) -> bool:
+        """Whether a stop string ends in `text` past its first `checked` characters (text
+        that held none when it was that long): only its tail is searched."""
+        return self.cut(text, max(0, checked - self.longest + 1)) < len(text)
+
+    def releasable(self, text: str, sent: int) -> int:
+        """How far streamed `text` may be released, `sent` characters of it released
+        already (they hold no stop string, nor the start of one: the search starts past
+        them): to where a stop string begins, and short of an end that may still begin one."""
+        return min(self.cut(text, sent), len(text) - self._held(text))
+
+    def _held(self, text: str) -> int:
+        """The longest end of `text` that begins a stop string."""
+        return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+
+
 class IncrementalDecoder:
     """Text of a growing token sequence, piece by piece: a piece is released only once its
     characters are whole, so a multi-byte character split over tokens is never cut.

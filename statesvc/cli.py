@@ -16,8 +16,7 @@ from shared.config import (DEFAULT_CONTROL, DEFAULT_DATA_DIR, DEFAULT_PUBLISH,
                            DEFAULT_SNAPSHOT_EVERY, HEARTBEAT_INTERVAL_S, MAX_ADAPTER_BYTES,
                            MAX_REPLICAS, MAX_REPLICAS_CEILING)
 from shared.endpoints import BindError, Endpoint, EndpointError, check_bind
-from statesvc.blobs import BlobStore
-from statesvc.store import StoreError, open_store, recovery_steps, sqlite_url
+from statesvc.persistence import StoreError, open_log, open_store, recovery_steps, sqlite_url
 
 DATA_DIR = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
                         default=DEFAULT_DATA_DIR, show_default=True,
@@ -133,8 +132,6 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
           adapter_roots: tuple[Path, ...], max_replicas: int) -> None:
     """Upgrade the schema, then serve commands and publish diffs until SIGTERM or Ctrl-C."""
     from shared import memtune, runfile
-    from statesvc.pgblobs import LogBlobStore
-    from statesvc.pgstore import PostgresEventStore
     from statesvc.server import Server
     from statesvc.service import StateService
 
@@ -155,11 +152,9 @@ def serve(data_dir: Path, db_url: str | None, control: str, publish: str, snapsh
     # SQLite: one writer per data dir; PostgreSQL: any number, serialised by the database
     lock = None if make_url(url).get_backend_name() == "postgresql" else _lock_data_dir(data_dir)
     try:
-        store = open_store(url)
+        store, blobs = open_log(url, blobs_dir=data_dir / "blobs")
     except StoreError as exc:  # damaged, or behind its high-water mark: nothing was changed
         raise click.ClickException(str(exc)) from None
-    blobs = LogBlobStore(store.engine) if isinstance(store, PostgresEventStore) \
-        else BlobStore(data_dir / "blobs")
     try:
         service = StateService(store, blobs,
                                snapshot_every=snapshot_every, max_adapter_bytes=max_adapter_bytes,

@@ -50,7 +50,7 @@ class BlobRow(Base):
 
 
 class BlobChunkRow(Base):
-    """PostgreSQL only: a blob's bytes, chunk `idx` of CHUNK_BYTES (statesvc/pgblobs.py)."""
+    """PostgreSQL only: a blob's bytes, chunk `idx` of CHUNK_BYTES (statesvc/persistence/postgres_blobs.py)."""
 
     __tablename__ = "blob_chunks"
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)

@@ -31,13 +31,13 @@ from shared.endpoints import bind, check_bind
 from shared.errors import cause
 from shared.events import Event
 from shared.faults import Faults
-from shared.keys import ServerAuth
-from shared.protocol import (WRITE_COMMANDS, ProtocolError, Request, decode_request, error_reply,
-                             error_reply_of, ok_reply, pack, request_id_of, unpack)
+from shared.keys import CONTROL, ServerAuth, check_command
+from shared.protocol import (ProtocolError, Request, decode_request, error_reply, error_reply_of,
+                             ok_reply, pack, request_id_of, unpack)
 from shared.reducer import diff_of_payload
 from shared.router import Replies, serving_router, split_request
 from shared.blobserve import BlobServer
-from statesvc.pgstore import PostgresEventStore
+from statesvc.persistence.postgres import PostgresEventStore
 from statesvc.service import StateService
 
 log = logging.getLogger("statesvc")
@@ -202,14 +202,7 @@ class Server:
                 # with CURVE, the authenticator named the client (ROLE:NAME) on each message
                 actor = str(frame.get("User-Id")) if self.auth is not None else LOCAL_ACTOR
                 req = decode_request(body)
-                if (self.auth is not None and req.cmd in WRITE_COMMANDS
-                        and not actor.startswith("operator:")):
-                    raise ProtocolError("forbidden", f"{actor} may not issue {req.cmd}: only "
-                                        "operator keys may change the log")
-                if (self.auth is not None and req.cmd == "heartbeat"
-                        and not actor.startswith("replica:")):
-                    raise ProtocolError("forbidden", f"{actor} may not heartbeat: only replica "
-                                        "keys (the key dir's replicas/) register replicas")
+                check_command(CONTROL, actor if self.auth is not None else None, req.cmd)
                 if req.cmd == "blob":
                     if (refused := self.blobs.submit(envelope, req)) is not None:
                         self.replies.send(envelope + [refused])

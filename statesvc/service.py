@@ -17,21 +17,17 @@ from typing import Any, Callable
 
 import msgpack
 
+from shared.blobserve import read_chunk
 from shared.config import DEFAULT_SNAPSHOT_EVERY, MAX_ADAPTER_BYTES, MAX_REPLICAS
 from shared.errors import CodedError, cause
-from shared.events import (AdapterLoaded, AdapterUnloaded, Body, Event, EventError,
-                           PoolConfigured, Replaced, encode_body, log_id_of)
+from shared.events import AdapterLoaded, Event, EventError, encode_body, log_id_of
 from shared.protocol import WRITE_COMMANDS, Request
-from shared.reducer import (State, admit_load, apply, canonical, logical_digest, require_pool,
-                            snapshot_bytes, verified_snapshot)
-from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter
-from statesvc.blobs import BlobStore
-from shared.blobserve import read_chunk
-from statesvc.decisions import CommandError, pool_init, storage_error, unload
-from statesvc.pgblobs import LogBlobStore
+from shared.reducer import (State, apply, canonical, logical_digest, snapshot_bytes,
+                            verified_snapshot)
+from statesvc.decisions import DECISIONS, CommandError, Context, storage_error
+from statesvc.persistence.base import (CATCH_UP_PAGE, UNAVAILABLE, BlobStore, EventStore,
+                                       HeadMoved, NewBlob, NewEvent, Snapshot)
 from statesvc.registry import Registry
-from statesvc.store import (CATCH_UP_PAGE, UNAVAILABLE, EventStore, HeadMoved, NewBlob,
-                            NewEvent, Snapshot, recovery_steps)
 from statesvc.views import list_page, result_of
 
 log = logging.getLogger("statesvc")
@@ -41,13 +37,11 @@ log = logging.getLogger("statesvc")
 LOG_READS = frozenset({"list", "events", "snapshot", "digest", "status"})
 RECENT_HEADS = 256  # heads whose digests `status` compares replicas with
 HEAD_MOVED_RETRIES = 16  # a shared log: times a batch is decided again before it gives up
-_EVENT_OF_CMD = {"pool.init": PoolConfigured.TYPE, "load": AdapterLoaded.TYPE,
-                 "unload": AdapterUnloaded.TYPE}
 
 
 def _event_ids(requests: list[tuple[Request, str]]) -> list[str]:
     """The event_ids of the requests that append events (looked up before they are decided)."""
-    return [r.args["event_id"] for r, _ in requests if r.cmd in _EVENT_OF_CMD]
+    return [r.args["event_id"] for r, _ in requests if r.cmd in DECISIONS]
 
 
 @dataclass
@@ -74,7 +68,7 @@ class _Batch:
 
 
 class StateService:
-    def __init__(self, store: EventStore, blobs: BlobStore | LogBlobStore, *,
+    def __init__(self, store: EventStore, blobs: BlobStore, *,
                  snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
                  max_adapter_bytes: int = MAX_ADAPTER_BYTES,
                  adapter_roots: tuple[Path, ...] = (),
@@ -107,18 +101,11 @@ class StateService:
         temp files, but only where the store's high-water mark shows that the log holds every
         event it held before (the store refuses to open one behind it): a log that lost events
         would take every blob of theirs for an orphan. Blobs in a log are never orphans."""
-        if isinstance(self.blobs, LogBlobStore):
+        if self.blobs.in_log:
             return
-        keep = self.store.blob_hashes()
-        if self.store.recorded_head is None:  # a data dir from before high-water marks
-            unreferenced = self.blobs.all() - keep
-            if unreferenced:
-                log.warning("keeping %d blob(s) no event refers to: the log has no high-water "
-                            "mark yet to show that it lost no events. If events were lost, "
-                            "stop statesvc. %s", len(unreferenced),
-                            recovery_steps(self.blobs.root.parent))
-                keep |= unreferenced
-        orphans = self.blobs.sweep(keep)
+        # recorded_head None: a data dir from before high-water marks
+        orphans = self.blobs.sweep(self.store.blob_hashes(),
+                                   log_complete=self.store.recorded_head is not None)
         if orphans:
             log.warning("removed %d blob(s) no event refers to: %s", len(orphans),
                         ", ".join(o[:12] for o in orphans))
@@ -233,7 +220,7 @@ class StateService:
                                         and self._extend(requests, answers, known, more)):
                 req, actor = requests[i]
                 try:
-                    if req.cmd in _EVENT_OF_CMD:
+                    if req.cmd in DECISIONS:
                         self._write(batch, i, req, actor, answers)
                     else:
                         if batch.events:
@@ -307,10 +294,9 @@ class StateService:
                 answers[i].error = storage_error(f"the event could not be stored ({cause(exc)}); "
                                                   f"{outcome}")
             return []
-        if isinstance(self.blobs, LogBlobStore):  # the fleet fetches them next
-            for blob in batch.blobs:
-                if blob.data is not None:
-                    self.blobs.committed(blob.sha256, blob.data)
+        for blob in batch.blobs:  # the fleet fetches them next
+            if blob.data is not None:
+                self.blobs.committed(blob.sha256, blob.data)
         self.state = batch.state
         if self.log_id is None and events and events[0].seq == 1:  # the genesis names the log
             self.log_id = log_id_of(events[0])
@@ -326,7 +312,7 @@ class StateService:
         event_id = args["event_id"]
         prior = batch.by_event_id.get(event_id)
         if prior is not None:  # a retry: answer with the original result, record nothing
-            if prior[0] != _EVENT_OF_CMD[req.cmd] or prior[1].get("name") != args.get("name"):
+            if prior[0] != DECISIONS[req.cmd].event or prior[1].get("name") != args.get("name"):
                 raise CommandError("conflict", f"event_id {event_id} was already used by a "
                                    f"different command ({prior[0]} at seq {prior[1]['seq']}); "
                                    "use a new event_id", "args.event_id")
@@ -338,16 +324,15 @@ class StateService:
                                f"{args['expect_head']}; re-read the state and retry",
                                "args.expect_head")
         seq = state.seq + 1
-        decided = (self._load(state, seq, args) if req.cmd == "load" else
-                   pool_init(state, args, progress=self.progress) if req.cmd == "pool.init"
-                   else unload(state, args))
+        decided = DECISIONS[req.cmd].decide(state, seq, args, Context(
+            self.blobs, self.adapter_roots, self.max_adapter_bytes, self.progress))
         if isinstance(decided, dict):  # nothing changes: the state already is what was asked
             answers[i].result = decided
             return
         body, blob = decided
         new_state = apply(state, seq, body)
         if isinstance(body, AdapterLoaded):
-            in_log = isinstance(self.blobs, LogBlobStore)  # written in the event's transaction
+            in_log = self.blobs.in_log  # written in the event's transaction
             if blob is not None and not in_log:  # None: the blob store already holds these bytes
                 sha, created = self.blobs.put(blob, body.sha256, progress=self.progress)
                 if created:
@@ -362,42 +347,6 @@ class StateService:
         if self.snapshot_every and seq % self.snapshot_every == 0:
             batch.snapshots.append(Snapshot(seq, snapshot_bytes(new_state),
                                             logical_digest(new_state)))
-
-    # ---- commands ------------------------------------------------------------
-
-    def _load(self, state: State, seq: int,
-              args: dict[str, Any]) -> dict[str, Any] | tuple[Body, bytes | bytearray | None]:
-        pool, name = require_pool(state), args["name"]
-        # the reducer's rules first (no pool, a bad name, a full registry, too many pinned): a
-        # refusal reads no file
-        old = admit_load(state, name, pin=args["pin"])
-        path = absolute_path(args["path"], "args.path")
-        roots = self.adapter_roots or ANYWHERE
-        if self.adapter_roots and ".." in path.parts:
-            raise CommandError("forbidden", f"{path}: '..' is not allowed in adapter paths; give "
-                               f"the path under an --adapter-root "
-                               f"({', '.join(map(str, roots))})", "args.path")
-        # an unchanged directory whose weights are stored is not read again (adapters.py);
-        # symlinks that lead out of the roots are refused as `forbidden` there
-        cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
-                               stored=self.blobs.has, progress=self.progress)
-        if old is not None and same_adapter(old, cand, args["pin"]) and not self.blobs.verify(old.sha256):
-            # a damaged stored copy: this load repairs it, with the bytes read now
-            if cand.weights is None:
-                cand = inspect_adapter(path, pool, max_bytes=self.max_adapter_bytes, roots=roots,
-                                       progress=self.progress)
-            if cand.weights is not None and same_adapter(old, cand, args["pin"]):
-                log.warning("blob %s of %s was damaged; rewritten from %s", old.sha256[:12],
-                            name, args["path"])
-                self.blobs.put(cand.weights, cand.sha256, overwrite=True)
-        if old is not None and same_adapter(old, cand, args["pin"]):
-            return {"seq": old.version, "name": name, "version": old.version, "created": False}
-        # other content under a loaded name without --replace: `apply` refuses it (`exists`)
-        replaces = Replaced(old.version) if old is not None and args["replace"] else None
-        body = AdapterLoaded(name, seq, cand.sha256, cand.size, cand.rank,
-                             cand.alpha, cand.scaling, cand.use_rslora, cand.targets,
-                             args["pin"], replaces)
-        return body, cand.weights
 
     # ---- reads ---------------------------------------------------------------
 

@@ -9,18 +9,18 @@ from typing import Iterator
 
 import pytest
 
-from shared.fleet import StateSvc
 from statesvc.service import StateService
 from statesvc.tools.example import ExampleAssets, make_example
-from statesvc.tools.inproc import init_pool, open_service
+from testkit.fleet import StateSvc
+from testkit.inproc import init_pool, open_service
+from testkit.pg import PgServer
 from tests.helpers import Fleet
-from tests.pg import PgServer
 
 
 # A JAX persistent compilation cache for the session (docs/testing.md): a fresh directory that
 # every process the tests start inherits, both xdist workers and a pytest a test runs included,
 # so a replica's warm-up compiles the example model once per session instead of once per replica.
-# computed/jaxcount.py still counts a cache hit as a compile: "nothing compiles after warm-up"
+# testkit/jaxcount.py still counts a cache hit as a compile: "nothing compiles after warm-up"
 # keeps its meaning. A benchmark whose figure times a cold compile runs without it
 # (benchmarks/suite.py, `Bench.cold_compiles`).
 SESSION_CACHE = "LORAPLANE_TEST_JAX_CACHE"  # the directory, set by the session that made it
@@ -92,7 +92,7 @@ def fleet(tmp_path: Path, example: ExampleAssets) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PgServer]:
-    """One real PostgreSQL server for the session (tests/pg.py), stopped by pid at the end;
+    """One real PostgreSQL server for the session (testkit/pg.py), stopped by pid at the end;
     tests are skipped, saying why, only where the server binaries are missing."""
     why = PgServer.missing()
     if why is not None:

@@ -18,9 +18,9 @@ import zmq
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, lora_scaling
 from shared.fingerprint import read_model
-from shared.fleet import BIN, Computed, Gateway, StateSvc, wait_for
 from shared.keys import ClientKeys, client_keys
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, Computed, Gateway, StateSvc, wait_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,1 +1,2 @@
-"""Admin and developer tools built on the state service: drill, demo, up, example, inproc."""
+"""Admin and developer tools built on the state service: drill, demo, up, example, and the
+services as subprocesses they start (processes)."""

@@ -34,13 +34,13 @@ from rich.rule import Rule
 from rich.table import Table
 
 from shared import runfile
-from shared.fleet import BIN, Computed, Gateway, StateSvc, alive, loopback, wait_for
 from shared.keys import ClientKeys, client_keys, init_server_keys, new_client_keys
 from shared.protocol import encode_request
 from shared.replica_protocol import GENERATE, STATUS, generate_args
 from shared.text import TextCodec
 from statesvc.tools.commands import EXAMPLE_CHOICES
 from statesvc.tools.example import example_adapters
+from statesvc.tools.processes import BIN, Computed, Gateway, StateSvc, alive, loopback, wait_for
 
 console = Console(highlight=False, soft_wrap=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]

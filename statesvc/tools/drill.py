@@ -37,9 +37,9 @@ from typing import Any, Callable
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
 from shared.endpoints import split_addresses
-from shared.fleet import Computed, Endpoints, alive
 from shared.keys import ClientKeys, client_keys
 from shared.replica_protocol import GENERATE, STATUS, generate_args
+from statesvc.tools.processes import Computed, Endpoints, alive
 
 PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
 PROBE_TOKENS = 8

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import DEFAULT_CONTROL, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN
-from shared.fleet import BIN, Computed, Gateway, StateSvc
+from statesvc.tools.processes import BIN, Computed, Gateway, StateSvc
 
 VAR = Path("var")
 

@@ -23,9 +23,9 @@ import pytest
 
 from shared.client import ControlClient, Unavailable, new_event_id
 from shared.events import Event
-from shared.fleet import StateSvc
 from shared.reducer import State, apply, logical_digest
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import StateSvc
 
 CLIENTS = 4
 NAMES_PER_CLIENT = 3

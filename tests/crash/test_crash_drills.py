@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.fleet import loractl, wait_for
+from testkit.fleet import loractl, wait_for
 from tests.helpers import Fleet, held
 from tests.parity.test_serving import Client, generate
 

@@ -21,10 +21,10 @@ import psycopg
 import pytest
 
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
-from shared.fleet import Computed, Endpoints, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Computed, Endpoints, StateSvc, wait_for
+from testkit.pg import PgServer
 from tests.crash.test_crash import command as crash_command
-from tests.pg import PgServer
 
 CLIENTS = 4
 KILL_AT, HALT_AT, STOP_AT = 60, 120, 180  # acknowledged commands before each step

@@ -16,8 +16,8 @@ import zmq
 
 from shared import runfile
 from shared.client import ControlClient, RemoteError
-from shared.fleet import alive, loopback
-from shared.fleet import loractl, stop_pid, wait_for
+from testkit.fleet import alive, loopback
+from testkit.fleet import loractl, stop_pid, wait_for
 from tests.helpers import Fleet
 
 pytestmark = pytest.mark.timeout(300)

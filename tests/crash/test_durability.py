@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from shared.client import ControlClient, new_event_id
-from shared.fleet import BIN, StateSvc
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, init_pool, open_service
+from testkit.fleet import BIN, StateSvc
+from testkit.inproc import call, init_pool, open_service
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.report import RESULTS_DIR
 from benchmarks.suite import BENCHES, figure, shortfall, verdict
-from tests.pg import PgServer
+from testkit.pg import PgServer
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

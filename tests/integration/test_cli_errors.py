@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, Unsendable
-from shared.fleet import BIN, StateSvc, loopback
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, StateSvc, loopback
 
 BIG = str(2**64 + 1)  # beyond what msgpack encodes
 

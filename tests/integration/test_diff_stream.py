@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import zmq
 
-from computed.daemon import SyncLoop
+from computed.sync import SyncLoop
 from computed.replica import Phase, Replica
 from shared.client import ControlClient
 from shared.fingerprint import read_model
-from shared.fleet import loopback
 from shared.protocol import pack
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import loopback
 
 LOG_ID = "0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a"
 

@@ -16,10 +16,10 @@ import zmq
 
 from shared.client import ControlClient, new_event_id
 from shared.endpoints import EndpointError, split_addresses
-from shared.fleet import BIN, Computed, Endpoints, StateSvc, alive, loopback, wait_for
 from shared.keys import ClientKeys
 from shared.protocol import encode_request, unpack
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, Computed, Endpoints, StateSvc, alive, loopback, wait_for
 from tests.helpers import fleet_keys
 
 

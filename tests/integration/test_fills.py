@@ -12,8 +12,8 @@ from computed.admission import Fetching, GenerateError
 from computed.fills import FetchFailed
 from computed.replica import Replica
 from shared.client import ControlClient
-from shared.fleet import loopback, wait_for
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import loopback, wait_for
 from tests.helpers import admit, live_replica
 from tests.integration.test_residency import leased_and_a_waiter, load, use, where
 

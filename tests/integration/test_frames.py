@@ -21,9 +21,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from shared.client import ControlClient, new_event_id
 from shared.config import MAX_FRAME_BYTES, MAX_WIRE_BYTES
-from shared.fleet import StateSvc
 from shared.protocol import ProtocolError, decode_request, pack, unpack
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import StateSvc
 
 REPLY_WAIT_MS = 20_000  # a generous wait for a reply that must come; nothing asserts on time
 

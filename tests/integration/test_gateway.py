@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from shared.faults import SLOW_STEP_ENV
-from shared.fleet import Gateway, wait_for
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Gateway, wait_for
 from tests.helpers import Fleet, dealer
 
 pytest.importorskip("torch")
@@ -202,7 +202,7 @@ def test_loractl_generate_takes_text(setup: Setup) -> None:
     import json
     import subprocess
 
-    from shared.fleet import BIN
+    from testkit.fleet import BIN
     prompt = "Grüße aus München"
     ids = setup.tok(prompt).input_ids
     res = subprocess.run([str(BIN / "loractl"), "generate", "--replica",

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.fleet import Gateway, wait_for
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Gateway, wait_for
 from tests.helpers import Fleet
 
 

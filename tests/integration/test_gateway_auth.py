@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from shared.client import ControlClient, new_event_id
-from shared.fleet import Computed, Gateway, StateSvc, wait_for
 from shared.keys import client_keys
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Computed, Gateway, StateSvc, wait_for
 from tests.helpers import make_keys
 
 # a replica started with --no-warmup compiles on its first request: longer than httpx's 5 s

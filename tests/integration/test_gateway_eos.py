@@ -12,10 +12,10 @@ from typing import Any, Iterator
 import pytest
 
 from shared.client import ControlClient
-from shared.fleet import Computed, wait_for
 from shared.replica_protocol import GENERATE, generate_args
 from shared.text import TextCodec
 from statesvc.tools.example import ExampleAssets, make_example
+from testkit.fleet import Computed, wait_for
 from tests.helpers import WARMUP_TIMEOUT_S, Fleet, one_torch_thread  # noqa: F401 (autouse)
 
 openai = pytest.importorskip("openai")

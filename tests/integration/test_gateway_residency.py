@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.faults import SLOW_STEP_ENV
-from shared.fleet import Computed, Gateway, wait_for
 from shared.protocol import encode_request, unpack
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Computed, Gateway, wait_for
 from tests.helpers import Fleet, dealer
 
 pytestmark = pytest.mark.timeout(400)

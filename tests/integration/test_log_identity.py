@@ -16,14 +16,14 @@ import zmq
 
 from shared.client import ControlClient, new_event_id
 from shared.config import UUID_RE
-from shared.fleet import Computed, StateSvc, loractl, wait_for
 from shared.llama import MODULES
 from shared.reducer import logical_digest
-from statesvc.blobs import BlobStore
 from statesvc.service import StateService
-from statesvc.store import NewEvent, SqliteEventStore, sqlite_url
+from statesvc.persistence.base import NewEvent
+from statesvc.persistence.sqlite import FileBlobStore, SqliteEventStore, sqlite_url
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, init_pool, open_service
+from testkit.fleet import Computed, StateSvc, loractl, wait_for
+from testkit.inproc import call, init_pool, open_service
 from tests.helpers import Fleet
 
 pytestmark = pytest.mark.timeout(240)
@@ -78,7 +78,7 @@ def test_a_log_from_before_log_ids_keeps_its_digests_and_a_stable_identity(
                            LEGACY_GENESIS, "local"),
                   NewEvent(2, "00000000-0000-4000-8000-000000000002", "adapter.loaded",
                            LEGACY_LOADED, "local")])
-    svc = StateService(store, BlobStore(data / "blobs"), snapshot_every=3)
+    svc = StateService(store, FileBlobStore(data / "blobs"), snapshot_every=3)
     assert {seq: svc.digest_at(seq) for seq in (1, 2)} == LEGACY_DIGESTS
     log_id = svc.log_id
     assert log_id is not None and UUID_RE.fullmatch(log_id)

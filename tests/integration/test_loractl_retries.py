@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.fleet import BIN, StateSvc, loractl
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, StateSvc, loractl
 from tests.unit.test_adapter_files import _without_dac_override
 
 EVENT_ID = "0b7e4f9e-3c1a-4f7e-9a52-1f0c2d3e4b5a"

@@ -6,10 +6,10 @@ import json
 import subprocess
 from pathlib import Path
 
-from shared.fleet import BIN
 from shared.modelconfig import read_architecture
 from statesvc.tools.example import FAMILIES, make_example
 from statesvc.tools.tokenizer import TOKENIZERS
+from testkit.fleet import BIN
 
 
 def loractl(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -16,9 +16,9 @@ import pytest
 from computed.model.config import ModelLoadError
 from computed.model.loader import load_model
 from shared.fingerprint import ModelError, read_model
-from shared.fleet import BIN, StateSvc, loractl
 from shared.modelconfig import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_CONFIG_DEPTH
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, StateSvc, loractl
 
 
 def _nested(levels: int) -> Any:

@@ -17,11 +17,11 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, Unavailable, new_event_id
-from shared.fleet import Computed, Endpoints, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Computed, Endpoints, StateSvc, wait_for
+from testkit.pg import PgServer
 from tests.helpers import fleet_keys
 from tests.netns import SUBNET, Hosts
-from tests.pg import PgServer
 
 WAIT_S = 120.0  # a guard against hanging, never a pass/fail threshold
 

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, RemoteError
-from shared.fleet import Computed, loopback, wait_for
 from shared.protocol import ok_reply, unpack
+from testkit.fleet import Computed, loopback, wait_for
 from tests.helpers import Fleet
 
 POOL_ONLY = ("--no-warmup", "--no-inference")

@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
-from shared.fleet import BIN, Computed, StateSvc, wait_for
 from statesvc.tools.example import ExampleAssets
-from tests.pg import PgServer
+from testkit.fleet import BIN, Computed, StateSvc, wait_for
+from testkit.pg import PgServer
 
 WRITERS, PAIRS = 4, 12  # clients, and load+unload pairs each: 1 + 4 * 24 events
 

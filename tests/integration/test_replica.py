@@ -14,9 +14,9 @@ from safetensors.numpy import load_file
 
 from shared.client import new_event_id
 from shared.fingerprint import read_model
-from shared.fleet import Computed, loractl, wait_for
 from shared.peft import parse_lora_name
 from statesvc.tools.example import ExampleAssets, ModelShape, make_example
+from testkit.fleet import Computed, loractl, wait_for
 from tests.helpers import Fleet, held, slot_holding
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from computed.admission import GenerateError, Grant, NoSlot
-from computed.jaxcount import counting_compiles
 from computed.replica import Replica
 from statesvc.tools.example import ExampleAssets
+from testkit.jaxcount import counting_compiles
 from tests.helpers import Command, admit, live_replica
 
 pytestmark = pytest.mark.timeout(240)

@@ -12,9 +12,9 @@ from typing import Iterator
 import pytest
 
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
-from shared.fleet import BIN, Computed, StateSvc, free_port, loractl, wait_for
 from shared.keys import ClientKeys, client_keys
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, Computed, StateSvc, free_port, loractl, wait_for
 from tests.helpers import make_keys, run
 
 pytestmark = pytest.mark.timeout(180)

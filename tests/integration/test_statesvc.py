@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
-from shared.fleet import BIN, StateSvc, free_port, loractl
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import BIN, StateSvc, free_port, loractl
 from tests.helpers import dealer
 
 

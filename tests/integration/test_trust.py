@@ -19,14 +19,13 @@ import zmq
 from shared import runfile
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.config import MAX_REPLICAS, MAX_WIRE_BYTES, REPLICA_STALE_AFTER_S
-from shared.fleet import alive
-from shared.fleet import BIN, Computed, StateSvc, wait_for
 from shared.keys import ClientKeys, client_keys
-from statesvc.blobs import BlobStore
 from statesvc.service import StateService
-from statesvc.store import SqliteEventStore, sqlite_url
+from statesvc.persistence.sqlite import FileBlobStore, SqliteEventStore, sqlite_url
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import CommandError, call, init_pool, open_service
+from testkit.fleet import BIN, Computed, StateSvc, wait_for
+from testkit.fleet import alive
+from testkit.inproc import CommandError, call, init_pool, open_service
 from tests.helpers import make_keys, run
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,7 +83,7 @@ def test_under_auth_a_replica_id_belongs_to_the_key_that_registered_it(
 def test_without_auth_a_live_id_moves_only_once_stale_and_says_so(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    svc = StateService(SqliteEventStore(sqlite_url(tmp_path)), BlobStore(tmp_path / "blobs"),
+    svc = StateService(SqliteEventStore(sqlite_url(tmp_path)), FileBlobStore(tmp_path / "blobs"),
                        clock=lambda: now[0])
     call(svc, "heartbeat", **beat("r1", "tcp://127.0.0.1:7301"))
     now[0] += REPLICA_STALE_AFTER_S - 1

@@ -21,11 +21,11 @@ import zmq
 
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.config import MAX_BLOB_CHUNK, MAX_HELD_REPLY_BYTES, MAX_UNREAD_REPLIES
-from shared.fleet import Computed, StateSvc, free_port, memory_kb, wait_for
 from shared.keys import ClientKeys, client_keys
 from shared.protocol import encode_request, pack, unpack
 from shared.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Computed, StateSvc, free_port, memory_kb, wait_for
 from tests.helpers import dealer, make_keys, run
 
 pytestmark = pytest.mark.timeout(240)

@@ -164,7 +164,7 @@ def test_a_served_bfloat16_replica_decodes_what_peft_does(bf16: Bf16, tmp_path: 
     """`computed serve --dtype bfloat16` (a real subprocess, the pool bfloat16 too): each request's greedy
     output is the reference's at every step the reference's margin decides, as long as the two have
     agreed so far (free-running: a near-tie that went the other way leaves the rest incomparable)."""
-    from shared.fleet import wait_for
+    from testkit.fleet import wait_for
     from tests.helpers import Fleet
     from tests.parity.test_serving import Client, generate
 

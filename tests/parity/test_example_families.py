@@ -40,7 +40,7 @@ from statesvc.tools.example import (  # noqa: E402
     lora_targets,
     make_example,
 )
-from statesvc.tools.inproc import call, init_pool, open_service  # noqa: E402
+from testkit.inproc import call, init_pool, open_service  # noqa: E402
 from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -39,8 +39,8 @@ from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill, prefill_batch  # noqa: E402
 from computed.pool import MemoryPool, PoolSpec  # noqa: E402
-from shared.fleet import StateSvc, loractl  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
+from testkit.fleet import StateSvc, loractl  # noqa: E402
 from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

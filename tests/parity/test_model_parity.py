@@ -50,7 +50,7 @@ from statesvc.tools.example import (  # noqa: E402
     make_example,
     model_config,
 )
-from computed.jaxcount import counting_compiles  # noqa: E402
+from testkit.jaxcount import counting_compiles  # noqa: E402
 from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own deprecations

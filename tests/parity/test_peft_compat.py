@@ -34,10 +34,10 @@ from computed.model.runner import forward_full  # noqa: E402
 from computed.replica import Replica  # noqa: E402
 from shared.client import ControlClient  # noqa: E402
 from shared.fingerprint import read_model  # noqa: E402
-from shared.fleet import StateSvc, loractl  # noqa: E402
 from statesvc.peft_config import OPTIONS, REFUSED, module_names, resolve_targets  # noqa: E402
 from statesvc.tools.example import ExampleAssets, ModelShape, write_model  # noqa: E402
-from statesvc.tools.inproc import CommandError, call, init_pool, open_service  # noqa: E402
+from testkit.fleet import StateSvc, loractl  # noqa: E402
+from testkit.inproc import CommandError, call, init_pool, open_service  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::RuntimeWarning")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.fleet import wait_for
 from statesvc.tools.example import EXAMPLE_ADAPTERS, EXAMPLE_BASE_MODEL_NAME, write_adapter
+from testkit.fleet import wait_for
 from tests.helpers import WARMUP_TIMEOUT_S, Fleet
 
 pytest.importorskip("torch")

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 import msgpack
 import pytest
 
-from shared.fleet import Computed, wait_for
 from statesvc.tools.example import ExampleAssets
+from testkit.fleet import Computed, wait_for
 from tests.helpers import WARMUP_TIMEOUT_S, Fleet, dealer
 
 pytest.importorskip("torch")

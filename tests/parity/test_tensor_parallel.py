@@ -29,8 +29,8 @@ from click.testing import CliRunner
 from computed.cli import main as computed_main
 from computed.model import sharding
 from computed.model.config import LlamaConfig
-from shared.fleet import wait_for
 from statesvc.tools.example import ExampleAssets, make_example
+from testkit.fleet import wait_for
 from tests.helpers import Fleet
 from tests.parity.test_families import ADAPTERS as FAMILY_ADAPTERS
 from tests.parity.test_families import FAMILIES, write_family
@@ -194,7 +194,7 @@ def test_serve_refuses_a_degree_the_model_or_machine_cannot_take(example: Exampl
 @pytest.mark.slow
 def test_a_four_device_replica_agrees_with_a_one_device_one_in_the_drill(assets: ExampleAssets,
                                                                         tmp_path: Path) -> None:
-    from shared.fleet import loractl
+    from testkit.fleet import loractl
     fleet = Fleet(tmp_path, assets)
     fleet.statesvc.start()
     try:

@@ -17,11 +17,11 @@ import numpy as np
 
 from computed import lora
 from computed.backend import XlaBackend
-from computed.jaxcount import counting_compiles
 from computed.model import sharding
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner, forward_full
 from computed.pool import MemoryPool, PoolSpec
+from testkit.jaxcount import counting_compiles
 from tests.helpers import adapter_weights
 
 ADAPTERS = ("rslora-all-r8", "attn-r4")  # tests/parity/test_model_parity.py OTHER_ADAPTERS

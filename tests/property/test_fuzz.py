@@ -55,10 +55,6 @@ from hypothesis import strategies as st
 
 from computed.daemon import Daemon
 from computed.engine import Engine
-from computed.fuzz_oracles import (HEARTBEAT, LOG_ID, REPLICA_SCHEMAS, TENSOR_BUGS,
-                                   NoReplica, Refused, SchemaOnlyModel, check_adapter, check_diff,
-                                   check_frame, check_heartbeat, check_submit, check_tensor_file,
-                                   decode, diff_cases, example_pool, known_bug, names, note)
 from computed.replica import Replica
 from computed.weights import BlobError, slot_weights
 from shared.client import ControlClient
@@ -75,7 +71,11 @@ from shared.tensorfile import (DTYPE_SIZES, MAX_HEADER_BYTES, TensorFileError, p
 from statesvc.adapters import AdapterError, inspect_adapter
 from statesvc.service import Answer, StateService
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, init_pool, open_service
+from testkit.fuzz_oracles import (HEARTBEAT, LOG_ID, REPLICA_SCHEMAS, TENSOR_BUGS,
+                                  NoReplica, Refused, SchemaOnlyModel, check_adapter, check_diff,
+                                  check_frame, check_heartbeat, check_submit, check_tensor_file,
+                                  decode, diff_cases, example_pool, known_bug, names, note)
+from testkit.inproc import call, init_pool, open_service
 from tests.helpers import Fleet, dealer
 
 REPO = Path(__file__).resolve().parents[2]

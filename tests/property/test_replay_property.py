@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from shared.reducer import logical_digest
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import CommandError, call, init_pool, open_service, request
-from tests.pg import PgServer
+from testkit.inproc import CommandError, call, init_pool, open_service, request
+from testkit.pg import PgServer
 
 NAMES = ("a", "b", "c", "d")
 

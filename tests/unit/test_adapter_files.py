@@ -24,9 +24,9 @@ from shared.client import ControlClient, RemoteError, new_event_id
 from shared.llama import MODULE_PARENT
 from statesvc.tools.example import (AdapterSpec, ExampleAssets, ModelShape, adapter_config,
                               adapter_tensor_names, model_config, model_tensor_names)
-from shared.fleet import StateSvc, memory_kb
 from statesvc.service import StateService
-from statesvc.tools.inproc import CommandError, call, init_pool, open_service
+from testkit.fleet import StateSvc, memory_kb
+from testkit.inproc import CommandError, call, init_pool, open_service
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPILE = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from computed.jaxcount import counting_compiles
+from testkit.jaxcount import counting_compiles
 hits = []
 jax.monitoring.register_event_listener(
     lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)

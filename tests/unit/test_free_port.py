@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import fleet
+from statesvc.tools import processes
 
 
 def test_ports_come_from_the_workers_own_slab_below_the_ephemeral_range(
@@ -13,18 +13,18 @@ def test_ports_come_from_the_workers_own_slab_below_the_ephemeral_range(
     slabs = {}
     for worker in ["", "gw0", "gw1", "gw5"]:
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        slabs[worker] = fleet._slab()
-        ports = [fleet.free_port() for _ in range(50)]
+        slabs[worker] = processes._slab()
+        ports = [processes.free_port() for _ in range(50)]
         assert len(set(ports)) == 50
         assert all(p in slabs[worker] for p in ports), (worker, ports)
-        assert all(p < fleet._ephemeral_start() for p in ports)
+        assert all(p < processes._ephemeral_start() for p in ports)
     bounds = sorted((s.start, s.stop) for s in slabs.values())
     assert all(a[1] <= b[0] for a, b in zip(bounds, bounds[1:])), bounds
 
 
 def test_with_no_room_below_the_ephemeral_range_the_kernel_picks(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fleet, "_ephemeral_start", lambda: 1024)
-    assert fleet._slab() == range(0)
-    port = fleet.free_port()
+    monkeypatch.setattr(processes, "_ephemeral_start", lambda: 1024)
+    assert processes._slab() == range(0)
+    port = processes.free_port()
     assert 0 < port < 65536

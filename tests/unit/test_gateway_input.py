@@ -1,5 +1,5 @@
 """What the gateway answers to bodies it cannot serve, before any statesvc or replica is
-asked (computed/gateway/requests.py `parse_json`, app.py `answering` and `error_response`):
+asked (gateway/requests.py `parse_json`, app.py `answering` and `error_response`):
 a lone surrogate anywhere in a body is OpenAI's 400 naming the field; a bug in a handler is
 OpenAI's 500, counted in /metrics, never Starlette's plain-text page; and the model list
 names each id once. The app runs in-process (Starlette's TestClient) over a Router that is
@@ -12,11 +12,11 @@ from typing import Any, Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from computed.gateway import admin
-from computed.gateway.app import build_app, error_response
-from computed.gateway.requests import ApiError, parse_json
-from computed.gateway.routing import FleetView, Router
-from computed.gateway.service import Gateway
+from gateway import admin
+from gateway.app import build_app, error_response
+from gateway.requests import ApiError, parse_json
+from gateway.routing import FleetView, Router
+from gateway.service import Gateway
 from statesvc.tools.example import ExampleAssets
 
 BASE = "base"

@@ -1,11 +1,11 @@
-"""The gateway's streamed text (computed/gateway/streaming.py `StreamText`): the pieces, one
+"""The gateway's streamed text (gateway/streaming.py `StreamText`): the pieces, one
 per token, plus what is left at the end are exactly the whole answer's text; no piece holds
 part of a character, a stop token's text or anything from where a stop string begins."""
 from __future__ import annotations
 
 import random
 
-from computed.gateway.streaming import StreamText
+from gateway.streaming import StreamText
 from shared.text import REPLACEMENT, TextCodec
 from statesvc.tools.example import ExampleAssets
 
@@ -62,7 +62,7 @@ def test_text_that_may_begin_a_stop_string_is_held_back(example: ExampleAssets) 
 def test_a_stop_string_is_caught_on_the_token_that_completes_it(example: ExampleAssets) -> None:
     """service.StopWatch: how many tokens a request keeps before it is cancelled on its
     replica (the first whose text holds a whole stop string), found from the text's tail."""
-    from computed.gateway.service import StopWatch
+    from gateway.service import StopWatch
 
     codec = TextCodec.load(example.model_dir)
     rng = random.Random(1)

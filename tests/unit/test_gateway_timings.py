@@ -1,4 +1,4 @@
-"""What the gateway passes on of a replica's `timings` (computed/gateway/service.py
+"""What the gateway passes on of a replica's `timings` (gateway/service.py
 `passed_on`): the protocol's numeric fields and its own upstream_ms, never anything else a
 replica (a faulty or spoofed one) puts there; and what it takes of a result's `output_ids`
 (`output_ids_of`): a list of token ids in the vocabulary, else a 502 for the request; and that
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from computed.gateway.requests import ApiError, parse_completion
-from computed.gateway.routing import FleetView, ReplicaView, Router
-from computed.gateway.service import Gateway, Output, output_ids_of, passed_on
+from gateway.requests import ApiError, parse_completion
+from gateway.routing import FleetView, ReplicaView, Router
+from gateway.service import Gateway, Output, output_ids_of, passed_on
 from shared.replica_protocol import Timings
 from statesvc.tools.example import ExampleAssets
 

@@ -122,7 +122,7 @@ import json, sys
 import numpy as np
 from computed import lora
 from computed.backend import native
-from computed.jaxcount import counting_compiles
+from testkit.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.params import PackedWeight
 from computed.model.runner import LlamaRunner

@@ -14,10 +14,10 @@ import psycopg
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from statesvc.pgstore import PostgresEventStore
+from statesvc.persistence.postgres import PostgresEventStore
 from statesvc.service import StateService
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, init_pool, open_service, request
+from testkit.inproc import call, init_pool, open_service, request
 
 
 def lost(*_: Any, **__: Any) -> Any:

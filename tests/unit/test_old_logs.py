@@ -18,7 +18,7 @@ from shared.events import AdapterLoaded, AdapterUnloaded, decode_body
 from shared.reducer import State, apply, canonical, from_canonical, logical_digest, \
     verified_snapshot
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, open_service
+from testkit.inproc import call, open_service
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "log-v1"
 

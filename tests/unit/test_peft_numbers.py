@@ -11,7 +11,7 @@ import pytest
 
 from statesvc.service import StateService
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import CommandError, call
+from testkit.inproc import CommandError, call
 
 QV = "attn-qv-r8"  # r=8, lora_alpha 16, q_proj and v_proj
 HUGE = 10**400  # beyond any float: json reads it as an int

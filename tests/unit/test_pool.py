@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 
-from computed.jaxcount import BACKEND_COMPILE, buffer_pointers, counting_compiles
 from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights
 from computed.poolops import put_meta, put_module
+from testkit.jaxcount import BACKEND_COMPILE, buffer_pointers, counting_compiles
 
 # Dict order differs from MODULES order on purpose: the pool must not depend on it.
 DIMS = {"v_proj": (32, 16), "q_proj": (32, 32), "down_proj": (48, 32)}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from computed.jaxcount import buffer_pointers, counting_compiles
 from statesvc.tools.example import ExampleAssets
+from testkit.jaxcount import buffer_pointers, counting_compiles
 from tests.helpers import live_replica
 
 

@@ -5,10 +5,10 @@ import threading
 from pathlib import Path
 
 from computed.engine import Engine
-from computed.jaxcount import buffer_pointers, counting_compiles
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from statesvc.tools.example import ExampleAssets
+from testkit.jaxcount import buffer_pointers, counting_compiles
 from tests.helpers import live_replica
 
 

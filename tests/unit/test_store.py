@@ -13,13 +13,13 @@ from sqlalchemy import create_engine, exc, text
 from sqlalchemy.exc import IntegrityError
 
 from shared.config import MAX_BLOB_CHUNK
-from statesvc.pgblobs import LogBlobStore
-from statesvc.pgstore import CHANNEL, CHUNK_BYTES, Doorbell, PostgresEventStore
+from statesvc.persistence.base import EventStore, HeadMoved, NewBlob, NewEvent, Snapshot
+from statesvc.persistence.postgres import CHANNEL, Doorbell, PostgresEventStore
+from statesvc.persistence.postgres_blobs import CHUNK_BYTES, LogBlobStore
+from statesvc.persistence.sqlite import SqliteEventStore, sqlite_url
 from statesvc.service import StateService
-from statesvc.store import (EventStore, HeadMoved, NewBlob, NewEvent, Snapshot, SqliteEventStore,
-                            sqlite_url)
 from statesvc.tools.example import ExampleAssets
-from statesvc.tools.inproc import call, init_pool
+from testkit.inproc import call, init_pool
 
 
 def ev(seq: int, event_id: str | None = None) -> NewEvent:
@@ -121,7 +121,7 @@ class TestSqliteEventStore(EventStoreContract):
 
 
 class TestPostgresEventStore(EventStoreContract):
-    """The same contract on a real PostgreSQL server (tests/pg.py), one database per test."""
+    """The same contract on a real PostgreSQL server (testkit/pg.py), one database per test."""
 
     @pytest.fixture(autouse=True)
     def _database(self, pg_url: str) -> None:
@@ -361,7 +361,7 @@ def _terminate(store: PostgresEventStore) -> None:
 def test_a_blob_the_instance_committed_is_served_without_the_database(
         tmp_path: Path, pg_url: str, example: ExampleAssets) -> None:
     """The fleet fetches a new blob right after its load: the instance that committed it
-    answers every chunk, the first one too, from memory (statesvc/pgblobs.py `committed`)."""
+    answers every chunk, the first one too, from memory (LogBlobStore.committed)."""
     store = PostgresEventStore(pg_url)
     service = StateService(store, LogBlobStore(store.engine))
     init_pool(service, example.model_dir)
@@ -382,10 +382,10 @@ def test_a_new_blob_on_disk_is_served_from_memory_until_evicted(
     """statesvc's file blob store (SQLite): a new blob is on disk when `put` returns, and its
     bytes are kept (RECENT_BYTES) for the fetches after its load; past the bound the oldest
     is read from its file again, and `remove` drops both."""
-    import statesvc.blobs as blobs_module
-    from statesvc.blobs import BlobStore
+    import statesvc.persistence.sqlite as blobs_module
+    from statesvc.persistence.sqlite import FileBlobStore
     monkeypatch.setattr(blobs_module, "RECENT_BYTES", 5000)
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     first, second = b"1" * 3000, b"2" * 3000
     sha1, created = store.put(first)
     assert created and store.path(sha1).read_bytes() == first

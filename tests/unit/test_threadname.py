@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.fleet import thread_cpu
 from shared.threadname import name_os_thread
+from testkit.fleet import thread_cpu
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc: Linux")
@@ -30,7 +30,7 @@ def test_the_os_shows_the_threads_name(name: str, shown: str) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc: Linux")
 def test_thread_cpu_sums_by_name() -> None:
-    """shared/fleet.py `thread_cpu`, what bench_pg splits a service's CPU with."""
+    """testkit/fleet.py `thread_cpu`, what bench_pg splits a service's CPU with."""
     named, done = threading.Event(), threading.Event()
 
     def run() -> None:

@@ -1,11 +1,11 @@
-"""The gateway's token gate (computed/gateway/streaming.py `TokenGate`): streams waiting for
+"""The gateway's token gate (gateway/streaming.py `TokenGate`): streams waiting for
 tokens are woken `per_turn` a turn of the event loop, first come first served, while an
 output or an error wakes its stream at once; every item still reaches its stream in order."""
 from __future__ import annotations
 
 import asyncio
 
-from computed.gateway.streaming import Inbox, Item, TokenGate
+from gateway.streaming import Inbox, Item, TokenGate
 
 
 async def _read(name: str, inbox: Inbox, log: list[tuple[int, str, Item]],

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save, save_file
 from statesvc import adapters
 from statesvc.service import StateService
 from statesvc.tools.example import ExampleAssets, encode_safetensors
-from statesvc.tools.inproc import CommandError, call, init_pool, open_service
+from testkit.inproc import CommandError, call, init_pool, open_service
 
 QV = "attn-qv-r8"          # r=8, q_proj and v_proj
 ALL = "all-r2"             # r=2, all seven modules

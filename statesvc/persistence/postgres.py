@@ -18,7 +18,8 @@ hear that the log grew and read the new events by seq, so it publishes every eve
 and the others', in seq order. NOTIFY is not durable; the instance reads by seq after every
 reconnect and once a second anyway.
 
-Blobs live in the database (statesvc/pgblobs.py), written in the events' transaction.
+Blobs live in the database (statesvc/persistence/postgres_blobs.py), written in the
+events' transaction.
 """
 from __future__ import annotations
 
@@ -31,13 +32,16 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg.types.json import Json
-from sqlalchemy import Engine, create_engine, exc, make_url
+from sqlalchemy import Engine, create_engine, exc, make_url, text
 
 from shared.events import Event
-from statesvc.store import (CATCH_UP_PAGE, TURN_LOCK, Begun, HeadMoved, NewBlob, NewEvent,
-                            Snapshot, SqlReads, StoreError, upgrade_to_head, utc_now)
+from statesvc.persistence.base import (CATCH_UP_PAGE, Begun, HeadMoved, NewBlob, NewEvent,
+                                       Snapshot, SqlReads, StoreError, upgrade_to_head, utc_now)
+from statesvc.persistence.postgres_blobs import chunk_rows
 
-CHUNK_BYTES = 1 << 20  # a blob's bytes, one row per MiB
+# the advisory lock keys: around migrations, and the writing turn (0x6C6F7261 was the append
+# lock of statesvc before the turn held its batch's transaction)
+MIGRATE_LOCK, TURN_LOCK = 0x6C6F7262, 0x6C6F7263
 CHANNEL = "loraplane_events"  # NOTIFY'd by every append, with its last seq
 CONNECT_TIMEOUT_S = 5
 # a connection whose peer went silent (a cut link, a host gone: no RST) fails within about
@@ -75,12 +79,6 @@ _INSERT_CHUNK = ("INSERT INTO blob_chunks (sha256, idx, data) VALUES (%s, %s, %s
 _INSERT_SNAPSHOT = "INSERT INTO snapshots (seq, state, digest, created_at) VALUES (%s, %s, %s, %s)"
 
 
-def chunk_rows(sha256: str, data: bytes | bytearray) -> list[dict[str, Any]]:
-    view = memoryview(data)
-    return [{"sha256": sha256, "idx": i // CHUNK_BYTES, "data": bytes(view[i:i + CHUNK_BYTES])}
-            for i in range(0, len(view), CHUNK_BYTES)]
-
-
 def pg_engine(url: str) -> Engine:
     # a database that stops answering costs a command seconds, never the service's loop forever
     return create_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
@@ -101,7 +99,9 @@ class PostgresEventStore(SqlReads):
         self._lock = threading.Lock()  # the held connection: one statement at a time
         try:
             if migrate:
-                upgrade_to_head(self.engine)
+                with self.engine.begin() as conn:  # the migration lock: several instances
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATE_LOCK})
+                    upgrade_to_head(conn)
             # PostgreSQL keeps what it acknowledged (fsync, synchronous_commit): its head is
             # the head recorded, and there is no high-water file to compare with
             self.recorded_head: int | None = self.head()
@@ -332,3 +332,4 @@ def _event(row: tuple[Any, ...]) -> Event:
 def _seq_of(payload: str) -> int:
     """The seq a notice names; one that names none (not ours) counts as new."""
     return int(payload) if payload.isdigit() else 1 << 62
+

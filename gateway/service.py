@@ -13,13 +13,13 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from computed.gateway.requests import ApiError, Chat, Completion, Sampling, bad
-from computed.gateway.routing import Router
+from gateway.requests import ApiError, Chat, Completion, Sampling, bad
+from gateway.routing import Router
 
-from computed.gateway.replicas import ReplicaLinks
+from gateway.replicas import ReplicaLinks
 from shared.client import RemoteError, Unavailable
 from shared.replica_protocol import MAX_STOP_TOKENS, Timings, generate_args
-from shared.text import IncrementalDecoder, TextCodec
+from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
 log = logging.getLogger("computed.gateway")
 CONNECT_TIMEOUT_S = 2.0  # a replica not reachable this long is skipped for another
@@ -89,8 +89,7 @@ class StopWatch:
 
     def __init__(self, codec: TextCodec, stops: Sequence[str]) -> None:
         self.text = IncrementalDecoder(codec)
-        self.stops = [st for st in stops if st]
-        self.longest = max((len(st) for st in self.stops), default=0)
+        self.stops = StopStrings(stops)
         self.checked = 0  # characters of the text before which no stop string can end
         self.hit: int | None = None
         self._future: asyncio.Future[None] | None = None
@@ -101,9 +100,8 @@ class StopWatch:
         # begins a character that the next one completes
         self.text.push(token)
         text = self.text.sent + self.text.unsent
-        tail = text[max(0, self.checked - self.longest + 1):]
-        self.checked = len(text)
-        if any(st in tail for st in self.stops):
+        ended, self.checked = self.stops.ends_one(text, self.checked), len(text)
+        if ended:
             self.hit = len(self.text.ids)
             if self._future is not None and not self._future.done():
                 self._future.set_result(None)
@@ -312,8 +310,8 @@ class Gateway:
         if out and out[-1] in stop_ids:
             ids, finish = out[:-1], "stop"
         text = self.codec.decode(ids)
-        cut = min((i for i in (text.find(st) for st in s.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish = text[:cut], "stop"
+        end = StopStrings(s.stop).cut(text)
+        if end < len(text):
+            text, finish = text[:end], "stop"
         return Output(prompt_tokens=len(prompt), ids=ids, completion_tokens=len(out),
                       text=text, finish_reason=finish, replica=replica, timings=timings)

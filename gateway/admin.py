@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from computed.gateway.requests import ApiError, bad
-from computed.gateway.routing import Router
+from gateway.requests import ApiError, bad
+from gateway.routing import Router
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.keys import ClientKeys
 

@@ -1,8 +1,9 @@
 """Blobs in the database (PostgreSQL): any statesvc instance on the log serves any blob.
 
-The bytes are written by the event store in the transaction of the event that first names
-them (`NewBlob.data`), in CHUNK_BYTES rows of `blob_chunks`: no blob exists without its event,
-so there is nothing to sweep, and no instance can delete what another is about to commit.
+The bytes are written by the event store (statesvc/persistence/postgres.py) in the
+transaction of the event that first names them (`NewBlob.data`), in CHUNK_BYTES rows of
+`blob_chunks`: no blob exists without its event, so there is nothing to sweep, and no
+instance can delete what another is about to commit.
 
 Every replica of a fleet fetches each new blob right after its load, so the same chunks are
 read N times within a second: the store keeps the sizes of the blobs it has seen and the
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import psycopg
 from sqlalchemy import Engine, delete, exc, insert, select
@@ -24,16 +25,23 @@ from sqlalchemy import Engine, delete, exc, insert, select
 from shared.config import MAX_BLOB_CHUNK
 from shared.lru import ByteLRU
 from statesvc.models import BlobChunkRow, BlobRow
-from statesvc.pgstore import CHUNK_BYTES, chunk_rows
 
-
+CHUNK_BYTES = 1 << 20  # a blob's bytes, one row per MiB
 CACHE_BYTES = 64 << 20  # chunk rows kept in memory per instance, most recently read
 CACHE_TTL_S = 30.0  # a cached row is read again after this (a repair elsewhere shows)
 
 
+def chunk_rows(sha256: str, data: bytes | bytearray) -> list[dict[str, Any]]:
+    view = memoryview(data)
+    return [{"sha256": sha256, "idx": i // CHUNK_BYTES, "data": bytes(view[i:i + CHUNK_BYTES])}
+            for i in range(0, len(view), CHUNK_BYTES)]
+
+
 class LogBlobStore:
-    """The blob store's interface (statesvc/blobs.py) over the `blobs` and `blob_chunks`
+    """The BlobStore (statesvc/persistence/base.py) over the `blobs` and `blob_chunks`
     tables."""
+
+    in_log = True  # BlobStore: written with their event, fetched from the log
 
     def __init__(self, engine: Engine, *, cache_bytes: int = CACHE_BYTES) -> None:
         self.engine = engine
@@ -154,6 +162,6 @@ class LogBlobStore:
         with self.engine.begin() as conn:
             return set(conn.execute(select(BlobRow.sha256)).scalars())
 
-    def sweep(self, keep: set[str]) -> list[str]:
+    def sweep(self, keep: set[str], *, log_complete: bool = True) -> list[str]:
         """No orphans: blobs are committed with their events."""
         return []

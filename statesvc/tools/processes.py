@@ -1,6 +1,7 @@
-"""The fleet launcher: statesvc and replicas as subprocesses on loopback ports, each started
-until its READY line and stopped by pid (tests, benchmarks, drill, demo and up), and what
-/proc says of a process (alive, CPU seconds, memory)."""
+"""Services as subprocesses: statesvc, replicas and the gateway on loopback ports, each
+started until its READY line and stopped by pid, and whether a pid still runs. `make demo`,
+`make up` and `loractl drill` start their processes with it; the testkit (testkit/fleet.py)
+starts the tests' and benchmarks' fleets over it."""
 from __future__ import annotations
 
 import os
@@ -84,48 +85,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds `pid` has used so far, every thread (/proc/PID/stat, in clock
-    ticks of 10 ms); NaN where /proc cannot say (off Linux, or the process has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return _stat_cpu(f.read())
-    except OSError:
-        return float("nan")
-
-
-def _stat_cpu(stat: str) -> float:
-    """utime + stime of a /proc/.../stat line, in seconds."""
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of `pid`'s threads so far, summed by thread name (/proc/PID/task/*)."""
-    out: dict[str, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # ended meanwhile
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        out[name] = out.get(name, 0.0) + _stat_cpu(stat)
-    return out
-
-
-def memory_kb(pid: int, field: str) -> int:
-    """A size /proc/PID/status gives in kB (`VmRSS`, `VmHWM`, ...); KeyError if it has none."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(f"/proc/{pid}/status has no {field}")
 
 
 def start_ready(argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None,
@@ -212,16 +171,6 @@ class StateSvc(_Process):
              "--control", self.control, "--publish", self.publish, *self.extra_args],
             log=self.log, env=self.env)
         return self
-
-
-def loractl(state: StateSvc, *args: str, check: bool = True,
-            timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run the real loractl CLI against `state`."""
-    res = subprocess.run([str(BIN / "loractl"), "--state", state.control, "--timeout", "5",
-                          *args], capture_output=True, text=True, timeout=timeout)
-    if check and res.returncode != 0:
-        raise AssertionError(f"loractl {' '.join(args)} failed ({res.returncode}): {res.stderr}")
-    return res
 
 
 class Addresses(Protocol):

@@ -8,21 +8,16 @@ from typing import Any
 
 from shared.client import new_event_id
 from shared.protocol import COMMANDS, WRITE_COMMANDS, Request, validate
-from statesvc.blobs import BlobStore
 from statesvc.decisions import CommandError
+from statesvc.persistence import open_log, sqlite_url
 from statesvc.service import StateService
-from statesvc.pgblobs import LogBlobStore
-from statesvc.pgstore import PostgresEventStore
-from statesvc.store import open_store, sqlite_url
 
 
 def open_service(data_dir: Path, *, snapshot_every: int = 100,
                  db_url: str | None = None) -> StateService:
     """Over SQLite in `data_dir`, or over the PostgreSQL database at `db_url` (blobs in it)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    store = open_store(db_url or sqlite_url(data_dir))
-    blobs = LogBlobStore(store.engine) if isinstance(store, PostgresEventStore) \
-        else BlobStore(data_dir / "blobs")
+    store, blobs = open_log(db_url or sqlite_url(data_dir), blobs_dir=data_dir / "blobs")
     return StateService(store, blobs, snapshot_every=snapshot_every)
 
 

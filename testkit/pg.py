@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from shared.fleet import alive, free_port
+from statesvc.tools.processes import alive, free_port
 
 SEARCH = ("/usr/local/bin", "/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin")
 INSTALL_HINT = ("install the PostgreSQL server (Debian/Ubuntu: `apt-get install "

@@ -58,10 +58,10 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
 
     import uvicorn
 
-    from computed.gateway.app import build_app
-    from computed.gateway.auth import load_operators
-    from computed.gateway.routing import Router
-    from computed.gateway.service import Gateway
+    from gateway.app import build_app
+    from gateway.auth import load_operators
+    from gateway.routing import Router
+    from gateway.service import Gateway
     from shared.keys import KeyError_, client_keys
 
     try:

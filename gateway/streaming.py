@@ -14,9 +14,9 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from computed.gateway.requests import ApiError
-from computed.gateway.service import Output
-from shared.text import IncrementalDecoder, TextCodec
+from gateway.requests import ApiError
+from gateway.service import Output
+from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
 # what the request hands its event stream: ("token", id), ("done", Output) or
 # ("error", ApiError)
@@ -108,7 +108,7 @@ class StreamText:
     def __init__(self, codec: TextCodec, stop_ids: Collection[int],
                  stops: Sequence[str]) -> None:
         self.dec = IncrementalDecoder(codec)
-        self.stop_ids, self.stops = stop_ids, [s for s in stops if s]
+        self.stop_ids, self.stops = stop_ids, StopStrings(stops)
         self.sent = 0  # characters of self.dec.sent released so far
 
     def push(self, token: int) -> str:
@@ -118,17 +118,9 @@ class StreamText:
         text = self.dec.sent
         # the text is cut where a stop string first begins in the whole answer: release
         # neither what follows a stop string found so far nor what may still begin one
-        # (released text holds no stop string, nor the start of one: search past it)
-        end = min([i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
-                  + [len(text) - self._held(text)])
-        piece = text[self.sent:max(end, self.sent)]
+        piece = text[self.sent:max(self.stops.releasable(text, self.sent), self.sent)]
         self.sent += len(piece)
         return piece
-
-    def _held(self, text: str) -> int:
-        """The longest end of `text` that begins a stop string."""
-        return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
 
     def rest(self, whole: str) -> str:
         """What the pieces lack of the answer's whole text (`Output.text`): held-back text, a

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from computed.gateway.requests import ApiError
+from gateway.requests import ApiError
 from shared.keys import ClientKeys, KeyError_, client_keys
 
 MAX_TOKENS_FILE_BYTES = 1 << 20
