@@ -10,7 +10,10 @@ float32:
 
 Each family's options are the example's (statesvc/tools/families.py: sliding windows of 8
 positions, Qwen2's sliding layers, Gemma's soft-caps, tied embeddings and sandwich norms, OLMo 2's
-q/k norms over the projection, Granite's multipliers), so a step does what that family does.
+q/k norms over the projection, Granite's multipliers; Mixtral's and Qwen3-MoE's 4 experts, each
+token through 2, Mixtral's of the intermediate size, Qwen3-MoE's a quarter of it, their adapters
+on attention only, as LoRA on a mixture of experts is served), so a step does what that family
+does.
 A batch of 32 sequences, each with its own 32-token prompt, is prefilled, then decoded
 greedily. One family after another (each checkpoint is written, timed and deleted before the
 next: eight models would not fit side by side in a small machine's memory), with Llama's
