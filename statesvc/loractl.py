@@ -3,8 +3,8 @@
 Every command takes --json for scripts; without it, readable tables. Errors go
 to stderr: exit 1 when the service refused the command, 3 when it did not
 answer (2 is a usage error, as click reports it). Everything a service or a
-replica sent is printed through `shown`: no terminal control sequence and no
-rich markup from the wire reaches the terminal.
+replica sent is printed through `terminal_safe` (statesvc/console.py): no terminal
+control sequence and no rich markup from the wire reaches the terminal.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from shared.endpoints import click_address, click_addresses, connect
 from shared.errors import short_int
 from shared.llama import MODULES
 from shared.replica_protocol import GENERATE, GENERATE_DEFAULTS, generate_args
-from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
+from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, terminal_safe
 from statesvc.tools.commands import drill, make_example_cmd
 
 # the ranges the services take (shared/protocol.py, shared/replica_protocol.py), so a value
@@ -118,7 +118,7 @@ def _write(ctx: click.Context, cmd: str, args: dict[str, Any]) -> Any:
                                       f"fixed, retry with: {_retry_command(event_id)}",
                                       exc.field) from None
                 why = f"storage_error ({exc})" if wait == WRITE_RETRY_WAITS_S[0] else "again"
-                err.print("[dim]" + shown(f"{cmd}: {why}; resending in {wait:g} s with the "
+                err.print("[dim]" + terminal_safe(f"{cmd}: {why}; resending in {wait:g} s with the "
                                           f"same event id {event_id}") + "[/]")
                 time.sleep(wait)
             except Unavailable as exc:
@@ -223,7 +223,7 @@ def pool_init(ctx: click.Context, model: Path, max_loras: int, max_adapters: int
         emit(res)
     else:
         verb = "configured" if res["created"] else "already configured with these settings"
-        out.print(shown(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots per replica, "
+        out.print(terminal_safe(f"pool {verb} at seq {res['seq']}: {res['max_loras']} slots per replica, "
                         f"up to {res['max_adapters']} adapters, max rank "
                         f"{res['max_rank']}, targets {','.join(res['targets'])}, "
                         f"{res['dtype']}, model {res['fingerprint'][:12]}"))
@@ -249,9 +249,9 @@ def load(ctx: click.Context, name: str, path: Path, pin: bool, replace: bool,
     if as_json:
         emit({k: res[k] for k in ("seq", "name", "version")})
     elif res["created"]:
-        out.print(shown(f"loaded {res['name']} version {res['version']} (seq {res['seq']})"))
+        out.print(terminal_safe(f"loaded {res['name']} version {res['version']} (seq {res['seq']})"))
     else:
-        out.print(shown(f"{res['name']} is already loaded with this content: version "
+        out.print(terminal_safe(f"{res['name']} is already loaded with this content: version "
                         f"{res['version']}; nothing recorded"))
 
 
@@ -271,7 +271,7 @@ def unload(ctx: click.Context, name: str, force: bool, expect_head: int | None,
     if as_json:
         emit(res)
     else:
-        out.print(shown(f"unloaded {res['name']} version {res['version']} (seq {res['seq']})"))
+        out.print(terminal_safe(f"unloaded {res['name']} version {res['version']} (seq {res['seq']})"))
 
 
 @main.command("list")
@@ -294,7 +294,7 @@ def list_(ctx: click.Context, limit: int | None, after: str | None, as_json: boo
         out.print("the pool is not configured yet (loractl pool init ...)")
         return
     shown_ = "" if len(adapters) == res["count"] else f"{len(adapters)} shown, "
-    table = Table(title=shown(f"{shown_}{res['count']} of {pool_['max_adapters']} adapters "
+    table = Table(title=terminal_safe(f"{shown_}{res['count']} of {pool_['max_adapters']} adapters "
                               f"registered ({pool_['max_loras']} slots per replica), "
                               f"head seq {res['head_seq']}"))
     for col in ("name", "version", "rank", "alpha", "scaling", "targets", "sha256", "pinned"):
@@ -302,11 +302,11 @@ def list_(ctx: click.Context, limit: int | None, after: str | None, as_json: boo
     for a in adapters:
         table.add_row(*map(shown, (a["name"], a["version"], a["rank"],
                                    f"{a['alpha']:g}", f"{a['scaling']:.4g}")),
-                      shown(_short(a["targets"])), shown(a["sha256"][:12]),
+                      terminal_safe(_short(a["targets"])), terminal_safe(a["sha256"][:12]),
                       "yes" if a["pinned"] else "")
     out.print(table)
     if limit is not None and adapters and len(adapters) == limit:
-        out.print(shown(f"next page: loractl list --limit {limit} --after {adapters[-1]['name']}"))
+        out.print(terminal_safe(f"next page: loractl list --limit {limit} --after {adapters[-1]['name']}"))
 
 
 EVENT_KEYS = ("seq", "event_id", "type", "payload", "recorded_at", "actor")
@@ -382,13 +382,13 @@ def _follow(c: ControlClient, sub: zmq.Socket[Any], since: int, as_json: bool) -
                 raise
             if not wait:
                 why = f"storage_error: {exc}" if isinstance(exc, RemoteError) else str(exc)
-                err.print("[dim]" + shown(f"events --follow: {why}; asking again until it "
+                err.print("[dim]" + terminal_safe(f"events --follow: {why}; asking again until it "
                                           f"answers (after seq {since})") + "[/]")
             wait = min(wait * 2 or FOLLOW_WAITS_S[0], FOLLOW_WAITS_S[1])
             time.sleep(wait)
             continue
         if wait:
-            err.print("[dim]" + shown(f"events --follow: statesvc answers again; following "
+            err.print("[dim]" + terminal_safe(f"events --follow: statesvc answers again; following "
                                       f"on after seq {since}") + "[/]")
             wait = 0.0
         for e in page:
@@ -428,7 +428,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         emit(res)
         return
-    out.print(shown(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}, "
+    out.print(terminal_safe(f"head seq {res['head_seq']}, logical digest {res['digest'][:16]}, "
                     f"log {res['log_id'] or 'none yet (no pool init)'}"))
     if not res["replicas"]:
         out.print("no replicas have reported")
@@ -530,12 +530,12 @@ def generate(ctx: click.Context, replica: str, adapter: str | None, input_ids: s
         return
     who = (f"{res['adapter']['name']} v{res['adapter']['version']}" if res["adapter"]
            else "base model")
-    out.print(shown(f"{who} (replica at seq {res['seq']}): "
+    out.print(terminal_safe(f"{who} (replica at seq {res['seq']}): "
                     f"{','.join(map(str, res['output_ids']))}"))
     if codec is not None:
-        out.print(shown(res["text"]))
+        out.print(terminal_safe(res["text"]))
     t = res["timings"]
-    out.print("[dim]" + shown(f"queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
+    out.print("[dim]" + terminal_safe(f"queue {t['queue_ms']:.1f} ms, prefill {t['prefill_ms']:.1f} ms, "
                               f"decode {t['decode_ms']:.1f} ms, total {t['total_ms']:.1f} ms")
               + "[/]")
 
