@@ -22,8 +22,8 @@ from shared.modelconfig import MOE_FAMILIES
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,
                                read_header_of)
-from statesvc.peft_config import (ConfigRefused, alpha_problem, refuse_unsupported,
-                                  resolve_targets, shown, unloaded_is_zero)
+from statesvc.peft_config import (ConfigRefused, alpha_problem, brief_repr, refuse_unsupported,
+                                  resolve_targets, unloaded_is_zero)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -157,7 +157,7 @@ def _refuse_unsupported(d: _Opened, cfg: dict[str, Any], pool: PoolConfigured) -
     base_has_bias = bool(pool.model_config.get("attention_bias") or pool.model_config.get("mlp_bias"))
     if _moe(pool) and cfg.get("target_parameters"):
         raise AdapterError("unsupported", f"{d.path}: target_parameters "
-                           f"{shown(cfg['target_parameters'])} puts LoRA on the weights of "
+                           f"{brief_repr(cfg['target_parameters'])} puts LoRA on the weights of "
                            f"{_moe(pool)}'s experts, which no replica serves (LoRA on a mixture of "
                            f"experts is not supported); retrain with target_modules on attention: "
                            f"{', '.join(ATTN_MODULES)}")
@@ -199,11 +199,11 @@ def _targeted(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> frozense
 def _rank_alpha(path: Path, cfg: dict[str, Any], pool: PoolConfigured) -> tuple[int, float]:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if type(r) is not int or r < 1:
-        raise _invalid(path, f"r must be a positive integer, got {shown(r)}")
+        raise _invalid(path, f"r must be a positive integer, got {brief_repr(r)}")
     if (problem := alpha_problem(alpha, "lora_alpha")) is not None:
         raise _invalid(path, problem)
     if r > pool.max_rank:
-        raise AdapterError("invalid_adapter", f"{path}: rank {shown(r)} is above the pool's "
+        raise AdapterError("invalid_adapter", f"{path}: rank {brief_repr(r)} is above the pool's "
                            f"--max-rank {pool.max_rank}; configure a new pool with a larger "
                            "--max-rank, or retrain the adapter with a smaller r")
     return r, float(cast(float, alpha))  # a finite positive number: alpha_problem said so
@@ -350,16 +350,16 @@ def _inspect(d: _Opened, pool: PoolConfigured, max_bytes: int,
     if ignored:
         layer, module = ignored[0]
         raise _invalid(path, f"{WEIGHTS_FILE} holds LoRA weights for layer {layer} {module}, which "
-                       f"target_modules {shown(cfg.get('target_modules'))} does not select, so "
-                       "PEFT would load the adapter without them; fix target_modules (or "
+                       f"target_modules {brief_repr(cfg.get('target_modules'))} does not select, "
+                       "so PEFT would load the adapter without them; fix target_modules (or "
                        "exclude_modules, layers_to_transform) in adapter_config.json")
     missing = sorted(targeted - present)
     if missing and not unloaded_is_zero(cfg):
         layer, module = missing[0]
         raise _invalid(path, f"target_modules selects layer {layer} {module}, but {WEIGHTS_FILE} "
                        "holds no weights for it, and with init_lora_weights="
-                       f"{shown(cfg.get('init_lora_weights'))} PEFT would give it random ones; "
-                       "add its weights, or leave it out of target_modules")
+                       f"{brief_repr(cfg.get('init_lora_weights'))} PEFT would give it random "
+                       "ones; add its weights, or leave it out of target_modules")
     targets = tuple(m for m in MODULES if any(p[1] == m for p in present))
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):

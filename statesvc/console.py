@@ -22,7 +22,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 
 
-def shown(value: Any) -> str:
+def terminal_safe(value: Any) -> str:
     """A value from the wire as text to print: control and format characters as escapes
     (\\x1b, \\u202e: nothing moves the cursor or recolours the terminal), rich markup escaped
     (printed as written, never parsed, so `[/x]` in a name cannot crash the print)."""
@@ -41,10 +41,10 @@ def handles_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except RemoteError as exc:
-            err.print(f"[bold red]error[/] ({shown(exc.code)}): {shown(exc)}")
+            err.print(f"[bold red]error[/] ({terminal_safe(exc.code)}): {terminal_safe(exc)}")
             sys.exit(1)
         except Unavailable as exc:
-            err.print(f"[bold red]error[/] (unavailable): {shown(exc)}")
+            err.print(f"[bold red]error[/] (unavailable): {terminal_safe(exc)}")
             sys.exit(3)
     return wrapper  # type: ignore[return-value]
 

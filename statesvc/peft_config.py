@@ -60,7 +60,7 @@ def _invalid(what: str) -> ConfigRefused:
     return ConfigRefused("invalid_adapter", what)
 
 
-def shown(value: Any) -> str:
+def brief_repr(value: Any) -> str:
     """`value` as a message shows it: its repr, cut to 80 characters; an integer of more than
     24 digits as its first and last digits and how many there are."""
     if type(value) is int:  # JSON's integers are within Python's limit for str()
@@ -145,9 +145,9 @@ def alpha_problem(value: Any, option: str) -> str | None:
     otherwise (load then checks its scaling, lora_alpha / r, in the pool's dtype). The one
     rule for `lora_alpha` and `alpha_pattern` values (statesvc/adapters.py `_rank_alpha`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        return f"{option} must be a positive number, got {shown(value)}"
+        return f"{option} must be a positive number, got {brief_repr(value)}"
     if _beyond_float(value) or value == math.inf:
-        return (f"{option} {shown(value)} is beyond float32's range (at most "
+        return (f"{option} {brief_repr(value)} is beyond float32's range (at most "
                 f"{POOL_DTYPE_MAX['float32']:.6g}), in which the pool computes the scaling "
                 "lora_alpha / r; use a lora_alpha of at most that times r (PEFT's default is 8)")
     return None
@@ -158,26 +158,28 @@ def refuse_unsupported(cfg: Mapping[str, Any], *, base_has_bias: bool) -> None:
     pool cannot serve. `base_has_bias`: the base model's projections have biases."""
     peft_type = cfg.get("peft_type")
     if peft_type != "LORA":
-        raise _invalid(f"peft_type is {shown(peft_type)}; only LORA adapters are supported "
+        raise _invalid(f"peft_type is {brief_repr(peft_type)}; only LORA adapters are supported "
                        "(train a LoRA adapter: peft_type LORA)")
     unknown = sorted(k for k in cfg if k not in OPTIONS and _on(cfg[k]))
     if unknown:
-        raise _unsupported(f"option {shown(unknown[0])}", "it is not an option of PEFT 0.21's "
-                           "LoraConfig, so whether it changes the adapter's output is unknown",
+        raise _unsupported(f"option {brief_repr(unknown[0])}", "it is not an option of PEFT "
+                           "0.21's LoraConfig, so whether it changes the adapter's output is "
+                           "unknown",
                            "remove it from adapter_config.json if the adapter does not use it")
     for option, (why, fix) in REFUSED.items():
         if _on(cfg.get(option)):
-            raise _unsupported(f"{option}={shown(cfg[option])}", why, fix)
+            raise _unsupported(f"{option}={brief_repr(cfg[option])}", why, fix)
     _check_init(cfg.get("init_lora_weights", True))
     bias = cfg.get("bias", "none")
     if bias not in ("none", "all", "lora_only"):
-        raise _invalid(f"bias must be 'none', 'all' or 'lora_only', got {shown(bias)}")
+        raise _invalid(f"bias must be 'none', 'all' or 'lora_only', got {brief_repr(bias)}")
     if bias != "none" and base_has_bias:
         raise _unsupported(f"bias={bias!r}", "the adapter carries trained copies of the base "
                            "model's biases, which the pool does not hold",
                            f"retrain with bias='none', {MERGE_FIX}")
     if not isinstance(cfg.get("fan_in_fan_out", False), bool):
-        raise _invalid(f"fan_in_fan_out must be true or false, got {shown(cfg['fan_in_fan_out'])}")
+        raise _invalid("fan_in_fan_out must be true or false, got "
+                       f"{brief_repr(cfg['fan_in_fan_out'])}")
 
 
 def unloaded_is_zero(cfg: Mapping[str, Any]) -> bool:
@@ -198,7 +200,7 @@ def _check_init(init: Any) -> None:
         raise _unsupported("init_lora_weights='loftq'", "LoftQ trains against a quantised copy of "
                            "the base weights", "configure a pool on the base model LoftQ saved "
                            "for this adapter, or retrain with init_lora_weights=true")
-    raise _invalid(f"init_lora_weights {shown(init)} is not one of PEFT's; the pool serves "
+    raise _invalid(f"init_lora_weights {brief_repr(init)} is not one of PEFT's; the pool serves "
                    f"{', '.join(map(repr, INIT_SERVED))} and refuses "
                    f"{', '.join(map(repr, INIT_REWRITES_BASE + ('loftq',)))}")
 
@@ -240,7 +242,7 @@ def _strings(value: Any, option: str) -> list[str] | str | None:
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
-    raise _invalid(f"{option} must be a string or a list of strings, got {shown(value)}")
+    raise _invalid(f"{option} must be a string or a list of strings, got {brief_repr(value)}")
 
 
 def _compile(pattern: str, option: str) -> re.Pattern[str]:
@@ -250,7 +252,7 @@ def _compile(pattern: str, option: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as exc:
-        raise _invalid(f"{option} {shown(pattern)} is not a valid regex ({exc})") from None
+        raise _invalid(f"{option} {brief_repr(pattern)} is not a valid regex ({exc})") from None
 
 
 def _suffixes(key: str) -> Iterable[str]:
@@ -317,7 +319,7 @@ def _matcher(cfg: Mapping[str, Any]) -> _Matcher:
     if not (layers is None or type(layers) is int
             or (isinstance(layers, list) and all(type(i) is int for i in layers))):
         raise _invalid(f"layers_to_transform must be an integer or a list of integers, got "
-                       f"{shown(layers)}")
+                       f"{brief_repr(layers)}")
     pattern = _strings(cfg.get("layers_pattern"), "layers_pattern") or []
     pattern = [pattern] if isinstance(pattern, str) else pattern
     for p in pattern:
@@ -343,19 +345,19 @@ def resolve_targets(cfg: Mapping[str, Any], *, num_layers: int) -> frozenset[tup
             pairs.add(where)
         elif key in (EMBEDDING, *LINEAR_OUTSIDE_LAYERS):
             raise _unsupported(f"LoRA on {key.rsplit('.', 1)[-1]}",
-                               f"target_modules {shown(cfg.get('target_modules'))} selects "
+                               f"target_modules {brief_repr(cfg.get('target_modules'))} selects "
                                f"{key}, and the pool holds LoRA for the layers' projections "
                                f"({', '.join(MODULES)}) only",
                                f"retrain with target_modules naming only those, {MERGE_FIX}")
         else:
-            raise _invalid(f"target_modules {shown(cfg.get('target_modules'))} selects {key}, "
-                           "which is not a linear layer (PEFT refuses this adapter too); name "
-                           "the projections, e.g. q_proj, self_attn.q_proj or "
+            raise _invalid(f"target_modules {brief_repr(cfg.get('target_modules'))} selects "
+                           f"{key}, which is not a linear layer (PEFT refuses this adapter "
+                           "too); name the projections, e.g. q_proj, self_attn.q_proj or "
                            "model.layers.0.self_attn.q_proj")
     if not pairs:
-        raise _invalid(f"target_modules {shown(cfg.get('target_modules'))} (with exclude_modules "
-                       "and layers_to_transform) selects no module of the base model, so PEFT "
-                       "refuses this adapter too; modules are named like "
+        raise _invalid(f"target_modules {brief_repr(cfg.get('target_modules'))} (with "
+                       "exclude_modules and layers_to_transform) selects no module of the base "
+                       "model, so PEFT refuses this adapter too; modules are named like "
                        "model.layers.0.self_attn.q_proj (without a base_model.model. prefix), "
                        "and a suffix such as q_proj or self_attn.q_proj selects it in every layer")
     _check_patterns(cfg, pairs)
@@ -369,7 +371,7 @@ def _check_patterns(cfg: Mapping[str, Any], pairs: set[tuple[int, str]]) -> None
     for option, default in (("rank_pattern", cfg.get("r")), ("alpha_pattern", cfg.get("lora_alpha"))):
         pattern = cfg.get(option) or {}
         if not isinstance(pattern, dict):
-            raise _invalid(f"{option} must be an object, got {shown(pattern)}")
+            raise _invalid(f"{option} must be an object, got {brief_repr(pattern)}")
         keys = list(pattern)
         for k in keys:
             _compile(rf"(.*\.)?({k})$", option)
@@ -380,17 +382,18 @@ def _check_patterns(cfg: Mapping[str, Any], pairs: set[tuple[int, str]]) -> None
                 continue
             what = "rank" if option == "rank_pattern" else "lora_alpha"
             top = "r" if option == "rank_pattern" else "lora_alpha"
-            value, entry = pattern[key], f"{option}[{shown(key)}]"
+            value, entry = pattern[key], f"{option}[{brief_repr(key)}]"
             if option == "rank_pattern" and (type(value) is not int or value < 1):
-                raise _invalid(f"{entry}: a rank must be a positive integer, got {shown(value)}")
+                raise _invalid(f"{entry}: a rank must be a positive integer, got "
+                               f"{brief_repr(value)}")
             problem = (alpha_problem(value, f"{entry}: a lora_alpha")
                        if option == "alpha_pattern" else None)
             if problem:
                 raise _invalid(problem)
-            raise _unsupported(f"{option} {shown({key: pattern[key]})}",
-                               f"it gives {name} {what} {shown(pattern[key])} where the adapter's "
-                               f"{top} is {shown(default)}, and the pool holds one rank and one "
-                               "scaling per adapter",
+            raise _unsupported(f"{option} {brief_repr({key: pattern[key]})}",
+                               f"it gives {name} {what} {brief_repr(pattern[key])} where the "
+                               f"adapter's {top} is {brief_repr(default)}, and the pool holds one "
+                               "rank and one scaling per adapter",
                                "rewrite the adapter with one r and lora_alpha: pad every module's "
                                "lora_A and lora_B with zeros to the largest rank, multiply each "
                                "module's lora_B by its own scaling divided by the new one, and set "

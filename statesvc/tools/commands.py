@@ -12,7 +12,7 @@ from rich.table import Table
 from shared.config import DEFAULT_PUBLISH
 from shared.endpoints import click_addresses
 from shared.modelconfig import FAMILIES
-from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, shown
+from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, terminal_safe
 from statesvc.tools.families import FAMILIES as EXAMPLE_FAMILIES
 
 # the families a replica serves that the example writer has an entry for
@@ -77,7 +77,7 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
                            resident_only=resident_only).run(
                                kill, run_file=run_file, kill_statesvc=kill_statesvc)
         except DrillError as exc:
-            err.print(f"[bold red]error[/] (drill): {shown(exc)}")
+            err.print(f"[bold red]error[/] (drill): {terminal_safe(exc)}")
             sys.exit(3)
     if as_json:
         emit(report.to_json())
@@ -87,14 +87,15 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
         for col in ("replica", "check", "result", "detail"):
             table.add_column(col)
         for c in report.checks:
-            table.add_row(shown(c.replica), shown(c.check),
-                          "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]", shown(c.detail))
+            table.add_row(terminal_safe(c.replica), terminal_safe(c.check),
+                          "[green]ok[/]" if c.ok else "[bold red]DIFFERS[/]",
+                          terminal_safe(c.detail))
         out.print(table)
         out.print("  ".join(f"{k} {v:.2f} s" for k, v in report.timings.items()))
     for c in report.checks:
         if not c.ok:
-            err.print(f"[bold red]disagreement[/]: replica {shown(c.replica)}: {shown(c.check)} "
-                      f"{shown(c.detail)}")
+            err.print(f"[bold red]disagreement[/]: replica {terminal_safe(c.replica)}: "
+                      f"{terminal_safe(c.check)} {terminal_safe(c.detail)}")
     sys.exit(0 if report.ok else 1)
 
 

@@ -34,7 +34,8 @@ __all__ = ["FAMILIES", "INITS", "Family", "LayerTensors", "family", "llama_layer
 
 # name under model.layers.{i} -> (shape as torch saves it, how it is drawn)
 LayerTensors = dict[str, tuple[tuple[int, ...], str]]
-# How a tensor is drawn (statesvc/tools/example.py draws each from its own seeded generator):
+# How a tensor is drawn (statesvc/tools/example_files.py draws each from its own seeded
+# generator):
 INITS = {
     "norm": "norm_center + N(0, 0.1)",
     "linear": "N(0, 1/fan_in), fan_in the last axis (torch's [out, in], or [experts, out, in])",
