@@ -47,7 +47,7 @@ from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
 from benchmarks.report import machine_info, median, output_flags, publish, spread, target_lines
-from computed.pool import MemoryPool
+from computed.residency.pool import MemoryPool
 from computed.replica import Replica, pool_spec
 from shared.client import ControlClient
 from shared.config import DEFAULT_SNAPSHOT_EVERY

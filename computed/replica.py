@@ -30,11 +30,11 @@ from typing import Any
 
 import msgpack
 
-from computed.admission import GenerateError, Grant, NoSlot, NotReady
-from computed.fills import FetchFailed, Fills
-from computed.pool import LoraPool, MemoryPool, PoolSpec
-from computed.residency import Holder, Residency
-from computed.weights import BlobCache, BlobError, Peers, slot_weights
+from computed.serving.admission import GenerateError, Grant, NoSlot, NotReady
+from computed.residency.host_tier import FetchFailed, Fills
+from computed.residency.pool import LoraPool, MemoryPool, PoolSpec
+from computed.residency.slots import Holder, Residency
+from computed.residency.blob_cache import BlobCache, BlobError, Peers, slot_weights
 from shared.canonical import canonical_bytes
 from shared.client import ControlClient
 from shared.config import DEFAULT_HOST_CACHE_MB
@@ -89,7 +89,7 @@ class Replica:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobCache(self.cache_dir / "blobs", client, peers)
-        # the host tier and the worker that fetches and parses into it (computed/fills.py)
+        # the host tier and the worker that fetches and parses into it (computed/residency/host_tier.py)
         self.fills = Fills(self.blobs, host_cache_mb << 20)
         self.prefetch = prefetch  # parse newly loaded adapters into the host tier
         self.state = State()
@@ -155,7 +155,7 @@ class Replica:
             self._digests[what] = hit
         return hit[1]
 
-    # ---- the admission port (computed/admission.py) ------------------------------
+    # ---- the admission port (computed/serving/admission.py) ------------------------------
 
     def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
         """Resolve `adapter` to its registered version, make it resident if it is not (a miss:
@@ -163,7 +163,7 @@ class Replica:
         slot write on the caller's thread) and lease its slot. Raises Fetching while the
         worker fetches them, NoSlot while no slot can be had (the request waits; `ticket`,
         smaller for older requests, decides who reserves the next slot:
-        computed/residency.py), FetchFailed when they could not be fetched."""
+        computed/residency/slots.py), FetchFailed when they could not be fetched."""
         ready = self.phase is Phase.ACTIVE and self.pool is not None
         if not ready or self.applied_seq < min_seq:
             raise NotReady(f"the replica is {self.phase.value} at seq {self.applied_seq} and "

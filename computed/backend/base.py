@@ -23,7 +23,7 @@ import numpy as np
 if TYPE_CHECKING:
     from computed.model.kv_cache import KVCache
     from computed.model.params import PackedWeight
-    from computed.pool import LoraPool
+    from computed.residency.pool import LoraPool
 
 
 class Backend(ABC):

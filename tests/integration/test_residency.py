@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from computed.admission import GenerateError, Grant, NoSlot
+from computed.serving.admission import GenerateError, Grant, NoSlot
 from computed.replica import Replica
 from statesvc.tools.example import ExampleAssets
 from testkit.jaxcount import counting_compiles

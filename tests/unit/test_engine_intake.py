@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from computed.admission import Grant
-from computed.engine import Done, Engine
+from computed.serving.admission import Grant
+from computed.serving.engine import Done, Engine
 from shared.replica_protocol import generate_args
 
 

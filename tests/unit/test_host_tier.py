@@ -1,11 +1,11 @@
-"""The host tier's LRU and byte bound (computed/hosttier.py, shared/lru.py's ByteLRU): pure logic."""
+"""The host tier's LRU and byte bound (computed/residency/host_tier.py, shared/lru.py's ByteLRU): pure logic."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from computed.hosttier import HostTier, weights_bytes
-from computed.pool import SlotWeights
+from computed.residency.host_tier import HostTier, weights_bytes
+from computed.residency.pool import SlotWeights
 
 
 def tier(limit: int) -> HostTier[str, int]:

@@ -1,8 +1,8 @@
-"""The slot map's rules (computed/residency.py), as pure logic; tests/integration/
+"""The slot map's rules (computed/residency/slots.py), as pure logic; tests/integration/
 test_residency.py holds the same rules through a real replica and `computed serve`."""
 from __future__ import annotations
 
-from computed.residency import Holder, Residency
+from computed.residency.slots import Holder, Residency
 
 
 def holder(name: str, *, pinned: bool = False, version: int = 1) -> Holder:

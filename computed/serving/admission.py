@@ -1,8 +1,8 @@
-"""The admission port: all that serving (computed/engine.py) asks of the replica.
+"""The admission port: all that serving (computed/serving/engine.py) asks of the replica.
 
 The engine admits a request by `admit(adapter, min_seq, ticket)`: the replica resolves
 the adapter to its registered version, makes it resident in a slot if it is not
-(computed/residency.py) and leases the slot
+(computed/residency/slots.py) and leases the slot
 (so it is not overwritten until the request finishes, see pool.py), or refuses
 with a coded error. The forward pass reads the pool's arrays through `reading`,
 and warm-up compiles from `pool_shapes`. The replica (computed/replica.py)
@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from computed.pool import Lease, LoraPool, SlotDraining
+from computed.residency.pool import Lease, LoraPool, SlotDraining
 from shared.errors import CodedError
 
 # what the engine needs of the pool comes through here: its arrays' type (the forward pass's
@@ -43,7 +43,7 @@ class NoSlot(SlotDraining):
 
 
 class Fetching(SlotDraining):
-    """The adapter's weights are being fetched and parsed (computed/fills.py): the request
+    """The adapter's weights are being fetched and parsed (computed/residency/host_tier.py): the request
     waits in the queue. `wait(timeout_s)` blocks until that fetch ends (True) or the timeout
     passes (False): the engine may wait a little for it rather than a whole decode step."""
 

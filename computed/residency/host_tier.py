@@ -1,8 +1,16 @@
-"""Filling slots without stalling decode: a background worker fetches, verifies and parses.
+"""The host tier, and filling it without stalling decode: a worker fetches, verifies, parses.
+
+The host tier holds parsed adapter weights ready for a slot write, LRU within a byte bound.
+Between the device slots (computed/residency/slots.py) and the verified on-disk blob cache
+(computed/residency/blob_cache.py): an entry is one registered adapter version's parsed A and
+B arrays (computed/residency/pool.py's SlotWeights, unpadded: the slot write pads them to
+max_rank), so filling a slot from it costs the slot write alone. The bookkeeping is
+shared/lru.py's `ByteLRU` (the rules are there), sized by `weights_bytes`; the fill worker
+holds its lock around every call.
 
 A request whose adapter is not resident asks for its weights as soon as it is queued
 (`want`); one worker thread reads the blob (the verified on-disk cache, else statesvc, then
-sha256), parses it and puts the parsed arrays into the host tier (computed/hosttier.py). The
+sha256), parses it and puts the parsed arrays into the host tier. The
 engine's admission (computed/replica.py) calls `take`: an entry in the host tier comes back
 for the donated slot write, the only part of a fill on the step's path; otherwise `Fetching`
 (the request keeps waiting, requests whose adapters are resident go ahead) or, when the
@@ -26,18 +34,24 @@ from typing import Any
 
 import numpy as np
 
-from computed.admission import Fetching, NotReady
-from computed.hosttier import HostTier, weights_bytes
-from computed.pool import SlotWeights
-from computed.weights import BlobCache, BlobError, slot_weights
+from computed.serving.admission import Fetching, NotReady
+from computed.residency.pool import SlotWeights
+from computed.residency.blob_cache import BlobCache, BlobError, slot_weights
 from shared.client import RemoteError, Unavailable
 from shared.events import AdapterLoaded
+from shared.lru import ByteLRU
 from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed")
 RETRY_S = 1.0
 SAMPLES = 1024  # fill times kept per tier for the percentiles
 Key = tuple[str, int]  # (adapter name, version)
+HostTier = ByteLRU
+
+
+def weights_bytes(w: SlotWeights) -> int:
+    """The host bytes of an adapter's parsed arrays."""
+    return sum(int(np.asarray(a).nbytes) + int(np.asarray(b).nbytes) for a, b in w.pairs.values())
 
 
 class FetchFailed(NotReady):
@@ -215,4 +229,4 @@ def percentiles(samples: list[float]) -> dict[str, Any]:
             "p99": float(np.percentile(a, 99))}
 
 
-__all__ = ["FetchFailed", "Fills", "Took", "key_of", "percentiles"]
+__all__ = ["FetchFailed", "Fills", "HostTier", "Took", "key_of", "percentiles", "weights_bytes"]
