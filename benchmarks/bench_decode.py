@@ -117,7 +117,7 @@ from rich.table import Table
 
 from benchmarks.report import (machine_info, median, output_flags, print_targets, publish, spread,
                                target_lines)
-from computed.serving.admission import Grant
+from computed.serving.admission import AdmittedAdapter
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.serving.engine import Engine
 from computed.model.loader import load_model, with_layout
@@ -261,12 +261,12 @@ class Serving:
     pool: MemoryPool
     state: State
 
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
         if adapter is None:
-            return Grant(-1, None, 0, self.state.seq, None)
+            return AdmittedAdapter(-1, None, 0, self.state.seq, None)
         a = self.state.adapters[adapter]
         slot = a.version - 2  # loaded_event: every adapter resident in its own slot
-        return Grant(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
+        return AdmittedAdapter(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
 
     def want(self, adapter: str | None) -> None:
         pass  # every adapter is resident

@@ -10,9 +10,9 @@ holds its lock around every call.
 
 A request whose adapter is not resident asks for its weights as soon as it is queued
 (`want`); one worker thread reads the blob (the verified on-disk cache, else statesvc, then
-sha256), parses it and puts the parsed arrays into the host tier. The
-engine's admission (computed/replica.py) calls `take`: an entry in the host tier comes back
-for the donated slot write, the only part of a fill on the step's path; otherwise `Fetching`
+sha256), parses it and puts the parsed arrays into the host tier. The residency manager
+(manager.py `make_resident`, for a request's miss) calls `take`: an entry in the host tier
+comes back for the donated slot write, the only part of a fill on the step's path; otherwise `Fetching`
 (the request keeps waiting, requests whose adapters are resident go ahead) or, when the
 fetch failed, `FetchFailed` with the reason (the engine retries until --min-seq-timeout, then
 answers `not_ready` with it; a failed fetch is tried again after RETRY_S).
@@ -46,7 +46,7 @@ log = logging.getLogger("computed")
 RETRY_S = 1.0
 SAMPLES = 1024  # fill times kept per tier for the percentiles
 Key = tuple[str, int]  # (adapter name, version)
-HostTier = ByteLRU
+HostLRU = ByteLRU
 
 
 def weights_bytes(w: SlotWeights) -> int:
@@ -59,7 +59,9 @@ class FetchFailed(NotReady):
 
 
 @dataclass(frozen=True)
-class Took:
+class HostWeights:
+    """An adapter's parsed weights taken from the host tier for a slot write."""
+
     weights: SlotWeights
     fetch_s: float | None  # the fetch this request waited for (a host-tier miss); None: a hit
 
@@ -68,12 +70,12 @@ def key_of(adapter: AdapterLoaded) -> Key:
     return (adapter.name, adapter.version)
 
 
-class Fills:
+class HostTier:
     """The host tier and its fill worker (see the module docstring)."""
 
     def __init__(self, blobs: BlobCache, host_bytes: int) -> None:
         self.blobs = blobs
-        self.host: HostTier[Key, SlotWeights] = HostTier(host_bytes, weights_bytes)
+        self.host: HostLRU[Key, SlotWeights] = HostLRU(host_bytes, weights_bytes)
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the worker waits on it for the queue
         self._ended = threading.Condition(mutex)  # requests wait on it for a fetch's end
@@ -112,7 +114,7 @@ class Fills:
                 self._worker = threading.Thread(target=self._run, name="fills", daemon=True)
                 self._worker.start()
 
-    def take(self, adapter: AdapterLoaded) -> Took:
+    def take(self, adapter: AdapterLoaded) -> HostWeights:
         """The parsed weights of `adapter` for a slot write; raises Fetching (wait) or
         FetchFailed (the reason; a retry starts after RETRY_S)."""
         key = key_of(adapter)
@@ -122,7 +124,7 @@ class Fills:
             if entry is not None or handoff is not None:
                 weights = entry.value if entry is not None else handoff
                 assert weights is not None
-                took = Took(weights, self._fresh.pop(key, None))
+                took = HostWeights(weights, self._fresh.pop(key, None))
                 if took.fetch_s is None:
                     self.hits += 1
                 else:
@@ -142,7 +144,7 @@ class Fills:
         with self._lock:
             return self._ended.wait_for(lambda: key not in self._pending, timeout_s)
 
-    def wrote(self, took: Took, write_s: float) -> None:
+    def wrote(self, took: HostWeights, write_s: float) -> None:
         """A slot write from `took` took `write_s`: one fill time sample of its tier."""
         if took.fetch_s is None:
             self.times["host"].append(write_s)
@@ -229,4 +231,4 @@ def percentiles(samples: list[float]) -> dict[str, Any]:
             "p99": float(np.percentile(a, 99))}
 
 
-__all__ = ["FetchFailed", "Fills", "HostTier", "Took", "key_of", "percentiles", "weights_bytes"]
+__all__ = ["FetchFailed", "HostLRU", "HostTier", "HostWeights", "key_of", "percentiles", "weights_bytes"]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, Grant, LoraPool,
+from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
@@ -64,7 +64,7 @@ class Request:
 class Running:
     req: Request
     row: int
-    grant: Grant
+    grant: AdmittedAdapter
     rng: np.random.Generator
     position: int  # where the next token's KV goes
     next_token: int

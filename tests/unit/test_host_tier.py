@@ -4,12 +4,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from computed.residency.host_tier import HostTier, weights_bytes
+from computed.residency.host_tier import HostLRU, weights_bytes
 from computed.residency.pool import SlotWeights
 
 
-def tier(limit: int) -> HostTier[str, int]:
-    return HostTier(limit, size_of=lambda v: v)  # each value is its own size in bytes
+def tier(limit: int) -> HostLRU[str, int]:
+    return HostLRU(limit, size_of=lambda v: v)  # each value is its own size in bytes
 
 
 def test_evicts_least_recently_used_to_stay_within_the_byte_bound() -> None:
