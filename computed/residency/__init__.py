@@ -1,5 +1,7 @@
 """Residency: where each adapter version's weights are on this replica, tier by tier.
 
+- manager.py: `ResidencyManager`, the one owner of the tiers below; its `make_resident` is
+  the only way into the pool, for the sync and admission alike (the seam: its docstring)
 - slots.py: the slot map (which slot holds which adapter version: fills, LRU eviction, pins,
   the fairness rule), pure bookkeeping
 - pool.py (+ pool_ops.py, slot_digest.py): the device tier, the JAX LoRA memory pool
