@@ -29,14 +29,14 @@ other down:
 * loop:         the same loop on XLA alone (XlaBackend), as a replica runs where the native
                 kernels cannot be built: XLA's dot over unpacked weights (a
                 second copy of the model), LoRA terms from XLA's window loop
-                (computed.lora.segmented_group, each step's window from
+                (computed.model.lora.segmented_group, each step's window from
                 lora.loop_windows) and attention over the length bucket, on every
                 batch.
 * gather:       the same loop with the same LoRA arithmetic done by a per-token gather
                 (BGMV-style: every row gathers its own adapter's A and B;
                 the backend's option lora="gather", which serving never uses), on the
                 batches with adapters.
-* Engine.step:  computed.engine.Engine with LlamaRunner (max_batch 32, the same
+* Engine.step:  computed.serving.engine.Engine with LlamaRunner (max_batch 32, the same
                 max_len), the 32 requests submitted with their adapter names and
                 admitted (prefilled) before timing; a round is `--steps` calls of
                 `step()`, host sampling included. The requests keep running across
@@ -117,14 +117,14 @@ from rich.table import Table
 
 from benchmarks.report import (machine_info, median, output_flags, print_targets, publish, spread,
                                target_lines)
-from computed.admission import Grant
+from computed.serving.admission import AdmittedAdapter
 from computed.backend import NativeBackend, XlaBackend, native
-from computed.engine import Engine
+from computed.serving.engine import Engine
 from computed.model.loader import load_model, with_layout
 from computed.model.params import pack
 from computed.model.runner import LlamaRunner, decode
-from computed.pool import LoraPool, MemoryPool, PoolSpec
-from computed.weights import slot_weights
+from computed.residency.pool import LoraPool, MemoryPool, PoolSpec
+from computed.residency.blob_cache import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
@@ -255,18 +255,18 @@ def loaded_event(name: str, slot: int, data: bytes, targets: tuple[str, ...] = M
 
 @dataclass
 class Serving:
-    """The admission port (computed/admission.py) of an ACTIVE replica whose adapters never
+    """The admission port (computed/serving/admission.py) of an ACTIVE replica whose adapters never
     change."""
 
     pool: MemoryPool
     state: State
 
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
         if adapter is None:
-            return Grant(-1, None, 0, self.state.seq, None)
+            return AdmittedAdapter(-1, None, 0, self.state.seq, None)
         a = self.state.adapters[adapter]
         slot = a.version - 2  # loaded_event: every adapter resident in its own slot
-        return Grant(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
+        return AdmittedAdapter(slot, a.name, a.version, self.state.seq, self.pool.acquire(slot))
 
     def want(self, adapter: str | None) -> None:
         pass  # every adapter is resident

@@ -59,8 +59,8 @@ from benchmarks.bench_decode import (
 from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
-from computed.pool import MemoryPool, PoolSpec
-from computed.weights import slot_weights
+from computed.residency.pool import MemoryPool, PoolSpec
+from computed.residency.blob_cache import slot_weights
 from shared.config import POOL_DTYPES
 from testkit.jaxcount import counting_compiles
 

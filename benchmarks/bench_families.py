@@ -68,8 +68,8 @@ from benchmarks.bench_decode import (ALPHA, BATCH, CONTENDED, PROMPT, QUICK_SHAP
 from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread, target_lines
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
-from computed.pool import MemoryPool, PoolSpec
-from computed.weights import slot_weights
+from computed.residency.pool import MemoryPool, PoolSpec
+from computed.residency.blob_cache import slot_weights
 from shared.llama import ATTN_MODULES, MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 from testkit.jaxcount import counting_compiles

@@ -8,7 +8,7 @@ Timed side by side in one run, interleaved, best of `--repeats` rounds:
 * base:            `x @ W` alone, the floor.
 * gather:          base + the naive per-row gather: `A[slots]`, `B[slots]` ([N, r, in] and
                    [N, out, r] copies), then batched matvecs. What the model must not do.
-* windows2/8/16:   base + computed.lora.segmented with windows of 2, 8 and 16 rows: each
+* windows2/8/16:   base + computed.model.lora.segmented with windows of 2, 8 and 16 rows: each
                    slot's rows padded to whole windows; a loop over the windows in use takes
                    the window's slot's A and B by dynamic index and multiplies the window's
                    rows (SGMV-style). The model picks the window per decode step from the
@@ -50,7 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import machine_info, update_readme, write_results
-from computed import lora
+from computed.model import lora
 from testkit.jaxcount import counting_compiles
 
 console = Console() if sys.stdout.isatty() else Console(width=170)
@@ -227,7 +227,7 @@ def markdown(cases: list[dict[str, Any]], settings: dict[str, Any], choice: str)
     for c in cases:
         lines.append(f"| {c['hidden']} | {c['distinct']} | "
                      + " | ".join(f"{c['ms'][k]:.3f}" for k in names) + " |")
-    lines += ["", f"Fastest grouped variant: **{choice}** (computed/lora.py uses `{MODEL_CHOICE}`)."]
+    lines += ["", f"Fastest grouped variant: **{choice}** (computed/model/lora.py uses `{MODEL_CHOICE}`)."]
     return "\n".join(lines)
 
 

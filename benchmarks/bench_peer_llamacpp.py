@@ -155,8 +155,8 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
                                          agreement, loaded_event, row_adapters, write_assets)
     from computed.model.loader import load_model
     from computed.model.runner import LlamaRunner
-    from computed.pool import MemoryPool, PoolSpec
-    from computed.weights import slot_weights
+    from computed.residency.pool import MemoryPool, PoolSpec
+    from computed.residency.blob_cache import slot_weights
     from statesvc.tools.example import write_model
 
     shape = QUICK_SHAPE if args.quick else SHAPE

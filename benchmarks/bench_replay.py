@@ -47,8 +47,9 @@ from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
 from benchmarks.report import machine_info, median, output_flags, publish, spread, target_lines
-from computed.pool import MemoryPool
-from computed.replica import Replica, pool_spec
+from computed.replica import Replica
+from computed.residency.manager import pool_spec
+from computed.residency.pool import MemoryPool
 from shared.client import ControlClient
 from shared.config import DEFAULT_SNAPSHOT_EVERY
 from shared.events import PoolConfigured

@@ -4,7 +4,7 @@ Three measurements on a model shaped so that the pool is not trivially small
 (hidden 512, intermediate 1024, 4 layers; 64 slots, max_rank 16, every target
 module, float32: about 143 MB of pool):
 
-* diff vs rebuild (in-process, `computed.pool` directly): one rank-16 adapter
+* diff vs rebuild (in-process, `computed.residency.pool` directly): one rank-16 adapter
   written into one slot of a warm `MemoryPool` (host padding, transfer and the
   donated in-place update; `block_until_ready` on the pool) against allocating a
   new `MemoryPool` and writing all 64 slots. Medians after warm-up. Then the same
@@ -46,9 +46,9 @@ from rich.table import Table
 
 from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
                                spread, target_lines)
-from computed.pool import MemoryPool, PoolSpec, SlotWeights
+from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
-from computed.weights import slot_weights
+from computed.residency.blob_cache import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
@@ -99,7 +99,7 @@ def pool_spec() -> PoolSpec:
 
 
 def weights_of(path: Path, scaling: float) -> SlotWeights:
-    """An adapter file's weights as a replica parses them (computed/weights.py)."""
+    """An adapter file's weights as a replica parses them (computed/residency/blob_cache.py)."""
     event = AdapterLoaded(name=path.parent.name, version=1, sha256="", size=0, rank=RANK,
                           alpha=scaling * RANK, scaling=scaling, use_rslora=False, targets=MODULES,
                           pinned=False)
@@ -129,7 +129,7 @@ def pointers(pool: MemoryPool) -> list[int]:
     return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(pool.arrays)]
 
 
-# ---- 1a. one slot write against a rebuild, computed.pool in-process ---------------
+# ---- 1a. one slot write against a rebuild, computed.residency.pool in-process ---------------
 
 def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) -> dict[str, Any]:
     spec = pool_spec()
@@ -536,7 +536,7 @@ def run(settings: Settings) -> dict[str, Any]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     targets = [
-        {"name": "one load diff / pool rebuild (computed.pool)",
+        {"name": "one load diff / pool rebuild (computed.residency.pool)",
          "target": f"<= {TARGET_DIFF_OVER_REBUILD:.3f}", "measured": pool["write_over_rebuild"],
          "met": pool["write_over_rebuild"] <= TARGET_DIFF_OVER_REBUILD},
         {"name": f"RSS after {rss['events']:,} events / after warm-up",
@@ -573,10 +573,10 @@ def render(result: dict[str, Any]) -> tuple[list[Table], str]:
     rss, sha = result["rss"], result["read_sha256"]
     parts = rep["parts_ms_p50"]
     rows1 = [
-        ("one load diff, computed.pool write_slot", f"{pool['write_ms_p50']:.2f}",
+        ("one load diff, computed.residency.pool write_slot", f"{pool['write_ms_p50']:.2f}",
          f"p99 {pool['write_ms_p99']:.2f}; host padding {pool['host_pad_ms_p50']:.2f}; "
          f"buffers in place: {'yes' if pool['buffers_in_place'] else 'NO'}"),
-        ("one unload diff, computed.pool clear_slot", f"{pool['clear_ms_p50']:.2f}", ""),
+        ("one unload diff, computed.residency.pool clear_slot", f"{pool['clear_ms_p50']:.2f}", ""),
         (f"rebuild: new MemoryPool + {MAX_LORAS} writes", f"{pool['rebuild_ms_p50']:.1f}",
          f"allocation alone {pool['alloc_only_ms_p50']:.1f}; one write / this "
          f"{pool['write_over_rebuild']:.4f}"),

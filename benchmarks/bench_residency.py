@@ -57,7 +57,7 @@ import numpy as np
 from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
 from benchmarks.report import machine_info, median, output_flags, run_and_publish
 from benchmarks.residency_streams import BATCH, NEW_TOKENS, PROMPT, run_streams
-from computed.engine import Engine
+from computed.serving.engine import Engine
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from computed.replica import Replica

@@ -56,7 +56,7 @@ def worker(n: int, root: Path, steps: int, repeats: int, batch: int) -> None:
     from computed.model import sharding
     from computed.model.loader import load_model
     from computed.model.runner import LlamaRunner
-    from computed.pool import MemoryPool, PoolSpec, SlotWeights
+    from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights
 
     assert len(jax.devices()) == n, f"{len(jax.devices())} devices, asked for {n}"
     config, params = (load_model(root / "model", backend=XlaBackend()) if n == 1

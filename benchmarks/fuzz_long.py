@@ -159,7 +159,7 @@ def run_atheris(target: str, minutes: float, input_timeout: int, strict: bool,
         return 2
     # instrument this project's modules only: coverage feedback where the decoders are
     with atheris.instrument_imports(include=["shared", "statesvc", "computed"]):
-        import computed.engine  # noqa: F401
+        import computed.serving.engine  # noqa: F401
         import shared.protocol  # noqa: F401
         import shared.reducer  # noqa: F401
         import shared.tensorfile  # noqa: F401

@@ -20,7 +20,7 @@ each pair with a Zipf draw of its own:
   requests' TTFTs in the all-resident run (where the tail moved). A third run of the
   Zipf stream on the same schedule has the engine's wait for a queued miss's fetch switched
   off (`Engine(fetch_wait=0)`: such a request waits for the next step): "before" beside
-  "after" (computed/engine.py's `_admit`). And within the Zipf run itself, each request's
+  "after" (computed/serving/engine.py's `_admit`). And within the Zipf run itself, each request's
   *residency wait*: the engine's `timings.residency_ms`, from the first pass that had a batch
   row for it but not its adapter's slot to its admission (the fetch's end and the slot
   write, or a lease's end when every slot was leased), or its admission's own slot write (a
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.report import percentile
-from computed.engine import Done, Engine
+from computed.serving.engine import Done, Engine
 from computed.replica import Replica
 from shared.replica_protocol import generate_args
 
@@ -142,7 +142,7 @@ def drive_open(engine: Engine, replica: Replica, adapters: list[str], prompts: n
 
 def cold_tiers(replica: Replica) -> None:
     """Empty the host tier and the on-disk blob cache: the next fill of anything not in a slot
-    reads its blob from statesvc (a blob that is gone is fetched again, computed/weights.py)."""
+    reads its blob from statesvc (a blob that is gone is fetched again, computed/residency/blob_cache.py)."""
     replica.fills.retain(lambda name, version: False)
     for p in replica.blobs.root.iterdir():
         p.unlink(missing_ok=True)

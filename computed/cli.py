@@ -143,7 +143,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
                       weights_sha256=weights)
     engine = None
     if inference:
-        from computed.engine import Engine
+        from computed.serving.engine import Engine
         from computed.model.config import ModelLoadError
         from computed.model.loader import load_model
         from computed.model.runner import LlamaRunner
@@ -190,7 +190,7 @@ def _tensor_parallel(model: Path, n: int, log: logging.Logger) -> Any:
 
     from computed.model import sharding
     from computed.model.config import LlamaConfig, ModelLoadError
-    from computed.pool import PoolSpec
+    from computed.residency.pool import PoolSpec
     try:
         config = LlamaConfig.from_hf(json.loads((model / "config.json").read_text()))
         sharding.check(config, n, len(jax.local_devices()))

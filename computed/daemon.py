@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from computed.engine import Done, Engine, Request
+from computed.serving.engine import Done, Engine, Request
 from computed.replica import Replica
 from computed.sync import IDLE_POLL_MS, SyncLoop, digests
 from shared.blobserve import BlobServer, read_chunk
@@ -49,8 +49,8 @@ WARMUP_STOP_S = 60.0
 
 
 def residency_stats(r: Replica) -> dict[str, Any] | None:
-    """Hits, misses and evictions of the replica's slots (computed/residency.py), its host
-    tier's and its fill times per tier (computed/fills.py)."""
+    """Hits, misses and evictions of the replica's slots (computed/residency/slots.py), its host
+    tier's and its fill times per tier (computed/residency/host_tier.py)."""
     res = r.residency
     if res is None:
         return None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import heapq
 import logging
 import os
 import threading
@@ -30,11 +29,12 @@ from typing import Any
 
 import msgpack
 
-from computed.admission import GenerateError, Grant, NoSlot, NotReady
-from computed.fills import FetchFailed, Fills
-from computed.pool import LoraPool, MemoryPool, PoolSpec
-from computed.residency import Holder, Residency
-from computed.weights import BlobCache, BlobError, Peers, slot_weights
+from computed.residency.blob_cache import BlobCache, BlobError, Peers, slot_weights
+from computed.residency.host_tier import FetchFailed, HostTier
+from computed.residency.manager import ResidencyManager
+from computed.residency.pool import LoraPool, MemoryPool, PoolSpec
+from computed.residency.slots import ResidentVersion, SlotMap
+from computed.serving.admission import AdmittedAdapter, GenerateError, NoSlot, NotReady
 from shared.canonical import canonical_bytes
 from shared.client import ControlClient
 from shared.config import DEFAULT_HOST_CACHE_MB
@@ -65,12 +65,6 @@ class ForeignLog(Exception):
     """statesvc answers for another log than the one this replica's state comes from."""
 
 
-def pool_spec(pool: PoolConfigured) -> PoolSpec:
-    return PoolSpec(num_layers=pool.num_layers,
-                    module_dims={m: pool.module_dims[m] for m in pool.targets},
-                    slots=pool.max_loras, max_rank=pool.max_rank, dtype=pool.dtype)
-
-
 class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
                  from_zero: bool = False, faults: Faults = NO_FAULTS,
@@ -81,22 +75,20 @@ class Replica:
         # the digest of the weights this replica serves (shared/fingerprint.py); None where it
         # serves none (`--no-inference`), which checks the fingerprint alone
         self.weights_sha256 = weights_sha256
-        self.pool_layout = pool_layout  # the pool's shardings on a mesh (`--tensor-parallel`)
         self.from_zero = from_zero  # replay the whole log: no snapshot, no local state
         self.faults = faults  # test-only (shared/faults.py): off unless switched on
         self.syncing_seq = 0  # how far a catch-up has read the log
         self.client = client
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self.blobs = BlobCache(self.cache_dir / "blobs", client, peers)
-        # the host tier and the worker that fetches and parses into it (computed/fills.py)
-        self.fills = Fills(self.blobs, host_cache_mb << 20)
+        # the device slots, the host tier and the blob cache: the one way into the pool
+        self.tiers = ResidencyManager(BlobCache(self.cache_dir / "blobs", client, peers),
+                                      host_cache_mb << 20, faults=faults,
+                                      pool_layout=pool_layout)
         self.prefetch = prefetch  # parse newly loaded adapters into the host tier
         self.state = State()
         self.log_id: str | None = None  # the log the state comes from; None until one is held
         self.phase = Phase.INITIAL
-        self.pool: MemoryPool | None = None
-        self.residency: Residency | None = None  # which slot holds which adapter version
         self.last_error: str | None = None
         self.applied_at = 0.0  # wall-clock time of the last advance
         # held while the state and the pool's slots change together, and by readers
@@ -104,6 +96,27 @@ class Replica:
         self.lock = threading.Lock()
         self._digests: dict[str, tuple[tuple[int, int], str]] = {}
         self._unsaved, self._saved_at = False, -SAVE_EVERY_S  # the local state's last save
+
+    # ---- the tiers (computed/residency/manager.py) --------------------------------
+
+    @property
+    def pool(self) -> MemoryPool | None:
+        """The device tier's memory pool; None until the pool is configured."""
+        return self.tiers.pool
+
+    @property
+    def residency(self) -> SlotMap | None:
+        """Which slot holds which adapter version; None until the pool is configured."""
+        return self.tiers.slots
+
+    @property
+    def fills(self) -> HostTier:
+        """The host tier and the worker that fetches and parses into it."""
+        return self.tiers.host
+
+    @property
+    def blobs(self) -> BlobCache:
+        return self.tiers.blobs
 
     # ---- status ----------------------------------------------------------------
 
@@ -115,11 +128,11 @@ class Replica:
         return self._cached("logical", lambda: logical_digest(self.state))
 
     @property
-    def holders(self) -> dict[int, Holder]:
+    def holders(self) -> dict[int, ResidentVersion]:
         """What each slot holds now."""
         return {} if self.residency is None else dict(self.residency.holders)
 
-    def resident(self) -> dict[int, tuple[Holder, str]]:
+    def resident(self) -> dict[int, tuple[ResidentVersion, str]]:
         """Each occupied slot's holder and content digest (pool.py's `slot_digest`). Without
         the replica's lock: status answers while a slot write or a fill holds it."""
         pool, holders = self.pool, self.holders
@@ -155,15 +168,15 @@ class Replica:
             self._digests[what] = hit
         return hit[1]
 
-    # ---- the admission port (computed/admission.py) ------------------------------
+    # ---- the admission port (computed/serving/admission.py) ------------------------------
 
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
         """Resolve `adapter` to its registered version, make it resident if it is not (a miss:
         its weights from the host tier, fetched and parsed there by the fill worker, then a
         slot write on the caller's thread) and lease its slot. Raises Fetching while the
         worker fetches them, NoSlot while no slot can be had (the request waits; `ticket`,
         smaller for older requests, decides who reserves the next slot:
-        computed/residency.py), FetchFailed when they could not be fetched."""
+        computed/residency/slots.py), FetchFailed when they could not be fetched."""
         ready = self.phase is Phase.ACTIVE and self.pool is not None
         if not ready or self.applied_seq < min_seq:
             raise NotReady(f"the replica is {self.phase.value} at seq {self.applied_seq} and "
@@ -172,7 +185,7 @@ class Replica:
             state, pool, res = self.state, self.pool, self.residency
             assert pool is not None and res is not None
             if adapter is None:
-                return Grant(-1, None, 0, state.seq, None)
+                return AdmittedAdapter(-1, None, 0, state.seq, None)
             loaded = state.adapters.get(adapter)
             if loaded is None:
                 res.forget(ticket)
@@ -183,41 +196,24 @@ class Replica:
             if slot is not None and res.blocked(slot, ticket):
                 raise NoSlot(f"slot {slot} is reserved for an older request")
             if slot is None:
-                slot = self._fill(loaded, res, pool, ticket)
+                try:  # NoSlot, Fetching: it waits, holding no slot
+                    slot = self.tiers.make_resident(loaded, ticket=ticket)
+                except FetchFailed as exc:
+                    self.last_error = f"filling {loaded.name} v{loaded.version}: {exc}"
+                    raise
+                assert slot is not None
                 lease = pool.acquire(slot)  # SlotDraining: admit once it is rewritten
             else:
                 lease = pool.acquire(slot)
                 res.lease(slot, ticket)
-            return Grant(slot, loaded.name, loaded.version, state.seq, lease)
-
-    def _fill(self, adapter: AdapterLoaded, res: Residency, pool: MemoryPool,
-              ticket: int) -> int:
-        """Make `adapter` resident for request `ticket` (lock held); returns its slot."""
-        slot = res.victim(ticket)
-        if slot is None:
-            self.fills.want(adapter)  # fetched and parsed while the request waits for a slot
-            res.wait(ticket)
-            raise NoSlot(f"all {res.slots} slots are leased, pinned or reserved")
-        try:
-            took = self.fills.take(adapter)  # Fetching: it waits, holding no slot
-        except FetchFailed as exc:
-            res.forget(ticket)  # no slot stays reserved while the weights cannot be had
-            self.last_error = f"filling {adapter.name} v{adapter.version}: {exc}"
-            raise
-        t0 = time.perf_counter()
-        self.faults.write_slot(pool.write_slot, slot, took.weights)
-        self.fills.wrote(took, time.perf_counter() - t0)
-        res.fill(slot, _holder(adapter, pinned=False), ticket=ticket)
-        return slot
+            return AdmittedAdapter(slot, loaded.name, loaded.version, state.seq, lease)
 
     def want(self, adapter: str | None) -> None:
         """A request for `adapter` was queued: unless a slot holds its registered version,
         start fetching and parsing it now, beside the decode steps."""
-        state, res = self.state, self.residency
-        loaded = None if adapter is None else state.adapters.get(adapter)
-        if loaded is not None and res is not None \
-                and res.slot_of(loaded.name, loaded.version) is None:
-            self.fills.want(loaded)
+        loaded = None if adapter is None else self.state.adapters.get(adapter)
+        if loaded is not None:
+            self.tiers.want(loaded)
 
     def withdraw(self, ticket: int) -> None:
         with self.lock:
@@ -321,10 +317,8 @@ class Replica:
             self._check_model(new.pool)
         pool, res = self.pool, self.residency
         if pool is None and new.pool is not None:
-            spec = pool_spec(new.pool)
-            pool = MemoryPool(spec, shardings=None if self.pool_layout is None else self.pool_layout(spec))
-            res = Residency(pool.spec.slots, busy=pool.busy)
-        fills = [] if res is None else self._wanted(new, res)
+            pool, res = self.tiers.configure(new.pool)
+        fills = [] if res is None else self.tiers.wanted(new, res)
         # the live tail (the one event just recorded) comes from statesvc: no peer has it
         # yet; a bootstrap or catch-up asks the replicas that applied each event first
         live = new.seq == self.state.seq + 1
@@ -334,26 +328,10 @@ class Replica:
         # nothing has changed up to here; from here on nothing can fail
         with self.lock:
             if pool is not None and res is not None:
-                for slot, h in list(res.holders.items()):
-                    cur = new.adapters.get(h.name)
-                    if cur is None or cur.version != h.version:
-                        res.drop(slot)
-                        pool.clear_slot(slot)  # now, or when its last lease ends
-                for adapter, pinned in fills:
-                    if res.slot_of(adapter.name, adapter.version) is not None:
-                        continue  # a request filled it meanwhile
-                    # a free slot reserved for a waiting request stays for it
-                    free = [f for f in res.free_slots() if not res.blocked(f, -1)]
-                    if not pinned and not free:
-                        continue
-                    slot = res.pinned_victim() if pinned else free[0]
-                    self.faults.write_slot(pool.write_slot, slot, weights[adapter.name])
-                    res.fill(slot, _holder(adapter, pinned=pinned), demand=False)
-            old, self.pool, self.residency, self.state = self.state, pool, res, new
-            self.log_id = log_id
-        # versions that left the registry leave the host tier and the fill queue
-        self.fills.retain(lambda n, v: (a := new.adapters.get(n)) is not None
-                          and a.version == v)
+                self.tiers.reconcile(new, pool, res, fills, weights)
+            self.tiers.adopt(pool, res)
+            old, self.state, self.log_id = self.state, new, log_id
+        self.tiers.retain(new)  # versions that left the registry leave the host tier
         if self.prefetch and self.phase is Phase.ACTIVE:
             for a in new.adapters.values():
                 if (was := old.adapters.get(a.name)) is None or was.version != a.version:
@@ -362,25 +340,6 @@ class Replica:
         self.last_error = None
         self._unsaved = True
         self.save_local_state(every_s=SAVE_EVERY_S)
-
-    @staticmethod
-    def _wanted(new: State, res: Residency) -> list[tuple[AdapterLoaded, bool]]:
-        """The adapters to make resident now, each with whether it is pinned: the pinned ones
-        (the oldest max_loras - 1 of them: a log from before the limit may pin more), then as
-        many of the newest unpinned ones as there are slots left, oldest first."""
-        pinned = new.pinned()[:res.slots - 1]
-        keep = {(h.name, h.version) for h in res.holders.values()}
-        out = [(a, True) for a in pinned if (a.name, a.version) not in keep]
-        staying = sum(1 for h in res.holders.values()
-                      if (cur := new.adapters.get(h.name)) is not None and cur.version == h.version)
-        room = res.slots - staying - len(out)
-        if room <= 0:  # the usual case once the registry outgrows the slots: no scan
-            return out
-        names = {a.name for a in pinned}
-        rest = heapq.nlargest(room, (a for a in new.adapters.values() if a.name not in names
-                                     and (a.name, a.version) not in keep),
-                              key=lambda a: a.version)
-        return out + [(a, False) for a in reversed(rest)]
 
     def _check_model(self, pool: PoolConfigured) -> None:
         if pool.fingerprint == self.model.fingerprint:
@@ -450,10 +409,6 @@ class Replica:
                                   packer.pack(self.state.seq), packer.pack("state"),
                                   snapshot_bytes(self.state)]))
         os.replace(tmp, path)
-
-
-def _holder(adapter: AdapterLoaded, *, pinned: bool) -> Holder:
-    return Holder(adapter.name, adapter.version, adapter.sha256, pinned)
 
 
 class GapError(Exception):

@@ -10,7 +10,7 @@ the next and catches up by seq from its applied seq (the control client moves on
 so no event is lost or applied out of order.
 
 When the replica applies events that are not the live tail (a bootstrap, a catch-up), it
-fetches their blobs from peers first (`PeerList`, computed/weights.py).
+fetches their blobs from peers first (`PeerList`, computed/residency/blob_cache.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 from computed.replica import SAVE_EVERY_S, ForeignLog, GapError, Phase, Replica
-from computed.weights import BlobError
+from computed.residency.blob_cache import BlobError
 from shared.client import ControlClient, RemoteError, Unavailable
 from shared.config import HEARTBEAT_INTERVAL_S, MAX_WIRE_BYTES, REPLICA_SILENCE_S
 from shared.endpoints import connect, split_addresses
@@ -49,7 +49,7 @@ PEER_BACKOFF_S = 60.0  # ... and not asked again for this long (a refused key, a
 
 
 class PeerList:
-    """The fleet's other replicas to fetch a blob from (computed/weights.py `Peers`):
+    """The fleet's other replicas to fetch a blob from (computed/residency/blob_cache.py `Peers`):
     statesvc's `status` rows, read at most every PEER_LIST_TTL_S, of ACTIVE replicas whose
     last heartbeat says they have applied the event that introduced the blob. In random
     order, so a fleet's new replicas spread their fetches over the holders. Under CURVE the

@@ -1,7 +1,7 @@
 """Blob chunks served off a service's loop: statesvc's, and a replica's to its peers.
 
 A replica fetches an adapter's weights chunk by chunk (`blob`), from statesvc, or from a peer
-replica that holds the blob (computed/weights.py). Read on the loop's thread, those reads
+replica that holds the blob (computed/residency/blob_cache.py). Read on the loop's thread, those reads
 would queue commands, heartbeats and decode steps behind them. The loop hands each decoded
 `blob` request to this thread instead; it reads the chunk (from statesvc's blob files or
 PostgreSQL through the engine's connection pool, or from a replica's blob cache, each safe

@@ -34,7 +34,7 @@ log = logging.getLogger("faults")
 
 
 class _Weights(Protocol):
-    """What a slot write carries (computed.pool.SlotWeights): (layer, module) -> (A, B)."""
+    """What a slot write carries (computed.residency.pool.SlotWeights): (layer, module) -> (A, B)."""
 
     @property
     def pairs(self) -> Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]]: ...

@@ -1,6 +1,6 @@
 """A map bounded by the bytes of its values, least recently used evicted first: pure logic.
 
-Used for a replica's host tier of parsed weights (computed/hosttier.py) and for the blob bytes
+Used for a replica's host tier of parsed weights (computed/residency/host_tier.py) and for the blob bytes
 statesvc keeps for the fleet's fetches (statesvc/persistence/). No lock of
 its own: each user holds its lock around every call.
 

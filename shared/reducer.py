@@ -31,7 +31,7 @@ class ReducerError(CodedError, ValueError):
 @dataclass(frozen=True)
 class State:
     """The registry: every adapter version the log holds live, by name. Which device slot
-    holds one is each replica's own choice (computed/residency.py), never part of the state."""
+    holds one is each replica's own choice (computed/residency/slots.py), never part of the state."""
 
     seq: int = 0
     pool: PoolConfigured | None = None

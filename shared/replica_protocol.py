@@ -3,7 +3,7 @@
 Same frames and envelope as the control socket (shared/protocol.py `REQUEST`, its
 version `PROTOCOL_VERSION`); the commands are `status`, `slot`, `generate`, `cancel`, and
 `blob` (a peer replica fetching a blob this one holds; statesvc's `blob`, same args and reply).
-The replica (computed/daemon.py, computed/engine.py) validates with these schemas;
+The replica (computed/daemon.py, computed/serving/engine.py) validates with these schemas;
 clients build their requests with `generate_args` and `slot_args`.
 """
 from __future__ import annotations

@@ -18,9 +18,9 @@ import safetensors
 from hypothesis import event
 from hypothesis.errors import InvalidArgument
 
-from computed.admission import Grant
-from computed.engine import Engine
-from computed.pool import LoraPool
+from computed.serving.admission import AdmittedAdapter
+from computed.serving.engine import Engine
+from computed.residency.pool import LoraPool
 from shared.config import UUID_RE
 from shared.events import AdapterLoaded, AdapterUnloaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
@@ -172,7 +172,7 @@ class NoReplica:
     def want(self, adapter: str | None) -> None:
         pass
 
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
         raise AssertionError("a fuzzed request reached admission")
 
     def withdraw(self, ticket: int) -> None:

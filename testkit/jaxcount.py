@@ -6,7 +6,7 @@ from typing import Iterator
 
 import jax
 
-from computed.pool import MemoryPool
+from computed.residency.pool import MemoryPool
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 

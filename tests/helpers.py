@@ -135,7 +135,7 @@ def admit(replica: Any, adapter: str | None, min_seq: int = 0, ticket: int = 0,
           timeout_s: float = 60.0) -> Any:
     """`replica.admit`, waiting while the fill worker fetches the adapter's weights (Fetching:
     in serving the request waits in the engine's queue); other refusals are raised."""
-    from computed.admission import Fetching
+    from computed.serving.admission import Fetching
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -150,7 +150,7 @@ def adapter_weights(adapter_dir: Path, version: int) -> Any:
     """A PEFT adapter directory's weights as a replica writes them into a slot: its event as
     statesvc would record it (scaling by `lora_scaling`), the safetensors parsed by the
     replica's own `slot_weights`."""
-    from computed.weights import slot_weights  # jax: only the tests that use it import it
+    from computed.residency.blob_cache import slot_weights  # jax: only the tests that use it import it
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     r, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg["use_rslora"])
     event = AdapterLoaded(name=adapter_dir.name, version=version, sha256="0" * 64, size=0, rank=r,

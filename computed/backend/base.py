@@ -9,6 +9,13 @@ once per forward pass, shared by every layer and module.
 Backends are frozen dataclasses: hashable, so a backend is part of what jit compiles for, and
 their fields are the options the backend owns (a test or a benchmark forces a path by passing
 another instance). Every backend gives the same results to float32 rounding.
+
+The seam `Backend`: what may cross it is arrays and static shapes only. From the model: the
+activations, the packed weights (`PackedWeight`), the pool's arrays (`LoraPool`) with a
+batch's slots, the KV cache; back: arrays of the same dtypes and static shapes, and what
+`prepare` made of the batch's slots. No Python value that depends on a traced one, no
+replica, residency or serving object crosses it.
+after `select`.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import numpy as np
 if TYPE_CHECKING:
     from computed.model.kv_cache import KVCache
     from computed.model.params import PackedWeight
-    from computed.pool import LoraPool
+    from computed.residency.pool import LoraPool
 
 
 class Backend(ABC):

@@ -31,7 +31,7 @@ from computed.backend.xla import lora_gather
 from computed.model import attention
 from computed.model.kv_cache import KVCache
 from computed.model.params import PackedWeight
-from computed.pool import LoraPool
+from computed.residency.pool import LoraPool
 
 LORA_IMPLS = ("sgmv", "gather")
 ATTENTION_IMPLS = ("kernel", "xla")

@@ -12,7 +12,7 @@ The weights, the KV cache and the LoRA pool lie on the mesh as computed/model/sh
   whole): base product and LoRA term are partial sums of the same shape, added locally and
   all-reduced once (one `psum` per module, base and LoRA fused); the bias is added after.
 
-The LoRA terms stay the segmented window loop (computed/lora.py): grouped by slot, each slot's
+The LoRA terms stay the segmented window loop (computed/model/lora.py): grouped by slot, each slot's
 matrices read by dynamic slice of the device's own part of the pool; nothing is gathered per
 token, and no pool array is gathered onto one device. Attention runs outside the `shard_map`,
 left to GSPMD: q, k and v arrive split by KV head, the cache is split by KV head, so every
@@ -38,7 +38,7 @@ from computed.backend.xla import XlaBackend
 from computed.model import sharding
 from computed.model.kv_cache import KVCache
 from computed.model.params import PackedWeight
-from computed.pool import LoraPool
+from computed.residency.pool import LoraPool
 
 
 @dataclass(frozen=True)

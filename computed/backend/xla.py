@@ -1,7 +1,7 @@
 """The portable backend: XLA alone, on any JAX device.
 
 Projections are XLA's dot over weights kept `[in, out]`; the LoRA terms of a batch that mixes
-slots come from the window loop (computed/lora.py `segmented_group`, one compile per window,
+slots come from the window loop (computed/model/lora.py `segmented_group`, one compile per window,
 each step's window chosen from its mix by `lora.choose_window`); decode attends over the
 smallest length bucket that holds the longest running sequence (computed/model/attention.py
 `bucket`), on either layout of K. It is what a replica runs where the native kernels cannot be
@@ -16,12 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from computed import lora
+from computed.model import lora
 from computed.backend.base import Backend
 from computed.model import attention
 from computed.model.kv_cache import KVCache
 from computed.model.params import PackedWeight
-from computed.pool import LoraPool
+from computed.residency.pool import LoraPool
 
 LORA_IMPLS = ("segmented", "gather")
 

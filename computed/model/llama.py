@@ -52,7 +52,7 @@ from computed.model import rope as rope_lib
 from computed.model.config import LlamaConfig
 from computed.model.kv_cache import KVCache
 from computed.model.params import LayerParams, LlamaParams, PackedWeight
-from computed.pool import LoraPool
+from computed.residency.pool import LoraPool
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, config: LlamaConfig) -> jax.Array:

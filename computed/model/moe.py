@@ -12,7 +12,7 @@ The experts: the token-expert assignments (tokens * k) are sorted by expert into
 which each expert's run is padded to whole windows of `window` rows, and each window is one
 product with its expert's weights (read once per window, never gathered per token), its rows
 taken by dynamic slice, as the XLA backend's LoRA window loop does for slots
-(computed/lora.py). Up to SPLIT_MAX experts, each expert's weights are an array of their own
+(computed/model/lora.py). Up to SPLIT_MAX experts, each expert's weights are an array of their own
 and a loop per expert runs that expert's windows (its trip count the windows its run takes,
 often none); past it they are stacked and one loop over every window in use takes its
 expert's weights by dynamic index, which XLA's CPU backend copies out of the stack before each

@@ -28,7 +28,7 @@ class PackedWeight:
 
     - float32: `panels [ceil(out / panel), in, panel]`, each panel's `in` rows one after another;
     - bfloat16: `panels [ceil(out / panel), ceil(in / 2), panel, 2]` uint16, the bfloat16 bit
-      patterns (as a bfloat16 pool holds its weights, computed/pool.py), each column's two
+      patterns (as a bfloat16 pool holds its weights, computed/residency/pool.py), each column's two
       consecutive k side by side (zero past `in`): the pairs VDPBF16PS multiplies, and XLA never
       sees a bfloat16 array it would widen whole.
 

@@ -3,7 +3,7 @@
 `prefill`, `decode` and `forward_full` check their arguments on the host (with messages that name
 the limit) and call the jitted forward pass (computed/model/llama.py) on the backend the
 parameters were loaded for. `LlamaRunner` is the model behind the engine's `Model` interface
-(computed/engine.py).
+(computed/serving/engine.py).
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from computed import lora
+from computed.model import lora
 from computed.backend import select
 from computed.model import kv_cache
 from computed.model.config import LlamaConfig
 from computed.model.kv_cache import KVCache
 from computed.model.llama import decode_jit, forward_full_jit, prefill_jit, rope_tables
 from computed.model.params import LlamaParams
-from computed.pool import LoraPool
+from computed.residency.pool import LoraPool
 
 
 def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32", *,

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from computed.model.config import LlamaConfig
 from computed.model.kv_cache import KVCache
 from computed.model.params import LayerParams, LlamaParams, PackedWeight
-from computed.pool import LoraPool, PoolSpec
+from computed.residency.pool import LoraPool, PoolSpec
 
 AXIS = "tp"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split on the output dimension

@@ -1,6 +1,6 @@
 """The host tier and the fill worker on a real replica (real statesvc subprocess, real SQLite,
 real JAX pool, real blobs): a miss is fetched and parsed beside admission, only the slot
-write sits on its path (computed/fills.py, docs/residency.md)."""
+write sits on its path (computed/residency/host_tier.py, docs/residency.md)."""
 from __future__ import annotations
 
 import threading
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from computed.admission import Fetching, GenerateError
-from computed.fills import FetchFailed
+from computed.serving.admission import Fetching, GenerateError
+from computed.residency.host_tier import FetchFailed
 from computed.replica import Replica
 from shared.client import ControlClient
 from statesvc.tools.example import ExampleAssets
@@ -145,7 +145,7 @@ def test_a_step_waits_for_a_queued_miss_and_prefills_it_before_its_decode(
     """A request whose adapter is being fetched when a step begins joins that step (prefilled
     before its decode) once the fetch ends within half a decode step, instead of waiting a
     whole step behind the running requests (docs/residency.md, "What a miss adds")."""
-    from computed.engine import Engine
+    from computed.serving.engine import Engine
     from computed.model.loader import load_model
     from computed.model.runner import LlamaRunner
     from shared.replica_protocol import generate_args
@@ -180,7 +180,7 @@ def test_a_miss_queued_beside_resident_requests_joins_their_prefill(
     """A miss submitted with a request whose adapter is resident is prefilled with it, once
     its fetch ends within the step's budget, instead of after that prefill and the step's
     decode (docs/residency.md, "What a miss adds")."""
-    from computed.engine import Engine
+    from computed.serving.engine import Engine
     from computed.model.loader import load_model
     from computed.model.runner import LlamaRunner
     from shared.replica_protocol import generate_args

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from computed.admission import GenerateError, Grant, NoSlot
+from computed.serving.admission import GenerateError, AdmittedAdapter, NoSlot
 from computed.replica import Replica
 from statesvc.tools.example import ExampleAssets
 from testkit.jaxcount import counting_compiles
@@ -41,7 +41,7 @@ def use(replica: Replica, name: str, ticket: int = 0) -> int:
 
 
 def leased_and_a_waiter(cmd: Command, replica: Replica,
-                        example: ExampleAssets) -> tuple[Grant, Grant]:
+                        example: ExampleAssets) -> tuple[AdmittedAdapter, AdmittedAdapter]:
     """On 2 slots: requests (tickets 1, 2) running on a and b, and one for c (ticket 3) that
     waits for a slot; returns the grants of a and b."""
     load(cmd, replica, example, "a", "b", "c")
@@ -112,7 +112,7 @@ def test_no_slot_waits_and_the_oldest_waiter_gets_the_reserved_slot(
         res = replica.residency
         assert res is not None and res.reserved == (3, first.slot)  # the LRU slot
         # a hot stream: hot2 keeps being served, hot1 gets no new lease on the reserved slot
-        running: list[Grant] = [second]
+        running: list[AdmittedAdapter] = [second]
         for ticket in range(4, 40):
             running.append(admit(replica, "hot2", 0, ticket))
             running.pop(0).release()

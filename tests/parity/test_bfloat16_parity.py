@@ -43,7 +43,7 @@ from tests.parity.test_model_parity import (
 
 import jax.numpy as jnp  # noqa: E402
 
-from computed import lora  # noqa: E402
+from computed.model import lora  # noqa: E402
 from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams, PackedWeight  # noqa: E402

@@ -25,10 +25,10 @@ peft = pytest.importorskip("peft")
 
 from jinja2.exceptions import TemplateError  # noqa: E402
 
-from computed import lora  # noqa: E402
+from computed.model import lora  # noqa: E402
 from computed.model.loader import load_model  # noqa: E402
 from computed.model.runner import forward_full  # noqa: E402
-from computed.pool import MemoryPool, PoolSpec  # noqa: E402
+from computed.residency.pool import MemoryPool, PoolSpec  # noqa: E402
 from shared.modelconfig import MOE_FAMILIES, SLIDING, Architecture, read_architecture  # noqa: E402
 from shared.text import TextCodec  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402

@@ -33,12 +33,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from computed import lora  # noqa: E402
+from computed.model import lora  # noqa: E402
 from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill, prefill_batch  # noqa: E402
-from computed.pool import MemoryPool, PoolSpec  # noqa: E402
+from computed.residency.pool import MemoryPool, PoolSpec  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
 from testkit.fleet import StateSvc, loractl  # noqa: E402
 from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from computed import lora  # noqa: E402
+from computed.model import lora  # noqa: E402
 from computed.backend import NativeBackend, XlaBackend, native, select  # noqa: E402
 from computed.backend.native import attention_kernel, dense_matmuls, lora_sgmv  # noqa: E402
 from computed.model.config import LlamaConfig  # noqa: E402
@@ -41,7 +41,7 @@ from computed.model.loader import load_model, with_layout  # noqa: E402
 from computed.model.params import LlamaParams, PackedWeight, pack, unpack  # noqa: E402
 from computed.model.runner import (LlamaRunner, decode, forward_full, init_cache, prefill,  # noqa: E402
                                    prefill_batch)
-from computed.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
+from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
 from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402
     AdapterSpec,
@@ -580,7 +580,7 @@ def test_the_kernel_stops_at_each_slots_rank_and_handles_every_tail(dtype: str, 
 
 
 def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -> None:
-    """A bfloat16 pool keeps uint16 bits (computed/pool.py); every LoRA path widens them exactly."""
+    """A bfloat16 pool keeps uint16 bits (computed/residency/pool.py); every LoRA path widens them exactly."""
     rng = np.random.default_rng(11)
     dims = {"q_proj": (12, 10)}
     spec = PoolSpec(num_layers=2, module_dims=dims, slots=3, max_rank=4, dtype="bfloat16")

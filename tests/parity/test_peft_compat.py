@@ -415,5 +415,5 @@ def test_targets_outside_the_pool_name_a_fix_that_works(served: Served, example:
 
 
 def _slot_of(replica: Replica, name: str) -> int:
-    """The slot the replica filled with `name` (replay fills free slots: computed/residency.py)."""
+    """The slot the replica filled with `name` (replay fills free slots: computed/residency/slots.py)."""
     return next(s for s, h in replica.holders.items() if h.name == name)

@@ -15,12 +15,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from computed import lora
+from computed.model import lora
 from computed.backend import XlaBackend
 from computed.model import sharding
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner, forward_full
-from computed.pool import MemoryPool, PoolSpec
+from computed.residency.pool import MemoryPool, PoolSpec
 from testkit.jaxcount import counting_compiles
 from tests.helpers import adapter_weights
 

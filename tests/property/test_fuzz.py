@@ -54,9 +54,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from computed.daemon import Daemon
-from computed.engine import Engine
+from computed.serving.engine import Engine
 from computed.replica import Replica
-from computed.weights import BlobError, slot_weights
+from computed.residency.blob_cache import BlobError, slot_weights
 from shared.client import ControlClient
 from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
                            MAX_FRAME_BYTES, MAX_WIRE_BYTES)

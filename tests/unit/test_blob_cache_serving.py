@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from computed.weights import BlobCache
+from computed.residency.blob_cache import BlobCache
 from shared.blobserve import read_chunk
 from shared.client import ControlClient
 from shared.errors import CodedError
@@ -70,7 +70,7 @@ def test_a_fetched_blob_is_served_from_memory_until_its_file_is_written(tmp_path
 
 def test_past_the_bound_a_fetch_writes_its_own_file(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import computed.weights as weights
+    import computed.residency.blob_cache as weights
     small, big = b"s" * 1000, b"b" * 5000
     shas = {hashlib.sha256(b).hexdigest(): b for b in (small, big)}
     monkeypatch.setattr(weights, "MAX_UNWRITTEN_BYTES", 4000)

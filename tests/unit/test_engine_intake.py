@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from computed.admission import Grant
-from computed.engine import Done, Engine
+from computed.serving.admission import AdmittedAdapter
+from computed.serving.engine import Done, Engine
 from shared.replica_protocol import generate_args
 
 
@@ -43,8 +43,8 @@ class CountingModel:
 class BaseOnly:
     """An admission port that serves the base model only."""
 
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
-        return Grant(-1, None, 0, 0, None)
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
+        return AdmittedAdapter(-1, None, 0, 0, None)
 
     def want(self, adapter: str | None) -> None:
         pass

@@ -1,15 +1,15 @@
-"""The host tier's LRU and byte bound (computed/hosttier.py, shared/lru.py's ByteLRU): pure logic."""
+"""The host tier's LRU and byte bound (computed/residency/host_tier.py, shared/lru.py's ByteLRU): pure logic."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from computed.hosttier import HostTier, weights_bytes
-from computed.pool import SlotWeights
+from computed.residency.host_tier import HostLRU, weights_bytes
+from computed.residency.pool import SlotWeights
 
 
-def tier(limit: int) -> HostTier[str, int]:
-    return HostTier(limit, size_of=lambda v: v)  # each value is its own size in bytes
+def tier(limit: int) -> HostLRU[str, int]:
+    return HostLRU(limit, size_of=lambda v: v)  # each value is its own size in bytes
 
 
 def test_evicts_least_recently_used_to_stay_within_the_byte_bound() -> None:

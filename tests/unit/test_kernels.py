@@ -120,13 +120,13 @@ def test_the_avx2_build_matches_the_float64_references(tmp_path: Path) -> None:
 FALLBACK = """
 import json, sys
 import numpy as np
-from computed import lora
+from computed.model import lora
 from computed.backend import native
 from testkit.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.params import PackedWeight
 from computed.model.runner import LlamaRunner
-from computed.pool import MemoryPool, PoolSpec
+from computed.residency.pool import MemoryPool, PoolSpec
 
 config, params = load_model(sys.argv[1])
 pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=4, max_rank=8,

@@ -1,4 +1,4 @@
-"""computed/newfile.py on real files: whole blobs of any size past the page cache, and the
+"""computed/residency/direct_write.py on real files: whole blobs of any size past the page cache, and the
 page-cache path where the file system refuses O_DIRECT."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import computed.newfile as newfile
-from computed.newfile import NewFileWriter
+import computed.residency.direct_write as newfile
+from computed.residency.direct_write import NewFileWriter
 
 
 def _bytes(size: int) -> bytes:

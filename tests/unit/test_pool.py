@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 
-from computed.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights
-from computed.poolops import put_meta, put_module
+from computed.residency.pool import MemoryPool, PoolSpec, SlotDraining, SlotWeights
+from computed.residency.pool_ops import put_meta, put_module
 from testkit.jaxcount import BACKEND_COMPILE, buffer_pointers, counting_compiles
 
 # Dict order differs from MODULES order on purpose: the pool must not depend on it.
@@ -122,7 +122,7 @@ def test_digest_depends_on_contents_not_history() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_slot_digest_is_the_sha256_of_the_slot_bytes(dtype: str) -> None:
-    """The digest read in place (computed/slotdigest.py) is the documented one: sha256 of the
+    """The digest read in place (computed/residency/slot_digest.py) is the documented one: sha256 of the
     slot's bytes as `read_slot` copies them out, for written, cleared and never-written slots
     (whose digest the pool knows without reading them)."""
     spec = PoolSpec(num_layers=2, module_dims=DIMS, slots=4, max_rank=8, dtype=dtype)

@@ -1,12 +1,12 @@
-"""The slot map's rules (computed/residency.py), as pure logic; tests/integration/
+"""The slot map's rules (computed/residency/slots.py), as pure logic; tests/integration/
 test_residency.py holds the same rules through a real replica and `computed serve`."""
 from __future__ import annotations
 
-from computed.residency import Holder, Residency
+from computed.residency.slots import ResidentVersion, SlotMap
 
 
-def holder(name: str, *, pinned: bool = False, version: int = 1) -> Holder:
-    return Holder(name, version, name * 8, pinned)
+def holder(name: str, *, pinned: bool = False, version: int = 1) -> ResidentVersion:
+    return ResidentVersion(name, version, name * 8, pinned)
 
 
 class Slots:
@@ -14,7 +14,7 @@ class Slots:
 
     def __init__(self, n: int) -> None:
         self.leases = [0] * n
-        self.res = Residency(n, busy=lambda s: self.leases[s] > 0)
+        self.res = SlotMap(n, busy=lambda s: self.leases[s] > 0)
 
     def fill(self, name: str, ticket: int | None = None, *, pinned: bool = False) -> int:
         slot = self.res.pinned_victim() if pinned else self.res.victim(ticket)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from computed.engine import Engine
+from computed.serving.engine import Engine
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
 from statesvc.tools.example import ExampleAssets

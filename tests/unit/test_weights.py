@@ -1,4 +1,4 @@
-"""The replica's parse of adapter blobs (computed/weights.py `slot_weights`): each distinct
+"""The replica's parse of adapter blobs (computed/residency/blob_cache.py `slot_weights`): each distinct
 header is parsed and checked once, and what that changes must not show."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from computed.weights import BlobError, slot_weights
+from computed.residency.blob_cache import BlobError, slot_weights
 from shared.events import AdapterLoaded
 
 NAME = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from computed.newfile import NewFileWriter
-from computed.pool import SlotWeights
+from computed.residency.direct_write import NewFileWriter
+from computed.residency.pool import SlotWeights
 from shared.client import ControlClient, RemoteError, Unavailable
 from shared.config import MAX_BLOB_CHUNK
 from shared.errors import CodedError
@@ -123,7 +123,7 @@ class BlobCache:
         return data
 
     def _write(self, sha256: str, data: bytes) -> None:
-        """Write the file aside, flushed and past the page cache (computed/newfile.py: the cache
+        """Write the file aside, flushed and past the page cache (computed/residency/direct_write.py: the cache
         is written once and read rarely), and rename it in."""
         cached = self.path(sha256)
         tmp = cached.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")

@@ -1,13 +1,20 @@
-"""The admission port: all that serving (computed/engine.py) asks of the replica.
+"""The admission port: all that serving (computed/serving/engine.py) asks of the replica.
 
 The engine admits a request by `admit(adapter, min_seq, ticket)`: the replica resolves
 the adapter to its registered version, makes it resident in a slot if it is not
-(computed/residency.py) and leases the slot
-(so it is not overwritten until the request finishes, see pool.py), or refuses
+(computed/residency/manager.py `make_resident`) and leases the slot (so it is not
+overwritten until the request finishes, see computed/residency/pool.py), or refuses
 with a coded error. The forward pass reads the pool's arrays through `reading`,
 and warm-up compiles from `pool_shapes`. The replica (computed/replica.py)
 implements the port; the engine imports nothing else of it, nor the replica
 anything of the engine.
+
+The seam `AdmissionPort`: what may cross it is in this module and nothing else. Into the
+replica: an adapter name (None: the base model), a min_seq, a request's ticket (its age in
+the queue). Out of it: an `AdmittedAdapter` (slot, adapter version, seq, the slot's lease),
+the pool's arrays as a `LoraPool` inside `reading()`, or the coded refusals below
+(`GenerateError`, `NotReady`, and `SlotDraining`, `NoSlot`, `Fetching`: wait and retry).
+No replica state, slot map or blob crosses it.
 """
 from __future__ import annotations
 
@@ -16,12 +23,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from computed.pool import Lease, LoraPool, SlotDraining
+from computed.residency.pool import Lease, LoraPool, SlotDraining
 from shared.errors import CodedError
 
 # what the engine needs of the pool comes through here: its arrays' type (the forward pass's
 # input) and the refusal of a slot being rewritten
-__all__ = ["AdmissionPort", "Fetching", "GenerateError", "Grant", "LoraPool", "NoSlot",
+__all__ = ["AdmissionPort", "Fetching", "GenerateError", "AdmittedAdapter", "LoraPool", "NoSlot",
            "NotReady", "SlotDraining"]
 
 
@@ -43,7 +50,7 @@ class NoSlot(SlotDraining):
 
 
 class Fetching(SlotDraining):
-    """The adapter's weights are being fetched and parsed (computed/fills.py): the request
+    """The adapter's weights are being fetched and parsed (computed/residency/host_tier.py): the request
     waits in the queue. `wait(timeout_s)` blocks until that fetch ends (True) or the timeout
     passes (False): the engine may wait a little for it rather than a whole decode step."""
 
@@ -53,7 +60,7 @@ class Fetching(SlotDraining):
 
 
 @dataclass(frozen=True)
-class Grant:
+class AdmittedAdapter:
     """An admitted request's hold on the replica, until `release`."""
 
     slot: int  # -1: the base model
@@ -68,7 +75,7 @@ class Grant:
 
 
 class AdmissionPort(Protocol):
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> Grant:
+    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
         """Admit a request for `adapter` (None: the base model) once `min_seq` is applied;
         raises NotReady or SlotDraining (NoSlot among them; all: try again later), or
         GenerateError. `ticket` orders the requests that wait for a slot: older, smaller."""

@@ -1,10 +1,18 @@
-"""Filling slots without stalling decode: a background worker fetches, verifies and parses.
+"""The host tier, and filling it without stalling decode: a worker fetches, verifies, parses.
+
+The host tier holds parsed adapter weights ready for a slot write, LRU within a byte bound.
+Between the device slots (computed/residency/slots.py) and the verified on-disk blob cache
+(computed/residency/blob_cache.py): an entry is one registered adapter version's parsed A and
+B arrays (computed/residency/pool.py's SlotWeights, unpadded: the slot write pads them to
+max_rank), so filling a slot from it costs the slot write alone. The bookkeeping is
+shared/lru.py's `ByteLRU` (the rules are there), sized by `weights_bytes`; the fill worker
+holds its lock around every call.
 
 A request whose adapter is not resident asks for its weights as soon as it is queued
 (`want`); one worker thread reads the blob (the verified on-disk cache, else statesvc, then
-sha256), parses it and puts the parsed arrays into the host tier (computed/hosttier.py). The
-engine's admission (computed/replica.py) calls `take`: an entry in the host tier comes back
-for the donated slot write, the only part of a fill on the step's path; otherwise `Fetching`
+sha256), parses it and puts the parsed arrays into the host tier. The residency manager
+(manager.py `make_resident`, for a request's miss) calls `take`: an entry in the host tier
+comes back for the donated slot write, the only part of a fill on the step's path; otherwise `Fetching`
 (the request keeps waiting, requests whose adapters are resident go ahead) or, when the
 fetch failed, `FetchFailed` with the reason (the engine retries until --min-seq-timeout, then
 answers `not_ready` with it; a failed fetch is tried again after RETRY_S).
@@ -26,18 +34,24 @@ from typing import Any
 
 import numpy as np
 
-from computed.admission import Fetching, NotReady
-from computed.hosttier import HostTier, weights_bytes
-from computed.pool import SlotWeights
-from computed.weights import BlobCache, BlobError, slot_weights
+from computed.serving.admission import Fetching, NotReady
+from computed.residency.pool import SlotWeights
+from computed.residency.blob_cache import BlobCache, BlobError, slot_weights
 from shared.client import RemoteError, Unavailable
 from shared.events import AdapterLoaded
+from shared.lru import ByteLRU
 from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed")
 RETRY_S = 1.0
 SAMPLES = 1024  # fill times kept per tier for the percentiles
 Key = tuple[str, int]  # (adapter name, version)
+HostLRU = ByteLRU
+
+
+def weights_bytes(w: SlotWeights) -> int:
+    """The host bytes of an adapter's parsed arrays."""
+    return sum(int(np.asarray(a).nbytes) + int(np.asarray(b).nbytes) for a, b in w.pairs.values())
 
 
 class FetchFailed(NotReady):
@@ -45,7 +59,9 @@ class FetchFailed(NotReady):
 
 
 @dataclass(frozen=True)
-class Took:
+class HostWeights:
+    """An adapter's parsed weights taken from the host tier for a slot write."""
+
     weights: SlotWeights
     fetch_s: float | None  # the fetch this request waited for (a host-tier miss); None: a hit
 
@@ -54,12 +70,12 @@ def key_of(adapter: AdapterLoaded) -> Key:
     return (adapter.name, adapter.version)
 
 
-class Fills:
+class HostTier:
     """The host tier and its fill worker (see the module docstring)."""
 
     def __init__(self, blobs: BlobCache, host_bytes: int) -> None:
         self.blobs = blobs
-        self.host: HostTier[Key, SlotWeights] = HostTier(host_bytes, weights_bytes)
+        self.host: HostLRU[Key, SlotWeights] = HostLRU(host_bytes, weights_bytes)
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the worker waits on it for the queue
         self._ended = threading.Condition(mutex)  # requests wait on it for a fetch's end
@@ -98,7 +114,7 @@ class Fills:
                 self._worker = threading.Thread(target=self._run, name="fills", daemon=True)
                 self._worker.start()
 
-    def take(self, adapter: AdapterLoaded) -> Took:
+    def take(self, adapter: AdapterLoaded) -> HostWeights:
         """The parsed weights of `adapter` for a slot write; raises Fetching (wait) or
         FetchFailed (the reason; a retry starts after RETRY_S)."""
         key = key_of(adapter)
@@ -108,7 +124,7 @@ class Fills:
             if entry is not None or handoff is not None:
                 weights = entry.value if entry is not None else handoff
                 assert weights is not None
-                took = Took(weights, self._fresh.pop(key, None))
+                took = HostWeights(weights, self._fresh.pop(key, None))
                 if took.fetch_s is None:
                     self.hits += 1
                 else:
@@ -128,7 +144,7 @@ class Fills:
         with self._lock:
             return self._ended.wait_for(lambda: key not in self._pending, timeout_s)
 
-    def wrote(self, took: Took, write_s: float) -> None:
+    def wrote(self, took: HostWeights, write_s: float) -> None:
         """A slot write from `took` took `write_s`: one fill time sample of its tier."""
         if took.fetch_s is None:
             self.times["host"].append(write_s)
@@ -215,4 +231,4 @@ def percentiles(samples: list[float]) -> dict[str, Any]:
             "p99": float(np.percentile(a, 99))}
 
 
-__all__ = ["FetchFailed", "Fills", "Took", "key_of", "percentiles"]
+__all__ = ["FetchFailed", "HostLRU", "HostTier", "HostWeights", "key_of", "percentiles", "weights_bytes"]

@@ -5,7 +5,7 @@ adapter to the version registered at that moment, makes it resident in a slot
 if it is not (a miss fills a slot; with none to be had the request waits in the
 queue, docs/residency.md) and leases the slot
 (so the slot is not overwritten until the request finishes; the admission
-port, computed/admission.py, is all the engine asks of the replica). Every
+port, computed/serving/admission.py, is all the engine asks of the replica). Every
 request admitted in a pass over the queue is prefilled at once, each into its
 own KV-cache row with its own slot (one forward for any mix of adapters and
 lengths, as the model's `prefill` buckets them), and from the next step on
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from computed.admission import (AdmissionPort, Fetching, GenerateError, Grant, LoraPool,
+from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
@@ -64,7 +64,7 @@ class Request:
 class Running:
     req: Request
     row: int
-    grant: Grant
+    grant: AdmittedAdapter
     rng: np.random.Generator
     position: int  # where the next token's KV goes
     next_token: int

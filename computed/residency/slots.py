@@ -1,8 +1,9 @@
-"""Residency: which registered adapter version each device slot of this replica holds.
+"""The slot map: which registered adapter version each device slot of this replica holds.
 
 The log holds the registry (shared/reducer.py); the slots are this replica's own cache,
 decided here and never recorded as events (docs/residency.md). Pure bookkeeping, no JAX:
-the replica (computed/replica.py) asks it where an adapter goes and writes the slot itself.
+the residency manager (manager.py `make_resident`) asks it where an adapter goes and writes
+the slot itself.
 
 Rules:
 - a slot is *busy* while requests hold leases on it or a write waits for them (the pool
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Holder:
+class ResidentVersion:
     """What one slot holds: a registered adapter version."""
 
     name: str
@@ -33,13 +34,13 @@ class Holder:
     pinned: bool
 
 
-class Residency:
+class SlotMap:
     """The slot map of one replica; every change goes through its methods."""
 
     def __init__(self, slots: int, *, busy: Callable[[int], bool]) -> None:
         self.slots = slots
         self.busy = busy
-        self.holders: dict[int, Holder] = {}
+        self.holders: dict[int, ResidentVersion] = {}
         self._where: dict[tuple[str, int], int] = {}
         self._used: dict[int, int] = {}  # slot -> tick of its last lease or fill
         self._tick = itertools.count(1)
@@ -102,7 +103,7 @@ class Residency:
         self._touch(slot)
         self._done_waiting(ticket)
 
-    def fill(self, slot: int, holder: Holder, *, ticket: int | None = None,
+    def fill(self, slot: int, holder: ResidentVersion, *, ticket: int | None = None,
              demand: bool = True) -> None:
         """`slot` now holds `holder` (its write was submitted). `demand`: a request's miss,
         counted as one; else the replica filled it by itself (pinned, or a free slot)."""

@@ -1,4 +1,4 @@
-"""The pool's jitted slot operations (computed/pool.py): per-module writes and a slot's read.
+"""The pool's jitted slot operations (computed/residency/pool.py): per-module writes and a slot's read.
 
 A slot write updates only what changes: the modules the adapter has, the modules the slot's
 last holder had and this one lacks (written with zeros) and the slot's scaling and rank,

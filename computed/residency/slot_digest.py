@@ -1,6 +1,6 @@
 """A slot's digest read in place: the pool's own buffers, where they are host memory.
 
-`MemoryPool.slot_digest` (computed/pool.py) defines the bytes: for each target module in
+`MemoryPool.slot_digest` (computed/residency/pool.py) defines the bytes: for each target module in
 MODULES order, A over all layers then B, in the pool's storage dtype, then scaling (float32)
 and rank (int32). An unsharded pool on the CPU holds them in host memory, so they are
 hashed through DLPack views of the buffers themselves, with no copy of the slot (a replica

@@ -19,7 +19,7 @@ An adapter of rank r occupies A[..., :r, :] and B[..., :r] of its slot; the padd
 every module or layer the adapter lacks, is zero, so it adds nothing to the LoRA term.
 
 Writes. `write_slot` pads the adapter on the host to fixed shapes and writes, one jitted
-call each (computed/poolops.py), the modules it has, the modules the slot's last holder had
+call each (computed/residency/pool_ops.py), the modules it has, the modules the slot's last holder had
 and it lacks (with read-only zero blocks made with the pool, `_zeros`), and the slot's
 scaling and rank; every other module of the slot is zero already (`_held` says which
 modules of each slot may not be). Each call donates what it updates; `clear_slot` zeroes
@@ -67,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from computed.poolops import plain_ops, sharded_ops, slot_of
-from computed.slotdigest import slot_digest_in_place, zeros_digest
+from computed.residency.pool_ops import plain_ops, sharded_ops, slot_of
+from computed.residency.slot_digest import slot_digest_in_place, zeros_digest
 from shared.config import POOL_DTYPES
 from shared.llama import MODULES
 
@@ -191,7 +191,7 @@ class MemoryPool:
         # compile every write now, writing zeros into zeros: none compiles while serving
         self._arrays = self._put(self._arrays, 0, *self._zeros, np.float32(0), np.int32(0))
         self._held[0] = frozenset()
-        # the buffers are host memory: digests read them in place (computed/slotdigest.py)
+        # the buffers are host memory: digests read them in place (computed/residency/slot_digest.py)
         self._host_memory = shardings is None and self._arrays.rank.devices().pop().platform == "cpu"
 
     def shapes(self) -> LoraPool:
@@ -372,7 +372,7 @@ class MemoryPool:
         max_rank]), in the pool dtype; then scaling (float32) and rank (int32);
         little-endian. Cached until the slot is next written; a cleared slot's is known
         without reading it. An unsharded pool on the CPU is read in place
-        (computed/slotdigest.py)."""
+        (computed/residency/slot_digest.py)."""
         with self._lock:
             cached = self._slot_digests[slot]
             if cached is None:

@@ -1,6 +1,6 @@
 """The LoRA term of a linear layer, `scaling[s] * B[s] @ (A[s] @ x)`, for rows that mix slots.
 
-Pool layout (computed/pool.py), for one layer of one target module:
+Pool layout (computed/residency/pool.py), for one layer of one target module:
 `A [slots, max_rank, in]`, `B [slots, out, max_rank]`, `scaling [slots]`. A slot
 of -1 means the base model: its rows get no LoRA term (exactly zero).
 
@@ -142,7 +142,7 @@ def segments(slots: jax.Array, num_slots: int, *, window: int = WINDOW, rows: in
 
 
 def pool_dtype(a: jax.Array) -> jnp.dtype:
-    """The dtype a pool array holds: bfloat16 pools keep their bits as uint16 (computed/pool.py)."""
+    """The dtype a pool array holds: bfloat16 pools keep their bits as uint16 (computed/residency/pool.py)."""
     return jnp.dtype(jnp.bfloat16) if a.dtype == jnp.uint16 else a.dtype
 
 
