@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,6 +17,9 @@ from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
 from shared.endpoints import (BindError, EndpointError, check_bind, click_addresses,
                               split_addresses)
 from shared.faults import Faults
+
+if TYPE_CHECKING:
+    from computed.model.runner import LlamaRunner
 
 
 
@@ -84,6 +87,15 @@ def main() -> None:
 @click.option("--prefetch", is_flag=True,
               help="Parse each newly loaded adapter into the host tier when its event is "
                    "applied, before any request asks for it.")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Reuse the KV of prompt prefixes seen before under the same adapter content "
+                   "(keyed by its sha256 and scaling, never its name), LRU within --kv-cache-mb.")
+@click.option("--kv-cache-mb", type=click.IntRange(1), default=None,
+              help="KV memory in MiB: the running rows' cache (max_batch x max_len) plus the "
+                   "prefix cache's blocks in what is left [default: the rows' cache twice over].")
+@click.option("--prefill-chunk", type=click.IntRange(0), default=256, show_default=True,
+              help="Prompt tokens a step prefills while other requests decode, so a long prompt "
+                   "does not stall them (a multiple of 16; 0: whole prompts at once).")
 @click.option("--peer-blobs/--no-peer-blobs", default=True, show_default=True,
               help="On a bootstrap or catch-up, fetch each missing blob from a replica that "
                    "applied its event (statesvc's status names them) before statesvc.")
@@ -92,7 +104,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
           client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
-          tensor_parallel: int, prefetch: bool, peer_blobs: bool) -> None:
+          tensor_parallel: int, prefetch: bool, prefix_cache: bool, kv_cache_mb: int | None,
+          prefill_chunk: int, peer_blobs: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.sync import PeerList
@@ -152,9 +165,20 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         except ModelLoadError as exc:
             raise click.ClickException(str(exc)) from None
         length = max_len or min(config.max_position_embeddings, 4096)
-        engine = Engine(LlamaRunner(config, params, max_batch=max_batch, max_len=length),
-                        replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout,
-                        client_limit=client_queue_limit)
+        if prefill_chunk % 16:
+            raise click.BadParameter(f"{prefill_chunk} is not a multiple of 16 (the KV block)",
+                                     param_hint="--prefill-chunk")
+        if tensor_parallel > 1 and (prefix_cache or prefill_chunk):
+            log.info("tensor-parallel: no prefix cache and whole-prompt prefill (docs/prefix-cache.md)")
+            prefix_cache, prefill_chunk = False, 0
+        runner = LlamaRunner(config, params, max_batch=max_batch, max_len=length,
+                             extend=prefix_cache or prefill_chunk > 0)
+        if not runner.extend and (prefix_cache or prefill_chunk):
+            log.info("dynamic RoPE: no prefix cache and whole-prompt prefill (docs/prefix-cache.md)")
+            prefix_cache, prefill_chunk = False, 0
+        engine = Engine(runner, replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout,
+                        client_limit=client_queue_limit, prefill_chunk=prefill_chunk,
+                        prefix_blocks=_prefix_blocks(runner, kv_cache_mb) if prefix_cache else 0)
     try:
         daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state,
                         diffs=diffs, engine=engine, warmup=warmup, heartbeat=heartbeat,
@@ -179,6 +203,23 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         replica.blobs.close()  # the blobs fetched last, still in memory, to their files
         client.close()
     log.info("stopped")
+
+
+def _prefix_blocks(runner: LlamaRunner, kv_cache_mb: int | None) -> int:
+    """The prefix cache's blocks within --kv-cache-mb, after the running rows' cache; by default
+    as many bytes as the rows' cache. A UsageError where the budget does not hold the rows' cache
+    and one block."""
+    rows, block = runner.cache_bytes(), runner.block_bytes()
+    if kv_cache_mb is None:
+        return max(1, rows // block)
+    blocks = (kv_cache_mb * 2**20 - rows) // block
+    if blocks < 1:
+        need = -(-(rows + block) // 2**20)
+        raise click.UsageError(
+            f"--kv-cache-mb {kv_cache_mb} does not hold the running rows' KV cache ({rows / 2**20:.1f} MiB "
+            f"for --max-batch {runner.max_batch} x --max-len {runner.max_len}) and a prefix block: give "
+            f"at least {need}, lower --max-batch or --max-len, or pass --no-prefix-cache")
+    return int(blocks)
 
 
 def _tensor_parallel(model: Path, n: int, log: logging.Logger) -> Any:

@@ -175,6 +175,7 @@ class Daemon:
                               for n, v, sha in r.host_tier()],
                 "adapter_requests": None if self.engine is None else
                 self.engine.adapter_requests(),
+                "prefix_cache": None if self.engine is None else self.engine.prefills.status(),
                 "residency": residency_stats(r)}
 
     def _forward_blobs(self) -> None:

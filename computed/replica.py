@@ -41,6 +41,7 @@ from shared.config import DEFAULT_HOST_CACHE_MB
 from shared.events import AdapterLoaded, Body, EventError, PoolConfigured, decode_body
 from shared.faults import NO_FAULTS, Faults
 from shared.fingerprint import ModelInfo
+from shared.prefix import content_root
 from shared.reducer import (State, apply, from_canonical, logical_digest, snapshot_bytes,
                             verified_snapshot)
 
@@ -206,7 +207,8 @@ class Replica:
             else:
                 lease = pool.acquire(slot)
                 res.lease(slot, ticket)
-            return AdmittedAdapter(slot, loaded.name, loaded.version, state.seq, lease)
+            return AdmittedAdapter(slot, loaded.name, loaded.version, state.seq, lease,
+                                   content_root(loaded.sha256, loaded.scaling))
 
     def want(self, adapter: str | None) -> None:
         """A request for `adapter` was queued: unless a slot holds its registered version,

@@ -21,9 +21,10 @@ import numpy as np
 
 BLOCK_TOKENS = 16  # tokens per prefix block; equals the KV cache's K block (computed/model/kv_cache.py)
 BASE_ROOT = "base"  # the root of the base model's prefixes (no adapter)
+SUMMARY_LIMIT = 4096  # chain hashes a replica reports to routers at most
 
 
-def content_root(sha256: str | None, scaling: float | None) -> str:
+def content_root(sha256: str | None, scaling: float = 0.0) -> str:
     """The prefix root of an adapter version: the sha256 of its `adapter_model.safetensors` and
     its scaling (alpha / rank, or / sqrt(rank) with rsLoRA); `BASE_ROOT` for the base model
     (sha256 None)."""

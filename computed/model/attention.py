@@ -77,3 +77,21 @@ def bucket(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,
     scores = jnp.einsum("bkgd,bkds->bkgs", q, keys) * scale
     probs = softmax(scores, visible[:, None, None, :], q.dtype, softcap)
     return jnp.einsum("bkgs,bksd->bkgd", probs, values).reshape(q.shape[0], -1), cache
+
+
+def chunk(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array, *,
+          scale: float | None = None, window: int = 0, softcap: float = 0.0) -> jax.Array:
+    """A prompt chunk's attention over its row's cache, the chunk's own k and v written there
+    first: q [n, C, kv, g, d] at `positions [n, C]` against keys [n, kv, d, L] and values
+    [n, kv, L, d] of cache positions [0, L) -> [n, C, heads * d]; the query at position p
+    attends keys j <= p (within `window` where it is set)."""
+    check_options(window, softcap)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = jnp.einsum("nckgd,nkdl->nkgcl", q, keys) * scale
+    key = jnp.arange(keys.shape[-1])[None, None, :]
+    visible = key <= positions[:, :, None]  # [n, C, L]
+    if window:
+        visible &= key > positions[:, :, None] - window
+    probs = softmax(scores, visible[:, None, None], q.dtype, softcap)
+    out = jnp.einsum("nkgcl,nkld->nckgd", probs, values)
+    return out.reshape(*out.shape[:2], -1)

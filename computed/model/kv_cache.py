@@ -82,20 +82,23 @@ def _k_blocks(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.transpose(x, (2, 0, 3, 1))[None, None].astype(dtype)
 
 
-def write_prompts(cache: KVCache, layer: int, rows: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """Prompts' k and v [n, P, kv, d] into positions [0, P) of rows `rows [n]` of layer `layer`,
-    prompt i into row rows[i] (an in-place slice write per prompt; a row named twice must be
-    given the same k and v twice, as the runner's padding of n does)."""
+def write_prompts(cache: KVCache, layer: int, rows: jax.Array, k: jax.Array, v: jax.Array,
+                  starts: jax.Array | None = None) -> KVCache:
+    """Prompts' k and v [n, P, kv, d] into positions [starts[i], starts[i] + P) (by default [0, P))
+    of rows `rows [n]` of layer `layer`, prompt i into row rows[i] (an in-place slice write per
+    prompt; a row named twice must be given the same k and v twice, as the runner's padding of n
+    does). A start is a multiple of KV_BLOCK and start + P at most max_len (the runner's chunks)."""
     # k goes to [kv, P / 16, d, 16] or [kv, d, P], v to [kv, P, d]
     k_cache, v_cache = cache.k, cache.v
     for i in range(k.shape[0]):
+        at = 0 if starts is None else starts[i]
         if cache.blocked:
             k_cache = jax.lax.dynamic_update_slice(k_cache, _k_blocks(k[i], k_cache.dtype),
-                                                   (layer, rows[i], 0, 0, 0, 0))
+                                                   (layer, rows[i], 0, at // KV_BLOCK, 0, 0))
         else:
             k_cache = jax.lax.dynamic_update_slice(
-                k_cache, _heads_first(k[i], k_cache.dtype, positions_minor=True), (layer, rows[i], 0, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, _heads_first(v[i], v_cache.dtype), (layer, rows[i], 0, 0, 0))
+                k_cache, _heads_first(k[i], k_cache.dtype, positions_minor=True), (layer, rows[i], 0, 0, at))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, _heads_first(v[i], v_cache.dtype), (layer, rows[i], 0, at, 0))
     return KVCache(k_cache, v_cache)
 
 
@@ -116,12 +119,16 @@ def write_step(cache: KVCache, layer: int, positions: jax.Array, active: jax.Arr
     return KVCache(k_cache, v_cache)
 
 
-def read(cache: KVCache, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]:
-    """Keys [B, kv, d, L] and values [B, kv, L, d] of the first `attend_len` positions of every row."""
-    if cache.blocked:  # the kernel's layout, read by XLA (tests, comparisons)
-        keys = jax.lax.slice_in_dim(cache.k[layer], 0, blocks(attend_len), axis=2)  # [B, kv, L / 16, d, 16]
+def read(cache: KVCache, layer: int, attend_len: int, rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Keys [B, kv, d, L] and values [B, kv, L, d] of the first `attend_len` positions of every row,
+    or of `rows [n]` alone ([n, ...])."""
+    k, v = cache.k[layer], cache.v[layer]
+    if rows is not None:
+        k, v = k[rows], v[rows]
+    if cache.blocked:  # the kernel's layout, read by XLA (tests, comparisons, prefill chunks)
+        keys = jax.lax.slice_in_dim(k, 0, blocks(attend_len), axis=2)  # [B, kv, L / 16, d, 16]
         keys = jnp.swapaxes(keys, 2, 3).reshape(*keys.shape[:2], keys.shape[3], -1)[..., :attend_len]
     else:
-        keys = jax.lax.slice_in_dim(cache.k[layer], 0, attend_len, axis=3)  # [B, kv, d, L]
-    values = jax.lax.slice_in_dim(cache.v[layer], 0, attend_len, axis=2)  # [B, kv, L, d]
+        keys = jax.lax.slice_in_dim(k, 0, attend_len, axis=3)  # [B, kv, d, L]
+    values = jax.lax.slice_in_dim(v, 0, attend_len, axis=2)  # [B, kv, L, d]
     return keys, values

@@ -26,6 +26,9 @@ donating the cache so it is updated in place:
   [0, P) of cache row `rows[i]` (positions from `lengths[i]` on hold padding, overwritten by
   decode before they are ever read) and returns each prompt's logits after its token
   `lengths[i] - 1`. The LoRA terms group the n * P tokens by slot, as a decode step's rows.
+- `extend_jit(params, lora_pool, cache, tokens[n, C], starts[n], lengths[n], rows[n], slots[n])`:
+  chunks that continue rows from positions starts[i] (multiples of 16): after a prefix-cache hit,
+  and for the second and later chunks of a long prompt (computed/serving/prefill.py).
 - `decode_jit(params, lora_pool, cache, tokens[B], positions[B], slots[B], active[B], tables, ...)`:
   one step for every row; row b writes its K/V at positions[b] and attends to [0, positions[b]]
   by the backend's decode attention. Inactive rows write nothing. With `rows[n]` the step runs
@@ -232,6 +235,31 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
     return _logits(params, last), params.backend.shard_cache(cache)
 
 
+def _extend(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+            starts: jax.Array, lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Prompt chunks that continue rows already holding KV: chunk i (`tokens [n, C]`, its first
+    `lengths[i]` real) goes to positions [starts[i], starts[i] + C) of row rows[i] and attends
+    over the row's cache up to each token's position (the positions before starts[i] hold a
+    prefix-cache hit or earlier chunks). The whole cache length is read (one compile per (n, C)).
+    Returns (logits [n, vocab] after each chunk's token lengths[i] - 1, the cache)."""
+    n, c = tokens.shape
+    positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        nonlocal cache
+        cache = kv_cache.write_prompts(cache, i, rows, k, v, starts)
+        keys, values = kv_cache.read(cache, i, cache.max_len, rows)
+        return attention.chunk(q, keys, values, positions, **attention_options(params.config, i))
+
+    token_slots = jnp.broadcast_to(slots[:, None], (n, c)).reshape(-1)
+    batch = None if lora_pool is None else params.backend.prepare(token_slots, lora_pool.scaling.shape[0],
+                                                                  params.backend.prefill_window(c))
+    h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend,
+                 seq_lens=starts + lengths)
+    last = h[jnp.arange(n), lengths - 1]
+    return _logits(params, last), params.backend.shard_cache(cache)
+
+
 def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
             positions: jax.Array, slots: jax.Array, active: jax.Array, tables: RopeTables, attend_len: int,
             window: int | None, rows: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -273,5 +301,6 @@ def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.A
 
 
 prefill_jit = jax.jit(_prefill, donate_argnames="cache")
+extend_jit = jax.jit(_extend, donate_argnames="cache")
 decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames=("attend_len", "window"))
 forward_full_jit = jax.jit(_forward_full)

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from computed.model import lora
 from computed.backend import select
-from computed.model import kv_cache
+from computed.model import kv_blocks, kv_cache, lora
 from computed.model.config import LlamaConfig
-from computed.model.kv_cache import KVCache
-from computed.model.llama import decode_jit, forward_full_jit, prefill_jit, rope_tables
+from computed.model.kv_blocks import KVBlocks
+from computed.model.kv_cache import KV_BLOCK, KVCache
+from computed.model.llama import decode_jit, extend_jit, forward_full_jit, prefill_jit, rope_tables
 from computed.model.params import LlamaParams
 from computed.residency.pool import LoraPool
 
@@ -86,14 +86,19 @@ def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
 
 
 def prefill_batch(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, lengths: Any,
-                  rows: Any, slots: Any, *, pad_to: int | None = None) -> tuple[np.ndarray, KVCache]:
+                  rows: Any, slots: Any, *, pad_to: int | None = None,
+                  starts: Any = None) -> tuple[np.ndarray, KVCache]:
     """Run n prompts (`tokens [n, P]`, prompt i's first `lengths[i]` real, the rest padding) at once,
     prompt i into cache row `rows[i]` (distinct rows) with LoRA slot `slots[i]` (-1: the base model).
 
     Returns (logits [n, vocab] float32 on the host, prompt i's after its token lengths[i] - 1,
     the updated cache); `cache` is donated. One compile per (n, P): bucket both. `pad_to` runs the forward over
     that many prompts (copies of prompt 0, which write what it writes), so that any n up to it
-    shares one compile."""
+    shares one compile.
+
+    `starts [n]` (multiples of 16, start + P at most max_len) continues rows that hold KV up to
+    there instead, prompt i's tokens at positions from starts[i] (`extend_jit`: a prefix-cache
+    hit's rest, a long prompt's later chunks); one compile per (n, P) again."""
     tokens = _host_i32(tokens, "tokens")
     if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= cache.max_len:
         raise ValueError(f"prefill takes tokens [n, P] with n >= 1 and 1 <= P <= the cache's max_len "
@@ -115,12 +120,23 @@ def prefill_batch(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCach
         raise ValueError(f"rows {rows_.tolist()} name a row twice: each prompt needs its own cache row")
     _check_slots(slots_, lora_pool)
     _check_pool(lora_pool, params.config)
+    starts_ = None if starts is None else _host_i32(starts, "starts").reshape(-1)
+    if starts_ is not None:
+        bad = starts_[(starts_ % KV_BLOCK != 0) | (starts_ < 0) | (starts_ + p > cache.max_len)]
+        if starts_.shape != (n,) or bad.size:
+            raise ValueError(f"starts must be [{n}] multiples of {KV_BLOCK} with start + {p} at most the "
+                             f"cache's max_len {cache.max_len}; got {starts_.tolist()}")
     if pad_to is not None:
         if pad_to < n:
             raise ValueError(f"pad_to {pad_to} is below the {n} prompts")
         extra = pad_to - n
         tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
         lengths_, rows_, slots_ = (np.concatenate([a, np.repeat(a[:1], extra)]) for a in (lengths_, rows_, slots_))
+        if starts_ is not None:
+            starts_ = np.concatenate([starts_, np.repeat(starts_[:1], extra)])
+    if starts_ is not None:
+        logits, cache = extend_jit(params, lora_pool, cache, tokens, starts_, lengths_, rows_, slots_)
+        return np.asarray(logits)[:n], cache
     logits, cache = prefill_jit(params, lora_pool, cache, tokens, lengths_, rows_, slots_)
     return np.asarray(logits)[:n], cache  # sliced on the host: a slice of a jax.Array compiles
 
@@ -202,6 +218,8 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
                     prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...],
+                    extend_shapes: tuple[tuple[int, int], ...] = (), store: KVBlocks | None = None,
+                    block_counts: tuple[int, ...] = (),
                     stop: Callable[[], bool] = lambda: False) -> None:
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
     one per prefill shape (prompts, prompt length), and one per attention length (only one with the attention kernel) and
@@ -224,6 +242,20 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
         per_prompt = np.zeros(n, np.int32)
         prefill_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
                           per_prompt).compile()
+    for n, p in extend_shapes:  # as `prefill_batch` calls it with starts
+        if stop():
+            return
+        per_prompt = np.zeros(n, np.int32)
+        extend_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
+                         per_prompt, per_prompt).compile()
+    if store is not None:
+        store_s, row = shapes(store), np.int32(0)
+        for m in block_counts:  # as `LlamaRunner.load_blocks` and `save_blocks` call them
+            if stop():
+                return
+            ids = np.zeros(m, np.int32)
+            kv_blocks.load_row.lower(cache_s, store_s, row, ids).compile()
+            kv_blocks.save_row.lower(store_s, cache_s, row, ids, ids).compile()
     for n in backend.decode_rows(cache.max_batch):  # as `decode` calls it
         zeros = np.zeros(n, np.int32)
         windows = backend.windows(n) if lora_pool is not None else (None,)
@@ -272,7 +304,7 @@ class LlamaRunner:
     """
 
     def __init__(self, config: Any, params: LlamaParams, *, max_batch: int, max_len: int,
-                 prefill_tokens: int = PREFILL_TOKENS) -> None:
+                 prefill_tokens: int = PREFILL_TOKENS, extend: bool = False) -> None:
         self.config, self.params = config, params
         self.vocab_size = int(config.vocab_size)
         self.max_batch = max_batch
@@ -281,6 +313,14 @@ class LlamaRunner:
         self.row_buckets = _powers_of_two(1, max_batch)
         self.decode_rows = params.backend.decode_rows(max_batch)
         self.prefill_tokens = prefill_tokens
+        # prefills that continue a row (prefix-cache hits, chunks): compiled at warm-up; not
+        # with dynamic RoPE, whose tables depend on each forward's whole length
+        self.extend = extend and self.chunkable(config)
+
+    @staticmethod
+    def chunkable(config: LlamaConfig) -> bool:
+        """Whether a prompt of this model can be prefilled in chunks (not with dynamic RoPE)."""
+        return not any(r.type == "dynamic" for r in config.ropes)
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
@@ -303,38 +343,94 @@ class LlamaRunner:
                                                   backend.cache_dtype(self.params.dtype), blocked=blocked))
 
     def prefill(self, pool: LoraPool | None, cache: KVCache, prompts: Sequence[Sequence[int] | np.ndarray],
-                rows: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> tuple[np.ndarray, KVCache]:
+                rows: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
+                starts: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
         """Prompt i into cache row rows[i] with LoRA slot slots[i] (-1: base), all at once as
         `prefill_shapes` allow. Returns (logits [n, vocab] float32, prompt i's after its last
-        token, the updated cache); `cache` is donated."""
-        if not len(prompts) == len(rows) == len(slots):
-            raise ValueError(f"prefill takes one row and one slot per prompt; got {len(prompts)} prompts, "
+        token, the updated cache); `cache` is donated.
+
+        `starts[i]` (a multiple of 16; needs `extend`): row rows[i] holds prompt i's KV up to
+        there already (a prefix-cache hit, earlier chunks), and only its tokens from there on
+        are computed; `prompts[i]` still holds the whole prompt up to the chunk's end. A chunk
+        whose bucket would run past max_len starts earlier instead (recomputing KV the row
+        holds)."""
+        if not len(prompts) == len(rows) == len(slots) == (len(prompts) if starts is None else len(starts)):
+            raise ValueError(f"prefill takes one row, slot and start per prompt; got {len(prompts)} prompts, "
                              f"{len(rows)} rows and {len(slots)} slots")
         lengths = [len(t) for t in prompts]
         if not all(1 <= n <= self.max_len for n in lengths):
             raise ValueError(f"prompts must hold 1 to max_len {self.max_len} tokens; got lengths {lengths}")
-        groups: dict[int, list[int]] = {}
+        if starts is not None and any(starts) and not self.extend:
+            raise ValueError("this runner was not built for prefill chunks (extend=False)")
+        firsts = [self._chunk_start(n, 0 if starts is None else starts[i]) for i, n in enumerate(lengths)]
+        groups: dict[tuple[int, bool], list[int]] = {}
         for i, n in enumerate(lengths):
-            groups.setdefault(self.bucket(n), []).append(i)
+            groups.setdefault((self.bucket(n - firsts[i]), firsts[i] > 0), []).append(i)
         out = np.zeros((len(prompts), self.vocab_size), np.float32)
-        for p, members in groups.items():
+        for (p, later), members in groups.items():
             most = self.prefill_rows(p)
-            for start in range(0, len(members), most):
-                part = members[start:start + most]
+            for begin in range(0, len(members), most):
+                part = members[begin:begin + most]
                 tokens = np.zeros((len(part), p), np.int32)
                 for j, i in enumerate(part):
-                    tokens[j, :lengths[i]] = prompts[i]
+                    tokens[j, :lengths[i] - firsts[i]] = np.asarray(prompts[i])[firsts[i]:]
                 # forwards of power-of-two counts (12 prompts: 8 then 4), not one padded to the
                 # next (16): a forward costs about its tokens, padding included
                 at = 0
                 for size in [len(part)] if len(part) in self.row_buckets else _binary_parts(len(part)):
                     chunk = part[at:at + size]
                     logits, cache = prefill_batch(
-                        self.params, pool, cache, tokens[at:at + size], [lengths[i] for i in chunk],
-                        [rows[i] for i in chunk], [slots[i] for i in chunk])
+                        self.params, pool, cache, tokens[at:at + size], [lengths[i] - firsts[i] for i in chunk],
+                        [rows[i] for i in chunk], [slots[i] for i in chunk],
+                        starts=[firsts[i] for i in chunk] if later else None)
                     out[chunk] = logits
                     at += size
         return out, cache
+
+    def _chunk_start(self, length: int, start: int) -> int:
+        """Where a chunk of a `length`-token prompt from `start` begins: `start`, or earlier where
+        its bucket would run past max_len."""
+        if start % KV_BLOCK or not 0 <= start < length:
+            raise ValueError(f"a chunk starts at a multiple of {KV_BLOCK} before the prompt's end {length}; "
+                             f"got {start}")
+        while start and start + self.bucket(length - start) > self.max_len:
+            start = max(0, (self.max_len - self.bucket(length - start)) // KV_BLOCK * KV_BLOCK)
+        return start
+
+    # ---- the prefix cache's blocks (computed/model/kv_blocks.py) ----------------------
+
+    @property
+    def block_counts(self) -> tuple[int, ...]:
+        """The block counts the copies between rows and the store compile for."""
+        return _powers_of_two(1, max(1, self.max_len // KV_BLOCK))
+
+    def block_bytes(self) -> int:
+        return kv_blocks.block_bytes(self.config, self.params.backend.cache_dtype(self.params.dtype))
+
+    def cache_bytes(self) -> int:
+        """Bytes of the running rows' KV cache (max_batch x max_len positions)."""
+        return self.max_batch * kv_cache.blocks(self.max_len) * self.block_bytes()
+
+    def new_blocks(self, n: int) -> KVBlocks:
+        return kv_blocks.zeros(self.config, n, self.params.backend.cache_dtype(self.params.dtype))
+
+    def _padded(self, ids: Sequence[int], fill: int) -> np.ndarray:
+        m = next(b for b in self.block_counts if b >= len(ids))
+        out = np.full(m, fill, np.int32)
+        out[:len(ids)] = ids
+        return out
+
+    def load_blocks(self, cache: KVCache, store: KVBlocks, row: int, ids: Sequence[int]) -> KVCache:
+        """Store blocks `ids` into row `row`'s first len(ids) blocks; `cache` is donated."""
+        out: KVCache = kv_blocks.load_row(cache, store, np.int32(row), self._padded(ids, 0))
+        return out
+
+    def save_blocks(self, store: KVBlocks, cache: KVCache, row: int, src: Sequence[int],
+                    dst: Sequence[int]) -> KVBlocks:
+        """Row `row`'s blocks `src` into store blocks `dst`; `store` is donated."""
+        out: KVBlocks = kv_blocks.save_row(store, cache, np.int32(row), self._padded(src, 0),
+                                           self._padded(dst, store.size))
+        return out
 
     def decode(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, KVCache]:
@@ -362,10 +458,12 @@ class LlamaRunner:
         every[live] = np.asarray(part)[:live.size]
         return every, cache
 
-    def warmup(self, pool: LoraPool, cache: KVCache, *,
+    def warmup(self, pool: LoraPool, cache: KVCache, *, store: KVBlocks | None = None,
                stop: Callable[[], bool] = lambda: False) -> None:
-        """Compile prefill for every shape of `prefill_shapes` and decode for every bucket and LoRA
-        window; only the shapes of `pool` and `cache` are used. `stop()` true ends it between
-        two compiles."""
+        """Compile prefill for every shape of `prefill_shapes` (and its chunks' where `extend`),
+        decode for every bucket and LoRA window, and the prefix cache's copies where there is a
+        `store`; only the shapes of `pool`, `cache` and `store` are used. `stop()` true ends it
+        between two compiles."""
         compile_serving(self.params, pool, cache, prefill_shapes=self.prefill_shapes,
-                        attend_lens=self.buckets, stop=stop)
+                        attend_lens=self.buckets, extend_shapes=self.prefill_shapes if self.extend else (),
+                        store=store, block_counts=self.block_counts, stop=stop)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from computed.residency.pool import Lease, LoraPool, SlotDraining
 from shared.errors import CodedError
+from shared.prefix import BASE_ROOT
 
 # what the engine needs of the pool comes through here: its arrays' type (the forward pass's
 # input) and the refusal of a slot being rewritten
@@ -68,6 +69,8 @@ class AdmittedAdapter:
     version: int  # the adapter's version the request runs on (0 for the base model)
     seq: int  # the replica's applied seq at admission
     lease: Lease | None  # the hold on `slot`, None for the base model
+    # the prefix cache's key for this version's content (shared/prefix.py `content_root`)
+    root: str = BASE_ROOT
 
     def release(self) -> None:
         if self.lease is not None:

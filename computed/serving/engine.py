@@ -27,6 +27,7 @@ import numpy as np
 
 from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
+from computed.serving.prefill import Prefills
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
@@ -70,6 +71,7 @@ class Running:
     next_token: int
     output: list[int] = field(default_factory=list)
     admitted: float = 0.0
+    prefilled: int = 0  # prompt tokens whose KV is in its row (computed/serving/prefill.py)
     prefill_s: float = 0.0
     residency_s: float = 0.0  # from first having a row to holding its slot (Request.eligible)
 
@@ -99,7 +101,7 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 class Engine:
     def __init__(self, model: Model, replica: AdmissionPort, *, queue_limit: int = 256,
                  min_seq_wait_s: float = 10.0, client_limit: int = 64,
-                 fetch_wait: float = 0.5) -> None:
+                 fetch_wait: float = 0.5, prefill_chunk: int = 0, prefix_blocks: int = 0) -> None:
         self.model = model
         self.replica = replica
         self.queue_limit = queue_limit
@@ -109,6 +111,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.rows: list[Running | None] = [None] * model.max_batch
         self.cache = model.new_cache()
+        # prompts not yet in their rows; the prefix cache (computed/serving/prefill.py)
+        self.prefills = Prefills(model, chunk=prefill_chunk, prefix_blocks=prefix_blocks)
+        self._budget: int | None = None  # prefill tokens left in this step (None: no limit)
         self.warm = False
         self.tickets = 0
         self.cancelled = 0
@@ -128,7 +133,8 @@ class Engine:
             return
         # from the pool's shapes alone, without holding it: diffs keep applying while it
         # compiles (seconds per bucket and window)
-        self.model.warmup(shapes, self.cache, stop=stop)
+        store = self.prefills.store
+        self.model.warmup(shapes, self.cache, stop=stop, **({} if store is None else {"store": store}))
         self.warm = not stop()
 
     # ---- intake ----------------------------------------------------------------
@@ -175,6 +181,7 @@ class Engine:
                 return Done(req.reply_to, req_id, error=gone)
         for r in self.rows:
             if r is not None and r.req.req_id == req_id and r.req.client == client:
+                self.prefills.drop(r)
                 self.rows[r.row] = None
                 r.grant.release()
                 self.cancelled += 1
@@ -214,8 +221,14 @@ class Engine:
         prefilled decodes in step with it instead of finishing a step behind (the replica passes
         its socket's non-blocking read)."""
         done: list[Done] = []
+        waiting = self.prefills.waiting
+        # prefill runs whole prompts unless rows are decoding, which it would stall
+        self._budget = self.prefills.chunk or None if any(
+            r is not None and r not in waiting for r in self.rows) else None
         self._admit(done, intake)
-        active = [r for r in self.rows if r is not None]
+        if waiting:  # nothing was admitted this step: the chunks of earlier prompts
+            self._prefill([], done)
+        active = [r for r in self.rows if r is not None and r not in waiting]
         if not active:
             return done
         m = self.model
@@ -347,20 +360,25 @@ class Engine:
         return run
 
     def _prefill(self, runs: list[Running], done: list[Done]) -> None:
-        """Prefill the admitted `runs` at once, each into its row with its slot, and sample each
-        one's first token; if the model fails, their rows and leases are freed first."""
+        """Queue the admitted `runs` for prefill (a prefix-cache hit copied into their rows) and
+        prefill what this step's budget allows, each into its row with its slot; sample the first
+        token of each prompt that is now whole in its row. If the model fails, the rows and leases
+        of every request still prefilling are freed first."""
+        prefills = self.prefills
         try:
-            with self.replica.reading() as arrays:
-                logits, self.cache = self.model.prefill(
-                    arrays, self.cache, [r.req.args["input_ids"] for r in runs], [r.row for r in runs],
-                    [r.grant.slot for r in runs])
-        except BaseException:
             for r in runs:
+                self.cache = prefills.admit(r, self.cache)
+            with self.replica.reading() as arrays:
+                finished, self.cache, spent = prefills.run(arrays, self.cache, self._budget)
+        except BaseException:
+            for r in list(prefills.waiting) + [r for r in runs if r not in prefills.waiting]:
+                prefills.drop(r)
                 self.rows[r.row] = None
                 r.grant.release()
             raise
-        logits = np.asarray(logits)
+        if self._budget is not None:
+            self._budget -= spent
         now = time.perf_counter()
-        for r, row_logits in zip(runs, logits):
+        for r, row_logits in finished:
             r.prefill_s = now - r.admitted
-            self._emit(r, row_logits, done)
+            self._emit(r, np.asarray(row_logits), done)

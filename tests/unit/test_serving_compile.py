@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from computed.serving.engine import Engine
 from computed.model.loader import load_model
 from computed.model.runner import LlamaRunner
@@ -12,11 +14,15 @@ from testkit.jaxcount import buffer_pointers, counting_compiles
 from tests.helpers import live_replica
 
 
-def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path,
-                                                            example: ExampleAssets) -> None:
+@pytest.mark.parametrize("prefix", [False, True], ids=["whole-prompts", "prefix-cache-and-chunks"])
+def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path, example: ExampleAssets,
+                                                            prefix: bool) -> None:
+    """With the prefix cache and chunked prefill on, the rounds repeat their prompts (hits,
+    saves, evictions from an 8-block store) and chunk the longer ones while others decode."""
     with live_replica(tmp_path, example, max_loras=4) as (cmd, replica):
         config, params = load_model(example.model_dir)
-        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
+        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64, extend=prefix), replica,
+                        prefill_chunk=16 if prefix else 0, prefix_blocks=8 if prefix else 0)
         assert replica.pool is not None
         # warm-up compiles from the pool's shapes, so it never waits for the pool: a replica
         # keeps applying diffs while it warms up (here a writer holds the pool throughout)
@@ -62,3 +68,5 @@ def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path,
         assert len(served) == 36 and all(d.error is None for d in served)
         assert {d.result["adapter"]["name"] for d in served if d.result["adapter"]} >= \
             {f"a{r}" for r in range(6)}
+        if prefix:
+            assert engine.prefills.cache is not None and engine.prefills.cache.hit_tokens > 0

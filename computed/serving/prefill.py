@@ -1,0 +1,124 @@
+"""Prefill for the engine: prefix-cache hits, and long prompts in chunks between decode steps.
+
+An admitted request first looks its prompt up in the prefix cache (computed/serving/prefix_cache.py)
+under its adapter version's content root: the blocks of its longest cached prefix are copied
+into its row, and only the rest of the prompt is computed. It then waits here until its prompt
+is in its row. Each engine step gives prefill a token budget: unlimited while no request is
+decoding, else `chunk` tokens (--prefill-chunk), spent on the waiting prompts in admission
+order, 16-token-aligned pieces of at most what is left of it (the first piece of a step is never
+empty). So a 2,000-token prompt that arrives among running streams costs each of their steps one
+chunk, not one whole prompt. A prompt whose rest fits is computed whole, in one forward with
+the others of its bucket (LlamaRunner.prefill). Once a prompt is in its row, its blocks not yet
+in the store are saved there, and its first token is sampled.
+
+Exactness: the KV of a cached block is the KV the same tokens under the same adapter content
+computed; a chunk attends over its row's earlier positions exactly as a whole prompt does.
+Greedy outputs with the cache on equal those with it off (tests/integration/test_prefix_cache.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from computed.serving.prefix_cache import Hit, PrefixCache
+from shared.prefix import BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from computed.serving.engine import Running
+
+
+class ChunkModel(Protocol):
+    """What prefill asks of the model beyond `Model.prefill` (computed/model/runner.py LlamaRunner)."""
+
+    def prefill(self, pool: Any, cache: Any, prompts: list[list[int]], rows: list[int], slots: list[int],
+                starts: Sequence[int] | None = None) -> tuple[np.ndarray, Any]: ...
+
+    def load_blocks(self, cache: Any, store: Any, row: int, ids: Sequence[int]) -> Any: ...
+
+    def save_blocks(self, store: Any, cache: Any, row: int, src: Sequence[int], dst: Sequence[int]) -> Any: ...
+
+
+class Prefills:
+    """The prompts admitted and not yet in their rows, the prefix cache and its store."""
+
+    def __init__(self, model: Any, *, chunk: int = 0, prefix_blocks: int = 0) -> None:
+        if chunk and (chunk % BLOCK_TOKENS or not getattr(model, "extend", False)):
+            raise ValueError(f"--prefill-chunk {chunk}: expected a multiple of {BLOCK_TOKENS}, on a model "
+                             "built for chunks")
+        if prefix_blocks and not getattr(model, "extend", False):
+            raise ValueError("the prefix cache needs a model built for chunks (LlamaRunner extend=True)")
+        self.model = model
+        self.chunk = chunk  # tokens a step prefills while others decode; 0: whole prompts
+        self.cache = PrefixCache(prefix_blocks) if prefix_blocks else None
+        self.store = model.new_blocks(prefix_blocks) if prefix_blocks else None
+        self.waiting: list[Running] = []
+        self.hits: dict[int, Hit] = {}  # by row
+
+    def admit(self, run: Running, kv: Any) -> Any:
+        """Queue `run`'s prompt; a prefix-cache hit is copied into its row now. Returns the KV cache."""
+        prompt = run.req.args["input_ids"]
+        if self.cache is not None:
+            hit = self.cache.lookup(run.grant.root, prompt)
+            self.hits[run.row] = hit
+            if hit.ids:
+                kv = self.model.load_blocks(kv, self.store, run.row, hit.ids)
+                run.prefilled = hit.tokens
+        self.waiting.append(run)
+        return kv
+
+    def drop(self, run: Running) -> None:
+        """`run` leaves (cancelled, failed) before its prompt was in its row."""
+        if run in self.waiting:
+            self.waiting.remove(run)
+        self.hits.pop(run.row, None)
+
+    def plan(self, budget: int | None) -> list[tuple[Running, int]]:
+        """(request, end of this step's piece) for the waiting prompts within `budget` tokens
+        (None: no limit)."""
+        out: list[tuple[Running, int]] = []
+        if budget is not None and budget <= 0:
+            return out
+        for run in self.waiting:
+            length = len(run.req.args["input_ids"])
+            left = length - run.prefilled
+            if budget is not None:
+                if left > budget:
+                    left = budget // BLOCK_TOKENS * BLOCK_TOKENS or (BLOCK_TOKENS if not out else 0)
+                if not left:
+                    break
+                budget -= left
+            out.append((run, run.prefilled + left))
+        return out
+
+    def run(self, pool: Any, kv: Any, budget: int | None) -> tuple[list[tuple[Running, np.ndarray]], Any, int]:
+        """This step's pieces: returns the requests whose prompts are now whole in their rows,
+        with their last token's logits, the KV cache and the tokens computed."""
+        pieces = self.plan(budget)
+        if not pieces:
+            return [], kv, 0
+        spent = sum(end - r.prefilled for r, end in pieces)
+        starts = [r.prefilled for r, _ in pieces]
+        logits, kv = self.model.prefill(
+            pool, kv, [r.req.args["input_ids"][:end] for r, end in pieces], [r.row for r, _ in pieces],
+            [r.grant.slot for r, _ in pieces], **({"starts": starts} if any(starts) else {}))
+        finished = []
+        for (run, end), row_logits in zip(pieces, logits):
+            run.prefilled = end
+            if end == len(run.req.args["input_ids"]):
+                self.waiting.remove(run)
+                kv = self._save(run, kv)
+                finished.append((run, row_logits))
+        return finished, kv, spent
+
+    def _save(self, run: Running, kv: Any) -> Any:
+        hit = self.hits.pop(run.row, None)
+        if self.cache is not None and hit is not None:
+            src, dst = self.cache.claim(hit)
+            if src:
+                self.store = self.model.save_blocks(self.store, kv, run.row, src, dst)
+        return kv
+
+    def status(self) -> dict[str, Any] | None:
+        return None if self.cache is None else self.cache.status()
