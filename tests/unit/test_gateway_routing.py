@@ -3,11 +3,14 @@ adapter is first, then the longest prefix of the prompt a replica holds among th
 most `prefix_slack` above the least queued of their tier, then the queue, then the id. Over a
 Router that is not started, its view set here (replica views stand in for polled statuses),
 and one poll read from stand-ins for statesvc and the replicas' status replies, for what the
-view takes of a replica's `prefix_cache`."""
+view and /metrics take of a replica's `prefix_cache`."""
 from __future__ import annotations
 
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import Metrics
 from gateway.routing import FleetView, PrefixCache, ReplicaView, Router
 from shared.prefix import BASE_ROOT, block_hashes, content_root
 
@@ -130,10 +133,11 @@ class Polled(Router):
         return status
 
 
-def test_a_polled_prefix_cache_is_routed_on() -> None:
+def test_a_polled_prefix_cache_is_routed_on_and_exported() -> None:
     """The roots are the list's sha256 and scaling; a replica's summary is kept when its
     blocks are 16 tokens (strings only), dropped when they are not; a null `prefix_cache`,
-    or none at all, is a replica without one."""
+    or none at all, is a replica without one; /metrics exports each cache's blocks and
+    counts."""
     chain = block_hashes(ROOT, PROMPT)
     stats = {"capacity_blocks": 64, "used_blocks": 9, "lookups": 3, "hit_tokens": 48,
              "prompt_tokens": 600}
@@ -146,3 +150,10 @@ def test_a_polled_prefix_cache_is_routed_on() -> None:
     assert views["r2"].prefix == PrefixCache(held=frozenset({chain[1]}), **stats)
     assert views["r3"].prefix == PrefixCache(held=frozenset(), **stats)
     assert order(r) == ["r2", "r1", "r3", "r4"]
+    samples = {(s.name, s.labels["replica"]): s.value
+               for fam in text_string_to_metric_families(Metrics(r).render().decode())
+               for s in fam.samples if s.name.startswith("loraplane_prefix_cache_")}
+    assert samples == {(f"loraplane_prefix_cache_{k}", rid): v for rid in ("r2", "r3")
+                       for k, v in (("used_blocks", 9), ("capacity_blocks", 64),
+                                    ("lookups_total", 3), ("prompt_tokens_total", 600),
+                                    ("hit_tokens_total", 48))}
