@@ -12,7 +12,7 @@ from typing import Callable
 
 import click
 
-from shared.config import DEFAULT_CONTROL
+from shared.config import DEFAULT_CONTROL, DEFAULT_PREFIX_SLACK
 from shared.endpoints import bind_problem, click_addresses
 
 log = logging.getLogger("computed.gateway")
@@ -37,6 +37,12 @@ log = logging.getLogger("computed.gateway")
               help="Seconds to wait for a replica's answer before trying another.")
 @click.option("--poll-interval", type=click.FloatRange(0.05), default=0.5, show_default=True,
               help="Seconds between reads of statesvc's and the replicas' status.")
+@click.option("--prefix-slack", type=click.IntRange(0), default=DEFAULT_PREFIX_SLACK,
+              show_default=True,
+              help="A replica holding a longer prefix of the prompt wins while it has at most "
+                   "this many more queued requests than the least queued candidate of its "
+                   "tier; 0: the prefix only breaks ties of the queue (docs/gateway.md, "
+                   "Routing).")
 @click.option("--auth", "auth", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Operators' bearer tokens (a JSON file, docs/gateway.md): only they may "
                    "load and unload, each as its own statesvc identity. Allows a --host that "
@@ -49,7 +55,7 @@ log = logging.getLogger("computed.gateway")
 @click.option("--replica-server-key", envvar="LORAPLANE_REPLICA_SERVER_KEY", default=None,
               help="CURVE: the replicas' server.key, when they run with --auth.")
 def gateway(model: Path, state: str, host: str, port: int, served_model_name: str | None,
-            max_pending: int, request_timeout: float, poll_interval: float,
+            max_pending: int, request_timeout: float, poll_interval: float, prefix_slack: int,
             auth: Path | None, key: str | None, server_key: str | None,
             replica_server_key: str | None) -> None:
     """Serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models over the
@@ -82,8 +88,8 @@ def gateway(model: Path, state: str, host: str, port: int, served_model_name: st
     # bind first, before anything starts: connections made after it wait in the backlog until
     # uvicorn accepts, and a port in use is refused before any thread runs
     sock = _listening(host, port)
-    router = Router(state, interval_s=poll_interval, keys=keys,
-                    replica_keys=replica_keys).start()
+    router = Router(state, interval_s=poll_interval, keys=keys, replica_keys=replica_keys,
+                    prefix_slack=prefix_slack).start()
     try:
         gw = Gateway(router, model, served_name=served_model_name or model.resolve().name,
                      request_timeout_s=request_timeout)

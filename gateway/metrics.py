@@ -4,17 +4,19 @@ in flight, each replica's queue, and what routers outside need to prefer the rep
 an adapter: vLLM's `vllm:lora_requests_info` per replica (the gauge Kubernetes' Gateway API
 Inference Extension reads for LoRA-affinity routing), from the replica's own running and
 waiting requests per adapter, and explicit gauges of each replica's resident set (slots and
-host tier) and per-adapter queue, all from its last status (docs/gateway.md "Metrics")."""
+host tier) and per-adapter queue, and its prefix cache's blocks and hits, all from its last
+status (docs/gateway.md "Metrics")."""
 from __future__ import annotations
 
 import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.routing import Router
+from shared.prefix import BLOCK_TOKENS
 
 UNRESOLVED = ""  # the model label of a request refused before its model was resolved
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -27,7 +29,7 @@ class FleetCollector(Collector):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         view = self.router.view
         queued = GaugeMetricFamily("loraplane_gateway_replica_queued",
                                    "Requests running or waiting on a replica (its last status "
@@ -49,6 +51,18 @@ class FleetCollector(Collector):
         waiting = GaugeMetricFamily("loraplane_adapter_waiting", "Requests waiting for an "
                                     "adapter on a replica (its queue), at its last status",
                                     labels=["replica", "adapter"])
+        # the prefix cache of each replica that has one on (docs/protocol.md §13b): blocks
+        # now, and its counts since it started (a restart begins them again, as a counter's)
+        blocks = {k: GaugeMetricFamily(f"loraplane_prefix_cache_{k}_blocks", f"KV blocks of "
+                                       f"{BLOCK_TOKENS} tokens a replica's prefix cache {verb}",
+                                       labels=["replica"])
+                  for k, verb in (("used", "holds"), ("capacity", "can hold"))}
+        counts = {k: CounterMetricFamily(f"loraplane_prefix_cache_{k}", what, labels=["replica"])
+                  for k, what in (("lookups", "Prompts a replica looked up in its prefix cache"),
+                                  ("prompt_tokens", "Prompt tokens a replica looked up in its "
+                                   "prefix cache"),
+                                  ("hit_tokens", "Prompt tokens whose KV a replica's prefix "
+                                   "cache held"))}
         max_lora = str((view.pool or {}).get("max_loras", ""))
         # only registered names become label values (a replica's queue may name anything a
         # client sent it directly)
@@ -66,11 +80,13 @@ class FleetCollector(Collector):
             for tier, names in (("slot", r.resident), ("host", r.host)):
                 for a in sorted(names & known.keys()):
                     resident.add_metric([r.id, a, tier], 1)
-        yield queued
-        yield info
-        yield resident
-        yield running
-        yield waiting
+            if r.prefix is not None:
+                for k, gauge in blocks.items():
+                    gauge.add_metric([r.id], getattr(r.prefix, f"{k}_blocks"))
+                for k, counter in counts.items():
+                    counter.add_metric([r.id], getattr(r.prefix, k))
+        yield from (queued, info, resident, running, waiting, *blocks.values(),
+                    *counts.values())
 
 
 class Metrics:

@@ -1,27 +1,47 @@
 """The gateway's view of the fleet, followed from statesvc, and the choice of a replica.
 
 A poller thread reads statesvc's `status` (replicas) and `list` (the registry: each adapter's
-version is the seq of its load) and each live replica's own `status` (queue and resident
-set, host tier and per-adapter requests) every `interval_s`. A request goes to an ACTIVE
-replica that agrees with the log and has applied at least the adapter's load seq (`min_seq`),
-preferring one where the adapter is resident in a slot, then one that holds it in its host
-tier (parsed: a slot write away), then the fewest queued requests (its last status plus what
-this gateway has sent it since); when none has applied that seq yet, any ACTIVE agreeing
-replica, which waits for it. docs/gateway.md "Routing" writes the score down.
+version is the seq of its load, its sha256 and scaling its prefix root) and each live
+replica's own `status` (queue and resident set, host tier, per-adapter requests and the
+prefixes its prefix cache holds) every `interval_s`. A request goes to an ACTIVE replica that
+agrees with the log and has applied at least the adapter's load seq (`min_seq`), preferring
+one where the adapter is resident in a slot, then one that holds it in its host tier (parsed:
+a slot write away), then, among those queued at most `prefix_slack` more than the least
+queued of that tier, the one holding the longest prefix of the prompt, then the fewest queued
+requests (its last status plus what this gateway has sent it since); when none has applied
+that seq yet, any ACTIVE agreeing replica, which waits for it. docs/gateway.md "Routing"
+writes the score down.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Sequence
 
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
+from shared.config import DEFAULT_PREFIX_SLACK
 from shared.keys import ClientKeys
+from shared.prefix import BASE_ROOT, BLOCK_TOKENS, block_hashes, content_root, summary_depths
 from shared.replica_protocol import STATUS
 from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed.gateway")
+MAX_SUMMARY = 4096  # prefix summary entries kept of a replica's status (it sends at most this)
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """A replica's prefix cache at its last status (docs/protocol.md §13b `prefix_cache`)."""
+
+    capacity_blocks: int
+    used_blocks: int
+    lookups: int  # since the replica started, as the two token counts
+    hit_tokens: int  # prompt tokens whose KV the cache held
+    prompt_tokens: int  # prompt tokens looked up
+    # the chain hashes (shared/prefix.py) of the prefixes it holds, at the summary depths; empty
+    # when its blocks are not BLOCK_TOKENS long (hashes the gateway cannot make)
+    held: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,7 @@ class ReplicaView:
     host: frozenset[str] = frozenset()  # adapter names in its host tier (parsed weights)
     # adapter name -> (requests running on it, requests waiting for it) at its last status
     requests: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    prefix: PrefixCache | None = None  # None: its prefix cache is off (or not reported)
 
     def tier(self, adapter: str | None) -> int:
         """Where `adapter` is on this replica, best first: 0 in a slot (or the base model), 1 in
@@ -42,6 +63,44 @@ class ReplicaView:
         if adapter is None or adapter in self.resident:
             return 0
         return 1 if adapter in self.host else 2
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """A prompt's chain hashes under its adapter's root at the summary depths, deepest first,
+    made once for all the candidates of a request."""
+
+    depths: tuple[tuple[int, str], ...]
+
+    @staticmethod
+    def of(root: str, tokens: Sequence[int]) -> PromptKeys:
+        depths = summary_depths(len(tokens) // BLOCK_TOKENS)
+        chain = block_hashes(root, tokens, blocks=depths[-1]) if depths else []
+        return PromptKeys(tuple((d, chain[d - 1]) for d in reversed(depths)))
+
+    def held_by(self, r: ReplicaView) -> int:
+        """The leading tokens of the prompt whose KV `r` holds, to its summary's resolution
+        (shared/prefix.py `matched_tokens`)."""
+        held = r.prefix.held if r.prefix is not None else frozenset()
+        return next((d * BLOCK_TOKENS for d, h in self.depths if h in held), 0)
+
+
+def rank(pool: Sequence[ReplicaView], adapter: str | None, queued: Mapping[str, int],
+         prompt: PromptKeys | None, slack: int) -> list[ReplicaView]:
+    """`pool` best first for a request on `adapter` (docs/gateway.md, Routing): by tier; then,
+    among the replicas queued at most `slack` more than the least queued of their tier, the
+    longest prefix of the prompt held (`prompt` None: none known); then the fewest queued
+    (`queued`: address -> requests); then the id."""
+    least: dict[int, int] = {}
+    for r in pool:
+        t = r.tier(adapter)
+        least[t] = min(least.get(t, queued[r.address]), queued[r.address])
+
+    def key(r: ReplicaView) -> tuple[int, int, int, str]:
+        t, q = r.tier(adapter), queued[r.address]
+        held = prompt.held_by(r) if prompt is not None and q <= least[t] + slack else 0
+        return (t, -held, q, r.id)
+    return sorted(pool, key=key)
 
 
 @dataclass
@@ -53,6 +112,9 @@ class FleetView:
     head_seq: int = 0
     pool: dict[str, Any] | None = None
     adapters: dict[str, int] = field(default_factory=dict)  # name -> version (= load seq)
+    # name -> its version's prefix root (shared/prefix.py `content_root`); none for a version
+    # this gateway loaded until a poll lists it
+    roots: dict[str, str] = field(default_factory=dict)
     replicas: tuple[ReplicaView, ...] = ()
 
 
@@ -60,24 +122,28 @@ def _with(view: FleetView, learned: dict[str, tuple[int | None, int]]) -> FleetV
     if not learned:
         return view
     adapters = dict(view.adapters)
+    roots = {n: r for n, r in view.roots.items() if n not in learned}
     for name, (version, _) in learned.items():
         if version is None:
             adapters.pop(name, None)
         else:
             adapters[name] = version
     return FleetView(ok=view.ok, error=view.error, head_seq=view.head_seq, pool=view.pool,
-                     adapters=adapters, replicas=view.replicas)
+                     adapters=adapters, roots=roots, replicas=view.replicas)
 
 
 class Router:
     def __init__(self, state: str, *, interval_s: float = 0.5, timeout_s: float = 2.0,
-                 keys: ClientKeys | None = None,
-                 replica_keys: ClientKeys | None = None) -> None:
+                 keys: ClientKeys | None = None, replica_keys: ClientKeys | None = None,
+                 prefix_slack: int = DEFAULT_PREFIX_SLACK) -> None:
+        if prefix_slack < 0:
+            raise ValueError(f"prefix_slack {prefix_slack} is below 0 (--prefix-slack)")
         self.state = state
         self.keys = keys  # the gateway's CURVE identity on statesvc (None: no --auth there)
         self.replica_keys = replica_keys  # ... and on the replicas' listen sockets
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.prefix_slack = prefix_slack
         self.view = FleetView()
         # replica address -> adapter (None: the base model) -> requests sent and unanswered
         self._inflight: dict[str, dict[str | None, int]] = {}
@@ -139,6 +205,7 @@ class Router:
         except (Unavailable, RemoteError) as exc:
             return FleetView(ok=False, error=f"statesvc at {self.state}: {exc}",
                              replicas=self.view.replicas, adapters=self.view.adapters,
+                             roots=self.view.roots,
                              pool=self.view.pool, head_seq=self.view.head_seq)
         views = []
         before = {v.address: v for v in self.view.replicas}
@@ -169,10 +236,12 @@ class Router:
                 applied_seq=max(int(r["applied_seq"]), int(own.get("applied_seq", 0))),
                 queued=int(inf["running"]) + int(inf["waiting"]), resident=resident,
                 max_len=int(inf["max_len"]), host=_host_tier(own),
-                requests=_adapter_requests(own)))
+                requests=_adapter_requests(own), prefix=_prefix_cache(own)))
         return FleetView(ok=True, error="", head_seq=int(status["head_seq"]),
                          pool=first.get("pool"),
                          adapters={a["name"]: int(a["version"]) for a in adapters},
+                         roots={a["name"]: content_root(a["sha256"], a["scaling"])
+                                for a in adapters},
                          replicas=tuple(sorted(views, key=lambda v: v.id)))
 
     def _replica_status(self, address: str) -> dict[str, Any] | None:
@@ -187,18 +256,24 @@ class Router:
             return None
 
     def candidates(self, adapter: str | None, min_seq: int,
-                   exclude: frozenset[str] = frozenset()) -> list[ReplicaView]:
-        """The replicas to try for a request, best first."""
+                   exclude: frozenset[str] = frozenset(), *,
+                   tokens: Sequence[int] = ()) -> list[ReplicaView]:
+        """The replicas to try for a request on `adapter` whose prompt is `tokens`, best first
+        (`rank`). The prompt is hashed once a call, and only when a candidate reports a
+        prefix cache and the adapter's root is known."""
         with self._lock:
-            replicas = [r for r in self.view.replicas
+            view = self.view
+            replicas = [r for r in view.replicas
                         if r.address not in exclude and r.address not in self._failed]
+            queued = {r.address: r.queued + sum(self._inflight.get(r.address, {}).values())
+                      for r in replicas}
         caught_up = [r for r in replicas if r.applied_seq >= min_seq]
         pool = caught_up or replicas  # none has it yet: one that will wait for min_seq
-        with self._lock:
-            def key(r: ReplicaView) -> tuple[int, int, str]:
-                return (r.tier(adapter),
-                        r.queued + sum(self._inflight.get(r.address, {}).values()), r.id)
-            return sorted(pool, key=key)
+        root = BASE_ROOT if adapter is None else view.roots.get(adapter)
+        prompt = None
+        if root is not None and any(r.prefix is not None and r.prefix.held for r in pool):
+            prompt = PromptKeys.of(root, tokens)
+        return rank(pool, adapter, queued, prompt, self.prefix_slack)
 
     def failed(self, address: str) -> None:
         """A request found this replica gone: no more requests until its status answers."""
@@ -223,6 +298,19 @@ def _host_tier(status: dict[str, Any]) -> frozenset[str]:
     not report it: none)."""
     return frozenset(e["name"] for e in status.get("host_tier") or []
                      if isinstance(e, dict) and isinstance(e.get("name"), str))
+
+
+def _prefix_cache(status: dict[str, Any]) -> PrefixCache | None:
+    """A replica status's `prefix_cache` (null, or absent from a replica that does not report
+    it: None)."""
+    got = status.get("prefix_cache")
+    if not isinstance(got, dict):
+        return None
+    summary = got.get("summary") if got.get("block_tokens") == BLOCK_TOKENS else None
+    held = frozenset(h for h in summary[:MAX_SUMMARY] if isinstance(h, str)) \
+        if isinstance(summary, list) else frozenset[str]()
+    counts = {f.name: int(got.get(f.name, 0)) for f in fields(PrefixCache) if f.name != "held"}
+    return PrefixCache(held=held, **counts)
 
 
 def _adapter_requests(status: dict[str, Any]) -> dict[str, tuple[int, int]]:

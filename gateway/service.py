@@ -185,7 +185,7 @@ class Gateway:
         last: ApiError | None = None
         while True:
             candidates = self.router.candidates(target.adapter, target.min_seq,
-                                                frozenset(tried))
+                                                frozenset(tried), tokens=ids)
             if not candidates:
                 raise last or ApiError(503, "no replica is ready to serve (none ACTIVE and "
                                        "agreeing with the log); see GET /health",

@@ -28,6 +28,9 @@ HELD_REPLY_RETRY_MS = 5
 MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
 # a replica's host tier of parsed adapter weights (computed serve --host-cache-mb), in MiB
 DEFAULT_HOST_CACHE_MB = 512
+# the gateway's --prefix-slack: how many more queued requests than the least queued candidate
+# a replica holding the prompt's prefix may have and still win (docs/gateway.md, Routing)
+DEFAULT_PREFIX_SLACK = 8
 MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's
 REPLICA_SILENCE_S = 3.0             # a replica that hears nothing this long catches up
