@@ -22,12 +22,12 @@ from typing import Any, Mapping, Sequence
 from shared.client import ControlClient, RemoteError, Unavailable, list_adapters
 from shared.config import DEFAULT_PREFIX_SLACK
 from shared.keys import ClientKeys
-from shared.prefix import BASE_ROOT, BLOCK_TOKENS, block_hashes, content_root, summary_depths
+from shared.prefix import BASE_ROOT, BLOCK_TOKENS, SUMMARY_LIMIT, block_hashes, content_root, summary_depths
 from shared.replica_protocol import STATUS
 from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed.gateway")
-MAX_SUMMARY = 4096  # prefix summary entries kept of a replica's status (it sends at most this)
+
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def _prefix_cache(status: dict[str, Any]) -> PrefixCache | None:
     if not isinstance(got, dict):
         return None
     summary = got.get("summary") if got.get("block_tokens") == BLOCK_TOKENS else None
-    held = frozenset(h for h in summary[:MAX_SUMMARY] if isinstance(h, str)) \
+    held = frozenset(h for h in summary[:SUMMARY_LIMIT] if isinstance(h, str)) \
         if isinstance(summary, list) else frozenset[str]()
     counts = {f.name: int(got.get(f.name, 0)) for f in fields(PrefixCache) if f.name != "held"}
     return PrefixCache(held=held, **counts)
