@@ -66,6 +66,8 @@ BENCHES = (
     Bench("tp", "benchmarks.bench_tp", ("--quick",)),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
+    # the prefix cache and chunked prefill, each beside itself switched off (issue 41)
+    Bench("prefix", "benchmarks.bench_prefix", ("--quick",)),
     # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
     Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",)),
 )
@@ -421,6 +423,18 @@ def vllm_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def prefix_figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 41: the prefix cache's TTFT and throughput, chunked prefill's inter-token p99, each
+    with / without in the same rounds (bench_prefix); and the cached run's hit rate."""
+    runs = r["settings"]["rounds"]
+    out = [figure("prefix", t["name"], t["measured"], "x", target=t["target"], meets=t["met"],
+                  spread=spread(r["ratios"][t["ratio"]]), runs=runs) for t in r["targets"]]
+    on = [x["on"] for x in r["rounds"]["sessions"]]
+    out.append(figure("prefix", "shared system prompt, prompt tokens served from the prefix cache",
+                      100 * median([x["hit_tokens"] / x["prompt_tokens"] for x in on]), "%", runs=runs))
+    return out
+
+
 def families_figures(r: dict[str, Any]) -> list[Figure]:
     """Per family (issue 38): decode tokens/s on 16 adapters, 16 adapters / its base model, ours /
     PEFT on the same batch, and the family's 16 adapters / base over Llama's (target >= 0.9x)."""
@@ -458,7 +472,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "pg": pg_figures, "replica": replica_figures,
     "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
     "families": families_figures, "residency": residency_figures, "gateway": gateway_figures,
-    "peer": peer_figures,
+    "peer": peer_figures, "prefix": prefix_figures,
     "tp": tp_figures, "vllm": vllm_figures}
 
 

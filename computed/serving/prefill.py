@@ -3,12 +3,12 @@
 An admitted request first looks its prompt up in the prefix cache (computed/serving/prefix_cache.py)
 under its adapter version's content root: the blocks of its longest cached prefix are copied
 into its row, and only the rest of the prompt is computed. It then waits here until its prompt
-is in its row. Each engine step gives prefill a token budget: unlimited while no request is
-decoding, else `chunk` tokens (--prefill-chunk), spent on the waiting prompts in admission
-order, 16-token-aligned pieces of at most what is left of it (the first piece of a step is never
-empty). So a 2,000-token prompt that arrives among running streams costs each of their steps one
-chunk, not one whole prompt. A prompt whose rest fits is computed whole, in one forward with
-the others of its bucket (LlamaRunner.prefill). Once a prompt is in its row, its blocks not yet
+is in its row. A prompt is computed in pieces of at most `chunk` tokens (--prefill-chunk),
+16-token-aligned, each waiting prompt's next piece in one call (LlamaRunner.prefill groups them
+into forwards by bucket). Each engine step gives prefill a token budget: unlimited while no
+request is decoding, else `chunk` tokens, spent on the waiting prompts in admission order (the
+first piece of a step is never empty). So a 2,000-token prompt that arrives among running
+streams costs each of their steps one chunk, not one whole prompt. Once a prompt is in its row, its blocks not yet
 in the store are saved there, and its first token is sampled.
 
 Exactness: the KV of a cached block is the KV the same tokens under the same adapter content
@@ -75,14 +75,15 @@ class Prefills:
         self.hits.pop(run.row, None)
 
     def plan(self, budget: int | None) -> list[tuple[Running, int]]:
-        """(request, end of this step's piece) for the waiting prompts within `budget` tokens
-        (None: no limit)."""
+        """(request, end of its next piece) for the waiting prompts within `budget` tokens (None:
+        no limit); a piece is at most `chunk` tokens where chunks are on."""
         out: list[tuple[Running, int]] = []
         if budget is not None and budget <= 0:
             return out
         for run in self.waiting:
-            length = len(run.req.args["input_ids"])
-            left = length - run.prefilled
+            left = len(run.req.args["input_ids"]) - run.prefilled
+            if self.chunk and left > self.chunk:
+                left = self.chunk
             if budget is not None:
                 if left > budget:
                     left = budget // BLOCK_TOKENS * BLOCK_TOKENS or (BLOCK_TOKENS if not out else 0)
@@ -93,23 +94,25 @@ class Prefills:
         return out
 
     def run(self, pool: Any, kv: Any, budget: int | None) -> tuple[list[tuple[Running, np.ndarray]], Any, int]:
-        """This step's pieces: returns the requests whose prompts are now whole in their rows,
-        with their last token's logits, the KV cache and the tokens computed."""
-        pieces = self.plan(budget)
-        if not pieces:
-            return [], kv, 0
-        spent = sum(end - r.prefilled for r, end in pieces)
-        starts = [r.prefilled for r, _ in pieces]
-        logits, kv = self.model.prefill(
-            pool, kv, [r.req.args["input_ids"][:end] for r, end in pieces], [r.row for r, _ in pieces],
-            [r.grant.slot for r, _ in pieces], **({"starts": starts} if any(starts) else {}))
-        finished = []
-        for (run, end), row_logits in zip(pieces, logits):
-            run.prefilled = end
-            if end == len(run.req.args["input_ids"]):
-                self.waiting.remove(run)
-                kv = self._save(run, kv)
-                finished.append((run, row_logits))
+        """Prefill pieces until the waiting prompts are whole in their rows or `budget` tokens are
+        spent (None: no limit): returns the requests whose prompts are now whole, with their last
+        token's logits, the KV cache and the tokens computed. (Pieces of `chunk` tokens are
+        cheaper than one whole long prompt even with nothing to interleave: a whole prompt pads to
+        its power-of-two bucket and attends over all of it, docs/prefix-cache.md.)"""
+        finished: list[tuple[Running, np.ndarray]] = []
+        spent = 0
+        while pieces := self.plan(None if budget is None else budget - spent):
+            spent += sum(end - r.prefilled for r, end in pieces)
+            starts = [r.prefilled for r, _ in pieces]
+            logits, kv = self.model.prefill(
+                pool, kv, [r.req.args["input_ids"][:end] for r, end in pieces], [r.row for r, _ in pieces],
+                [r.grant.slot for r, _ in pieces], **({"starts": starts} if any(starts) else {}))
+            for (run, end), row_logits in zip(pieces, logits):
+                run.prefilled = end
+                if end == len(run.req.args["input_ids"]):
+                    self.waiting.remove(run)
+                    kv = self._save(run, kv)
+                    finished.append((run, row_logits))
         return finished, kv, spent
 
     def _save(self, run: Running, kv: Any) -> Any:
