@@ -178,7 +178,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
             prefix_cache, prefill_chunk = False, 0
         engine = Engine(runner, replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout,
                         client_limit=client_queue_limit, prefill_chunk=prefill_chunk,
-                        prefix_blocks=_prefix_blocks(runner, kv_cache_mb) if prefix_cache else 0)
+                        prefix_blocks=_prefix_blocks(runner, kv_cache_mb, prefix_cache))
     try:
         daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state,
                         diffs=diffs, engine=engine, warmup=warmup, heartbeat=heartbeat,
@@ -205,21 +205,22 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     log.info("stopped")
 
 
-def _prefix_blocks(runner: LlamaRunner, kv_cache_mb: int | None) -> int:
+def _prefix_blocks(runner: LlamaRunner, kv_cache_mb: int | None, prefix_cache: bool) -> int:
     """The prefix cache's blocks within --kv-cache-mb, after the running rows' cache; by default
-    as many bytes as the rows' cache. A UsageError where the budget does not hold the rows' cache
-    and one block."""
+    as many bytes as the rows' cache (0 without the prefix cache). A UsageError where the budget
+    does not hold the rows' cache (and one block, with the prefix cache)."""
     rows, block = runner.cache_bytes(), runner.block_bytes()
     if kv_cache_mb is None:
-        return max(1, rows // block)
+        return max(1, rows // block) if prefix_cache else 0
     blocks = (kv_cache_mb * 2**20 - rows) // block
-    if blocks < 1:
-        need = -(-(rows + block) // 2**20)
+    if blocks < int(prefix_cache):
+        need = -(-(rows + block * int(prefix_cache)) // 2**20)
         raise click.UsageError(
             f"--kv-cache-mb {kv_cache_mb} does not hold the running rows' KV cache ({rows / 2**20:.1f} MiB "
-            f"for --max-batch {runner.max_batch} x --max-len {runner.max_len}) and a prefix block: give "
-            f"at least {need}, lower --max-batch or --max-len, or pass --no-prefix-cache")
-    return int(blocks)
+            f"for --max-batch {runner.max_batch} x --max-len {runner.max_len})"
+            + (" and a prefix block" if prefix_cache else "") + f": give at least {need}, or lower "
+            "--max-batch or --max-len" + (", or pass --no-prefix-cache" if prefix_cache else ""))
+    return int(blocks) if prefix_cache else 0
 
 
 def _tensor_parallel(model: Path, n: int, log: logging.Logger) -> Any:
