@@ -228,15 +228,11 @@ class Router:
                 self._failed.discard(r["address"])
             if own.get("state") != "ACTIVE" or not own.get("inference"):
                 continue
-            inf = own["inference"]
-            resident = frozenset(h["name"] for h in (own.get("slots") or {}).values()
-                                 if isinstance(h, dict) and "name" in h)
-            views.append(ReplicaView(
-                id=str(r["id"]), address=str(r["address"]),
-                applied_seq=max(int(r["applied_seq"]), int(own.get("applied_seq", 0))),
-                queued=int(inf["running"]) + int(inf["waiting"]), resident=resident,
-                max_len=int(inf["max_len"]), host=_host_tier(own),
-                requests=_adapter_requests(own), prefix=_prefix_cache(own)))
+            try:
+                views.append(_replica_view(r, own))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                # one replica's malformed status leaves it out, not the whole fleet's poll
+                log.warning("replica %s: unreadable status (%r); not routed to", r.get("address"), exc)
         return FleetView(ok=True, error="", head_seq=int(status["head_seq"]),
                          pool=first.get("pool"),
                          adapters={a["name"]: int(a["version"]) for a in adapters},
@@ -291,6 +287,19 @@ class Router:
     def inflight(self, address: str) -> dict[str | None, int]:
         with self._lock:
             return dict(self._inflight.get(address, {}))
+
+
+def _replica_view(listed: dict[str, Any], own: dict[str, Any]) -> ReplicaView:
+    """A replica as statesvc lists it (`listed`) and as its own status shows it (`own`)."""
+    inf = own["inference"]
+    resident = frozenset(h["name"] for h in (own.get("slots") or {}).values()
+                         if isinstance(h, dict) and "name" in h)
+    return ReplicaView(
+        id=str(listed["id"]), address=str(listed["address"]),
+        applied_seq=max(int(listed["applied_seq"]), int(own.get("applied_seq", 0))),
+        queued=int(inf["running"]) + int(inf["waiting"]), resident=resident,
+        max_len=int(inf["max_len"]), host=_host_tier(own),
+        requests=_adapter_requests(own), prefix=_prefix_cache(own))
 
 
 def _host_tier(status: dict[str, Any]) -> frozenset[str]:

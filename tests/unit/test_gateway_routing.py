@@ -157,3 +157,15 @@ def test_a_polled_prefix_cache_is_routed_on_and_exported() -> None:
                        for k, v in (("used_blocks", 9), ("capacity_blocks", 64),
                                     ("lookups_total", 3), ("prompt_tokens_total", 600),
                                     ("hit_tokens_total", 48))}
+
+
+def test_one_replicas_malformed_status_leaves_out_that_replica_only() -> None:
+    """A status the gateway cannot read (a null where a count goes) drops that replica from
+    the view; the poll still succeeds and the others are routed to."""
+    stats = {"capacity_blocks": 64, "used_blocks": 9, "lookups": 3, "hit_tokens": 48,
+             "prompt_tokens": 600}
+    r = Polled({"r1": {"block_tokens": 16, **stats, "capacity_blocks": None, "summary": []},
+                "r2": {"block_tokens": 16, **stats, "summary": []}})
+    r.refresh()
+    assert r.view.ok
+    assert [v.id for v in r.view.replicas] == ["r2"]
