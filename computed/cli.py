@@ -13,7 +13,8 @@ import click
 
 from gateway.cli import gateway
 from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
-                           DEFAULT_HOST_CACHE_MB, DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN)
+                           DEFAULT_HOST_CACHE_MB, DEFAULT_PREFIX_STORE_MB, DEFAULT_PUBLISH,
+                           DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import (BindError, EndpointError, check_bind, click_addresses,
                               split_addresses)
 from shared.faults import Faults
@@ -92,7 +93,8 @@ def main() -> None:
                    "(keyed by its sha256 and scaling, never its name), LRU within --kv-cache-mb.")
 @click.option("--kv-cache-mb", type=click.IntRange(1), default=None,
               help="KV memory in MiB: the running rows' cache (max_batch x max_len) plus the "
-                   "prefix cache's blocks in what is left [default: the rows' cache twice over].")
+                   "prefix cache's blocks in what is left [default: the rows' cache plus as many "
+                   f"bytes again for the blocks, at most {DEFAULT_PREFIX_STORE_MB} MiB of them].")
 @click.option("--prefill-chunk", type=click.IntRange(0), default=256, show_default=True,
               help="Prompt tokens a step prefills while other requests decode, so a long prompt "
                    "does not stall them (a multiple of 16; 0: whole prompts at once).")
@@ -207,11 +209,12 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
 
 def _prefix_blocks(runner: LlamaRunner, kv_cache_mb: int | None, prefix_cache: bool) -> int:
     """The prefix cache's blocks within --kv-cache-mb, after the running rows' cache; by default
-    as many bytes as the rows' cache (0 without the prefix cache). A UsageError where the budget
-    does not hold the rows' cache (and one block, with the prefix cache)."""
+    as many bytes as the rows' cache, at most DEFAULT_PREFIX_STORE_MB (0 without the prefix
+    cache). A UsageError where the budget does not hold the rows' cache (and one block, with the
+    prefix cache)."""
     rows, block = runner.cache_bytes(), runner.block_bytes()
     if kv_cache_mb is None:
-        return max(1, rows // block) if prefix_cache else 0
+        return max(1, min(rows, DEFAULT_PREFIX_STORE_MB * 2**20) // block) if prefix_cache else 0
     blocks = (kv_cache_mb * 2**20 - rows) // block
     if blocks < int(prefix_cache):
         need = -(-(rows + block * int(prefix_cache)) // 2**20)

@@ -58,3 +58,6 @@ POOL_DTYPES = ("float32", "bfloat16")
 # The largest finite value of each pool dtype: an adapter's scaling must not exceed it.
 POOL_DTYPE_MAX: dict[str, float] = {"float32": 3.4028234663852886e38,
                                     "bfloat16": 3.3895313892515355e38}
+# the prefix cache's block store by default: as many bytes as the running rows' KV cache, at
+# most this many MiB (computed serve --kv-cache-mb; docs/prefix-cache.md)
+DEFAULT_PREFIX_STORE_MB = 1024

@@ -132,8 +132,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
 
 
 def test_status_reports_an_empty_cache_and_the_gateway_exports_it(setup: Setup) -> None:
-    """The default --kv-cache-mb gives the store as many bytes as the rows' cache: as many
-    16-token blocks as the rows hold positions."""
+    """The default --kv-cache-mb gives the store as many bytes as the rows' cache (here far
+    below the default's 1 GiB cap): as many 16-token blocks as the rows hold positions."""
     for r in (setup.r1, setup.r2):
         status = r.status()
         assert {h["name"] for h in status["slots"].values()} == {"a"}
