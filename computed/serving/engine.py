@@ -61,7 +61,7 @@ class Request:
     eligible: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the engine finds a request in its lists
 class Running:
     req: Request
     row: int

@@ -305,3 +305,37 @@ def test_moe_pool_holds_attention_lora_and_refuses_lora_on_experts(name: str, tm
         assert [e["type"] for e in events] == ["pool.configured", "adapter.loaded"]
     finally:
         svc.stop()
+
+
+def test_family_in_chunks_matches_transformers_and_peft(family: Family) -> None:
+    """Prompts of 40 tokens (past every sliding window) prefilled 16 tokens a step, each chunk
+    attending over its row's cache (the path of chunked prefill and of prefix-cache hits,
+    computed/serving/prefill.py), then decoded as one mixed batch: PEFT's greedy tokens. A
+    model with dynamic RoPE runs no chunks (its tables depend on each forward's length). On the
+    backend serving picks (the chunk's attention is XLA's on both)."""
+    from computed.model.runner import LlamaRunner
+    fam = family
+    params = backend_params(fam, "native" if native.available() else "xla")
+    runner = LlamaRunner(fam.config, params, max_batch=3, max_len=MAX_LEN, extend=True)
+    if not LlamaRunner.chunkable(fam.config):
+        assert not runner.extend
+        return
+    adapters: list[str | None] = [None, *fam.adapter_dirs]
+    rng = np.random.default_rng(11)
+    long = [rng.integers(0, fam.config.vocab_size, 40).tolist() for _ in adapters]
+    slots = [fam.slot(a) for a in adapters]
+    cache = runner.new_cache()
+    for start in (0, 16, 32):
+        logits, cache = runner.prefill(fam.pool.arrays, cache, [p[:start + 16] for p in long], [0, 1, 2], slots,
+                                       starts=[start] * 3)
+    want = [fam.greedy(p, a) for p, a in zip(long, adapters)]
+    got_rows = [[int(np.argmax(row))] for row in logits]
+    for b in range(3):
+        close(logits[b], want[b][1][0])
+    for step in range(1, NEW_TOKENS):
+        out, cache = runner.decode(fam.pool.arrays, cache, np.array([g[-1] for g in got_rows]),
+                                   np.full(3, 40 + step - 1), np.array(slots), np.ones(3, bool))
+        for b in range(3):
+            close(out[b], want[b][1][step])
+            got_rows[b].append(int(np.argmax(out[b])))
+    assert got_rows == [w[0] for w in want], f"{fam.config.model_type} in chunks: greedy tokens differ"
