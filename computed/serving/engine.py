@@ -226,7 +226,7 @@ class Engine:
         self._budget = self.prefills.chunk or None if any(
             r is not None and r not in waiting for r in self.rows) else None
         self._admit(done, intake)
-        if waiting:  # nothing was admitted this step: the chunks of earlier prompts
+        if waiting:  # prompts still waiting: earlier steps' chunks, in what the budget leaves
             self._prefill([], done)
         active = [r for r in self.rows if r is not None and r not in waiting]
         if not active:

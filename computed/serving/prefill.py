@@ -17,8 +17,7 @@ Greedy outputs with the cache on equal those with it off (tests/integration/test
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,19 +28,11 @@ if TYPE_CHECKING:
     from computed.serving.engine import Running
 
 
-class ChunkModel(Protocol):
-    """What prefill asks of the model beyond `Model.prefill` (computed/model/runner.py LlamaRunner)."""
-
-    def prefill(self, pool: Any, cache: Any, prompts: list[list[int]], rows: list[int], slots: list[int],
-                starts: Sequence[int] | None = None) -> tuple[np.ndarray, Any]: ...
-
-    def load_blocks(self, cache: Any, store: Any, row: int, ids: Sequence[int]) -> Any: ...
-
-    def save_blocks(self, store: Any, cache: Any, row: int, src: Sequence[int], dst: Sequence[int]) -> Any: ...
-
-
 class Prefills:
-    """The prompts admitted and not yet in their rows, the prefix cache and its store."""
+    """The prompts admitted and not yet in their rows, the prefix cache and its store. The model
+    is the engine's, with what chunks and the store need besides `Model.prefill`: `prefill`'s
+    `starts`, `new_blocks`, `load_blocks` and `save_blocks` (computed/model/runner.py
+    LlamaRunner, built with `extend`)."""
 
     def __init__(self, model: Any, *, chunk: int = 0, prefix_blocks: int = 0) -> None:
         if chunk and (chunk % BLOCK_TOKENS or not getattr(model, "extend", False)):
