@@ -67,7 +67,7 @@ BENCHES = (
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
     # the prefix cache and chunked prefill, each beside itself switched off (issue 41)
-    Bench("prefix", "benchmarks.bench_prefix", ("--quick",)),
+    Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True),
     # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
     Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",)),
 )
