@@ -170,9 +170,6 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         if prefill_chunk % 16:
             raise click.BadParameter(f"{prefill_chunk} is not a multiple of 16 (the KV block)",
                                      param_hint="--prefill-chunk")
-        if tensor_parallel > 1 and (prefix_cache or prefill_chunk):
-            log.info("tensor-parallel: no prefix cache and whole-prompt prefill (docs/prefix-cache.md)")
-            prefix_cache, prefill_chunk = False, 0
         runner = LlamaRunner(config, params, max_batch=max_batch, max_len=length,
                              extend=prefix_cache or prefill_chunk > 0)
         if not runner.extend and (prefix_cache or prefill_chunk):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
+    from computed.model.kv_blocks import KVBlocks
     from computed.model.kv_cache import KVCache
     from computed.model.params import PackedWeight
     from computed.residency.pool import LoraPool
@@ -110,6 +111,10 @@ class Backend(ABC):
         """`cache` laid out as this backend's decode reads it (a tensor-parallel backend splits it
         over its mesh); in or out of jit."""
         return cache
+
+    def shard_blocks(self, store: KVBlocks) -> KVBlocks:
+        """The prefix cache's block store laid out as the KV cache is (split by KV head on a mesh)."""
+        return store
 
     @abstractmethod
     def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: int,

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from computed.backend.xla import XlaBackend
 from computed.model import sharding
+from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
 from computed.model.params import PackedWeight
 from computed.residency.pool import LoraPool
@@ -84,3 +85,7 @@ class TensorParallelBackend(XlaBackend):
     def shard_cache(self, cache: KVCache) -> KVCache:
         assert self.mesh is not None
         return sharding.shard_cache(cache, self.mesh)
+
+    def shard_blocks(self, store: KVBlocks) -> KVBlocks:
+        assert self.mesh is not None
+        return sharding.shard_cache(store, self.mesh)

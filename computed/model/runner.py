@@ -366,7 +366,8 @@ class LlamaRunner:
         return self.max_batch * kv_cache.blocks(self.max_len) * self.block_bytes()
 
     def new_blocks(self, n: int) -> KVBlocks:
-        return kv_blocks.zeros(self.config, n, self.params.backend.cache_dtype(self.params.dtype))
+        backend = self.params.backend
+        return backend.shard_blocks(kv_blocks.zeros(self.config, n, backend.cache_dtype(self.params.dtype)))
 
     def _padded(self, ids: Sequence[int], fill: int) -> np.ndarray:
         m = next(b for b in self.block_counts if b >= len(ids))

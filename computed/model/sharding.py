@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from computed.model.config import LlamaConfig
+from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
 from computed.model.params import LayerParams, LlamaParams, PackedWeight
 from computed.residency.pool import LoraPool, PoolSpec
@@ -110,13 +111,18 @@ def pool_shardings(spec: PoolSpec, mesh: Mesh) -> LoraPool:
                                        is_leaf=lambda x: isinstance(x, P)))
 
 
-CACHE_SPEC = P(None, None, AXIS)  # K and V, either layout: [layers, rows, kv_heads, ...]
+# K and V, either layout: [layers, rows, kv_heads, ...]; the prefix cache's blocks alike:
+# [blocks, layers, kv_heads, ...] (computed/model/kv_blocks.py)
+CACHE_SPEC = P(None, None, AXIS)
+
+Cache = TypeVar("Cache", KVCache, KVBlocks)
 
 
-def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
-    """`cache` split by KV head: placed (outside jit) or constrained (inside)."""
+def shard_cache(cache: Cache, mesh: Mesh) -> Cache:
+    """`cache` (the KV cache, or the prefix cache's blocks) split by KV head: placed (outside
+    jit) or constrained (inside)."""
     sharding = NamedSharding(mesh, CACHE_SPEC)
-    return cast(KVCache, jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache))
+    return cast(Cache, jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache))
 
 
 def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:

@@ -55,6 +55,41 @@ def greedy(runner: LlamaRunner, pool: MemoryPool, batch: list[list[int]], slots:
     return np.stack(toks), np.stack(steps)
 
 
+def greedy_in_chunks(runner: LlamaRunner, pool: MemoryPool, batch: list[list[int]], slots: list[int],
+                     store: Any) -> tuple[np.ndarray, Any]:
+    """`greedy`'s tokens with every prompt prefilled 16 tokens at a time (the later chunks
+    continuing their rows), then the longest prompt once more from its first block copied
+    through the prefix cache's store into a fresh cache: tokens [NEW_TOKENS, n + 1] (the last
+    column that prompt's) and the store."""
+    n = len(batch)
+    cache = runner.new_cache()
+    first = np.zeros((n, runner.vocab_size), np.float32)
+    for start in range(0, max(len(p) for p in batch), 16):
+        live = [i for i in range(n) if start < len(batch[i])]
+        logits, cache = runner.prefill(pool.arrays, cache, [batch[i][:start + 16] for i in live], live,
+                                       [slots[i] for i in live], starts=[start] * len(live))
+        first[live] = logits
+    longest = max(range(n), key=lambda i: len(batch[i]))
+    store = runner.save_blocks(store, cache, longest, [0], [3])
+    fresh = runner.load_blocks(runner.new_cache(), store, n, [3])
+    again, fresh = runner.prefill(pool.arrays, fresh, [batch[longest]], [n], [slots[longest]], starts=[16])
+    toks = [np.concatenate([first.argmax(-1), again.argmax(-1)])]
+    rows = n + 1
+    active = np.arange(MAX_BATCH) < rows
+    pos = np.zeros(MAX_BATCH, np.int32)
+    pos[:rows] = [len(p) for p in batch] + [len(batch[longest])]
+    slot_rows = np.full(MAX_BATCH, lora.BASE, np.int32)
+    slot_rows[:rows] = list(slots) + [slots[longest]]
+    # rows 0..n-1 decode from `cache`, row n from `fresh`: two caches, one step each
+    for step in range(NEW_TOKENS - 1):
+        tokens = np.zeros(MAX_BATCH, np.int32)
+        tokens[:rows] = toks[-1]
+        logits, cache = runner.decode(pool.arrays, cache, tokens, pos + step, slot_rows, active & (np.arange(MAX_BATCH) < n))
+        more, fresh = runner.decode(pool.arrays, fresh, tokens, pos + step, slot_rows, np.arange(MAX_BATCH) == n)
+        toks.append(np.concatenate([logits[:n].argmax(-1), more[n:n + 1].argmax(-1)]))
+    return np.stack(toks), store
+
+
 def shard_report(tree: Any, n: int) -> list[str]:
     """Arrays whose shards on some device are not exactly 1/n (split) or whole (replicated)."""
     bad = []
@@ -96,11 +131,15 @@ def main(n: int, root: Path, out: Path) -> None:
     mixed: list[str | None] = [None, *names, names[0]][:MAX_BATCH]
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, config.vocab_size, (len(mixed), 11))
-    runner = LlamaRunner(config, params, max_batch=MAX_BATCH, max_len=MAX_LEN)
+    runner = LlamaRunner(config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, extend=True)
     batch = prompts(config.vocab_size)[:len(mixed)]
-    runner.warmup(pool.shapes(), runner.new_cache())  # as a replica does before it serves
+    store = runner.new_blocks(4)
+    runner.warmup(pool.shapes(), runner.new_cache(), store=store)  # as a replica does before it serves
     with counting_compiles() as serving:
         mixed_tokens, mixed_logits = greedy(runner, pool, batch, [slot_of[a] for a in mixed])
+        # the same prompts in chunks, and one from the prefix cache's store (3 of 4 rows: a
+        # fourth row for the store's copy)
+        chunk_tokens, store = greedy_in_chunks(runner, pool, batch[:3], [slot_of[a] for a in mixed[:3]], store)
     singles = [greedy(runner, pool, [batch[i]], [slot_of[a]]) for i, a in enumerate(mixed)]
     result: dict[str, Any] = {"n": n, "mixed": [a for a in mixed], "pool_digest": pool.digest(),
                               "compiles_after_warmup": len(serving)}
@@ -116,13 +155,14 @@ def main(n: int, root: Path, out: Path) -> None:
         jax.block_until_ready(pool.arrays)
     result["write"] = {"compiles": len(seen), "in_place": pointers(pool) == before,
                        "others_unchanged": [pool.slot_digest(s) for s in range(1, spec.slots - 1)] == others[:-1]}
-    result["bad_shards"] = shard_report(params, n) + shard_report(pool.arrays, n) + shard_report(runner.new_cache(), n)
+    result["bad_shards"] = (shard_report(params, n) + shard_report(pool.arrays, n) + shard_report(runner.new_cache(), n)
+                            + shard_report(store, n))
     result["bytes"] = {"weights": sharding.device_bytes(params), "pool": sharding.device_bytes(pool.arrays),
                        "weights_formula": sharding.expected_param_bytes(params, n),
                        "pool_formula": sharding.expected_pool_bytes(spec, n, 4)}
     np.savez(out.with_suffix(".npz"), forward=np.asarray(forward_full(params, pool.arrays, tokens,
                                                                      [slot_of[a] for a in mixed])),
-             tokens=tokens, mixed_tokens=mixed_tokens, mixed_logits=mixed_logits,
+             tokens=tokens, mixed_tokens=mixed_tokens, mixed_logits=mixed_logits, chunk_tokens=chunk_tokens,
              single_tokens=np.stack([t[:, 0] for t, _ in singles]),
              single_logits=np.stack([lg[:, 0] for _, lg in singles]))
     out.with_suffix(".json").write_text(json.dumps(result))
