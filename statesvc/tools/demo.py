@@ -208,6 +208,22 @@ def gateway_chat(url: str, model: str, messages: list[dict[str, str]]) -> tuple[
     return res.choices[0].message.content or "", res.usage.prompt_tokens
 
 
+def prefix_turns(address: str, keys: ClientKeys) -> tuple[str, bool]:
+    """Two turns on one adapter sharing a 48-token system prompt, one after the other: the
+    second's system prompt comes from the replica's prefix cache (docs/prefix-cache.md)."""
+    system = [3 + (7 * i) % 200 for i in range(48)]
+    before = replica_status(address, keys)["prefix_cache"]
+    for turn in ([11, 12, 13], [21, 22, 23]):
+        ask(address, [("support-bot", GENERATE, generate_args(system + turn, adapter="support-bot",
+                                                              max_new_tokens=4))], keys)
+    after = replica_status(address, keys)["prefix_cache"]
+    hit = after["hit_tokens"] - before["hit_tokens"]
+    console.print(f"replica-1 prefix cache: two turns on support-bot sharing a {len(system)}-token system "
+                  f"prompt; the second took {hit} of its {len(system) + 3} prompt tokens from the cache "
+                  f"({after['used_blocks']} of {after['capacity_blocks']} blocks held)")
+    return f"prefix cache: the second turn reused {hit} tokens of the shared system prompt", hit >= len(system)
+
+
 def run(root: Path, family: str = "llama") -> None:
     t0 = time.perf_counter()
     demo = Demo(root)
@@ -264,6 +280,7 @@ def run(root: Path, family: str = "llama") -> None:
         report.append((f"{len(adapters)} adapters served on {SLOTS} slots: "
                        f"{res['evictions']} evictions", res["evictions"] >= len(adapters) - SLOTS
                        and res["resident"] <= SLOTS))
+        report.append(prefix_turns(r1, demo.replica_client_keys()))
         console.print(Rule("5. the same batch through the OpenAI-compatible gateway"))
         url = demo.start_gateway(assets["model"], svc)
         base = Path(assets["model"]).name

@@ -203,11 +203,13 @@ def test_a_four_device_replica_agrees_with_a_one_device_one_in_the_drill(assets:
     try:
         # tp_worker's pool (4 slots, rank 32): the four-device replica's warm-up then compiles what
         # the `runs` fixture's N = 4 worker compiled, and reads it from the session's JAX cache
+        # (whole prompts, as that worker runs them: chunks and the store are checked on N = 2)
         fleet.init(max_loras=4, max_rank=32)
         fleet.cmd("load", name="every", path=str(assets.adapter_dirs["rslora-all-r8"]))
         fleet.cmd("load", name="attn", path=str(assets.adapter_dirs["attn-r4"]))
-        one = fleet.replica("one", args=("--max-batch", "4", "--max-len", "32"))
-        four = fleet.replica("four", args=("--max-batch", "4", "--max-len", "32", "--tensor-parallel", "4"),
+        whole = ("--no-prefix-cache", "--prefill-chunk", "0")
+        one = fleet.replica("one", args=("--max-batch", "4", "--max-len", "32", *whole))
+        four = fleet.replica("four", args=("--max-batch", "4", "--max-len", "32", "--tensor-parallel", "4", *whole),
                              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
         wait_for(lambda: fleet.converged(one, four), timeout=240, what="both replicas at the head")
         s1, s4 = one.status(), four.status()
