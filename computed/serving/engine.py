@@ -28,6 +28,7 @@ import numpy as np
 from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
 from computed.serving.prefill import Prefills
+from computed.serving.prefix_cache import Hit
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
@@ -72,6 +73,7 @@ class Running:
     output: list[int] = field(default_factory=list)
     admitted: float = 0.0
     prefilled: int = 0  # prompt tokens whose KV is in its row (computed/serving/prefill.py)
+    hit: Hit | None = None  # its prompt's prefix-cache lookup, until its blocks are saved
     prefill_s: float = 0.0
     residency_s: float = 0.0  # from first having a row to holding its slot (Request.eligible)
 

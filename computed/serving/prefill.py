@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from computed.serving.prefix_cache import Hit, PrefixCache
+from computed.serving.prefix_cache import PrefixCache
 from shared.prefix import BLOCK_TOKENS
 
 if TYPE_CHECKING:
@@ -45,14 +45,13 @@ class Prefills:
         self.cache = PrefixCache(prefix_blocks) if prefix_blocks else None
         self.store = model.new_blocks(prefix_blocks) if prefix_blocks else None
         self.waiting: list[Running] = []
-        self.hits: dict[int, Hit] = {}  # by row
 
     def admit(self, run: Running, kv: Any) -> Any:
         """Queue `run`'s prompt; a prefix-cache hit is copied into its row now. Returns the KV cache."""
         prompt = run.req.args["input_ids"]
         if self.cache is not None:
             hit = self.cache.lookup(run.grant.root, prompt)
-            self.hits[run.row] = hit
+            run.hit = hit
             if hit.ids:
                 kv = self.model.load_blocks(kv, self.store, run.row, hit.ids)
                 run.prefilled = hit.tokens
@@ -63,7 +62,7 @@ class Prefills:
         """`run` leaves (cancelled, failed) before its prompt was in its row."""
         if run in self.waiting:
             self.waiting.remove(run)
-        self.hits.pop(run.row, None)
+        run.hit = None
 
     def plan(self, budget: int | None) -> list[tuple[Running, int]]:
         """(request, end of its next piece) for the waiting prompts within `budget` tokens (None:
@@ -107,7 +106,7 @@ class Prefills:
         return finished, kv, spent
 
     def _save(self, run: Running, kv: Any) -> Any:
-        hit = self.hits.pop(run.row, None)
+        hit, run.hit = run.hit, None
         if self.cache is not None and hit is not None:
             src, dst = self.cache.claim(hit)
             if src:
