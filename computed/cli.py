@@ -98,6 +98,10 @@ def main() -> None:
 @click.option("--prefill-chunk", type=click.IntRange(0), default=256, show_default=True,
               help="Prompt tokens a step prefills while other requests decode, so a long prompt "
                    "does not stall them (a multiple of 16; 0: whole prompts at once).")
+@click.option("--compile-cache/--no-compile-cache", default=True, show_default=True,
+              help="Keep the warm-up's compiled executables in --cache-dir/xla/, keyed by jax, the "
+                   "kernels' build, the flags, the CPU and the model, so a restart reads them "
+                   "back instead of compiling (JAX_COMPILATION_CACHE_DIR, when set, wins).")
 @click.option("--peer-blobs/--no-peer-blobs", default=True, show_default=True,
               help="On a bootstrap or catch-up, fetch each missing blob from a replica that "
                    "applied its event (statesvc's status names them) before statesvc.")
@@ -107,7 +111,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
           client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
           tensor_parallel: int, prefetch: bool, prefix_cache: bool, kv_cache_mb: int | None,
-          prefill_chunk: int, peer_blobs: bool) -> None:
+          prefill_chunk: int, compile_cache: bool, peer_blobs: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
     from computed.sync import PeerList
@@ -162,6 +166,9 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         from computed.model.config import ModelLoadError
         from computed.model.loader import load_model
         from computed.model.runner import LlamaRunner
+        if compile_cache:
+            from computed.model import compile_cache as cc
+            cc.enable(cache_dir, fingerprint=info.fingerprint, dtype=dtype, tensor_parallel=tensor_parallel)
         try:
             config, params = load_model(model, dtype, tensor_parallel=tensor_parallel)
         except ModelLoadError as exc:
@@ -171,7 +178,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
             raise click.BadParameter(f"{prefill_chunk} is not a multiple of 16 (the KV block)",
                                      param_hint="--prefill-chunk")
         runner = LlamaRunner(config, params, max_batch=max_batch, max_len=length,
-                             extend=prefix_cache or prefill_chunk > 0)
+                             extend=prefix_cache or prefill_chunk > 0, piece=prefill_chunk)
         if not runner.extend and (prefix_cache or prefill_chunk):
             log.info("dynamic RoPE: no prefix cache and whole-prompt prefill (docs/prefix-cache.md)")
             prefix_cache, prefill_chunk = False, 0

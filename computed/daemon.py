@@ -16,6 +16,7 @@ weights); a replica key may call nothing but `blob` and `status` (shared/keys.py
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -23,9 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import zmq
 
+from computed.model.compile_cache import COMPILES
 from computed.serving.engine import Done, Engine, Request
 from computed.replica import Replica
 from computed.sync import IDLE_POLL_MS, SyncLoop, digests
@@ -61,6 +64,30 @@ def residency_stats(r: Replica) -> dict[str, Any] | None:
             **r.fills.stats()}
 
 
+def _nbytes(tree: Any) -> int:
+    return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(tree))
+
+
+def rss_bytes() -> int:
+    """This process's resident set, from /proc/self/statm (0 where there is none)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def memory_report(r: Replica, engine: Engine, weights: int) -> dict[str, int]:
+    """The replica's resident memory beside its parts (bytes): the model's weights as loaded
+    (packed for the kernels), the running rows' KV cache, the prefix cache's block store, the
+    LoRA pool, the host tier's parsed adapters and the blob cache's blobs held in memory; the
+    rest (`other`: the interpreter, jax, XLA's executables, buffers of a step) is RSS less those."""
+    host = r.fills.stats().get("host_bytes", 0) if r.residency is not None else 0
+    parts = {"weights": weights, "kv_rows": _nbytes(engine.cache), "prefix_store": _nbytes(engine.prefills.store),
+             "lora_pool": 0 if r.pool is None else _nbytes(r.pool.arrays), "host_tier": int(host or 0)}
+    rss = rss_bytes()
+    return {"rss": rss, **parts, "other": rss - sum(parts.values())}
+
+
 class Daemon:
     def __init__(self, replica: Replica, *, replica_id: str, listen: str, state: str,
                  diffs: str, engine: Engine | None = None, warmup: bool = True,
@@ -79,6 +106,7 @@ class Daemon:
         self.blob_server = BlobServer(ctx, lambda args: read_chunk(replica.blobs, args))
         if engine is not None:
             engine.on_token = self._token
+        self._weights_bytes = 0 if engine is None else _nbytes(getattr(engine.model, "params", None))
         self.sync = SyncLoop(replica, replica_id=replica_id, listen=self.listen, state=state,
                              diffs=diffs, heartbeat=heartbeat, keys=keys)
         self._stop = False
@@ -108,7 +136,9 @@ class Daemon:
                     # requests wait in the queue until the engine is warm
                     warming = threading.Thread(target=self._warm, name="warmup", daemon=True)
                     warming.start()
-                ready = self.engine is not None and (self.engine.warm or not self.warmup)
+                if not self.warmup and self.engine is not None:
+                    self.engine.warm = True  # --no-warmup: shapes compile as requests need them
+                ready = self.engine is not None and self.engine.warm
                 busy = ready and self.engine is not None and self.engine.busy
                 # only waiters (a fetch, a slot, a min_seq): poll briefly instead of spinning
                 # against the fill worker
@@ -149,10 +179,15 @@ class Daemon:
     def _warm(self) -> None:
         name_os_thread()
         assert self.engine is not None
-        t0 = time.perf_counter()
-        self.engine.warmup(stop=lambda: self._stop)
+        t0, before = time.perf_counter(), COMPILES.start().snapshot()
+        self.engine.warmup(stop=lambda: self._stop, pause=self.replica.faults.after_warmup)
         if self.engine.warm:
-            log.info("inference warmed up in %.1f s", time.perf_counter() - t0)
+            after, seconds = COMPILES.snapshot(), time.perf_counter() - t0
+            compiled, hits = after.compiled - before.compiled, after.cache_hits - before.cache_hits
+            self.engine.warmup_report = {"seconds": round(seconds, 2), "compiles": compiled,
+                                         "cache_hits": hits}
+            log.info("inference warmed up in %.1f s (%d compiles, %d from the compilation cache)",
+                     seconds, compiled, hits)
 
     def status(self, *, details: bool = True) -> dict[str, Any]:
         r = self.replica
@@ -166,7 +201,8 @@ class Daemon:
                 "log_id": r.log_id,
                 "applied_at": r.applied_at, "blob_fetches": r.blobs.fetches,
                 "peer_blob_fetches": r.blobs.peer_fetches,
-                "inference": None if self.engine is None else self.engine.stats(),
+                "inference": None if self.engine is None else
+                {**self.engine.stats(), "memory": memory_report(r, self.engine, self._weights_bytes)},
                 "slots": {str(s): {"name": h.name, "version": h.version, "pinned": h.pinned,
                                    "digest": None if pool is None or pool.pending else d,
                                    "sha256": h.sha256}

@@ -250,8 +250,9 @@ class Endpoints:
         if not view.ok:
             return error_response(ApiError(503, view.error, code="not_ready"))
         if not view.replicas:
-            return error_response(ApiError(503, "no replica is ACTIVE and agreeing with the "
-                                           "log yet", code="not_ready"))
+            warming = f" ({', '.join(view.warming)} warming up)" if view.warming else ""
+            return error_response(ApiError(503, "no replica is ACTIVE, agreeing with the log and "
+                                           f"warm yet{warming}", code="not_ready"))
         return JSONResponse({"status": "ok", "head_seq": view.head_seq,
                              "replicas": [r.id for r in view.replicas]})
 

@@ -116,6 +116,9 @@ class FleetView:
     # this gateway loaded until a poll lists it
     roots: dict[str, str] = field(default_factory=dict)
     replicas: tuple[ReplicaView, ...] = ()
+    # replicas ACTIVE and agreeing but still compiling (status `inference.state` "warming"):
+    # routed nothing until they are ready; a request that finds no ready replica waits for them
+    warming: tuple[str, ...] = ()
 
 
 def _with(view: FleetView, learned: dict[str, tuple[int | None, int]]) -> FleetView:
@@ -207,7 +210,7 @@ class Router:
                              replicas=self.view.replicas, adapters=self.view.adapters,
                              roots=self.view.roots,
                              pool=self.view.pool, head_seq=self.view.head_seq)
-        views = []
+        views, warming = [], []
         before = {v.address: v for v in self.view.replicas}
         listed = {r.get("address") for r in status.get("replicas", [])}
         for gone in set(self._replica_clients) - listed:
@@ -228,6 +231,9 @@ class Router:
                 self._failed.discard(r["address"])
             if own.get("state") != "ACTIVE" or not own.get("inference"):
                 continue
+            if isinstance(own["inference"], dict) and own["inference"].get("warm") is False:
+                warming.append(str(r.get("id", r["address"])))
+                continue
             try:
                 views.append(_replica_view(r, own))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -238,7 +244,7 @@ class Router:
                          adapters={a["name"]: int(a["version"]) for a in adapters},
                          roots={a["name"]: content_root(a["sha256"], a["scaling"])
                                 for a in adapters},
-                         replicas=tuple(sorted(views, key=lambda v: v.id)))
+                         replicas=tuple(sorted(views, key=lambda v: v.id)), warming=tuple(sorted(warming)))
 
     def _replica_status(self, address: str) -> dict[str, Any] | None:
         c = self._replica_clients.get(address)

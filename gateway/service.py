@@ -25,6 +25,7 @@ log = logging.getLogger("computed.gateway")
 CONNECT_TIMEOUT_S = 2.0  # a replica not reachable this long is skipped for another
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 # replica error codes that another replica may not have: try the next one
+WARMING_POLL_S = 0.2  # how often a request waiting for a warming replica looks again
 RETRY_ELSEWHERE = {"overloaded": 429, "not_ready": 503}
 REPLICA_ERRORS = {"bad_request": 400, "prompt_too_long": 400, "unknown_adapter": 404}
 INLINE_PROMPT_CHARS = 4096  # longer text prompts are tokenized on a worker thread
@@ -183,10 +184,20 @@ class Gateway:
         stop_ids = self.stop_ids(s)
         tried: set[str] = set()
         last: ApiError | None = None
+        deadline = time.monotonic() + self.request_timeout_s
         while True:
             candidates = self.router.candidates(target.adapter, target.min_seq,
                                                 frozenset(tried), tokens=ids)
+            while not candidates and self.router.view.warming and time.monotonic() < deadline:
+                # a replica is compiling: wait for it within the request's timeout, not 503 now
+                await asyncio.sleep(WARMING_POLL_S)
+                candidates = self.router.candidates(target.adapter, target.min_seq,
+                                                    frozenset(tried), tokens=ids)
             if not candidates:
+                if self.router.view.warming:
+                    raise ApiError(503, f"no replica became ready within {self.request_timeout_s:g} s: "
+                                   f"{', '.join(self.router.view.warming)} still warming up (compiling); "
+                                   "retry, or raise --request-timeout", code="not_ready")
                 raise last or ApiError(503, "no replica is ready to serve (none ACTIVE and "
                                        "agreeing with the log); see GET /health",
                                        code="not_ready")

@@ -12,6 +12,7 @@ off and each call is a no-op.
     LORAPLANE_FAULT_SLOW_WRITE_S=30      replica: a pause after each slot write
     LORAPLANE_FAULT_SLOW_STEP_S=0.02     replica: a pause after each inference step
     LORAPLANE_FAULT_SLOW_BLOB_S=2        statesvc: a pause before each blob chunk is read
+    LORAPLANE_FAULT_SLOW_WARMUP_S=5      replica: its warm-up ends that much later (it stays "warming")
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ PERTURB_SLOT_ENV = "LORAPLANE_FAULT_PERTURB_SLOT"
 SLOW_WRITE_ENV = "LORAPLANE_FAULT_SLOW_WRITE_S"
 SLOW_STEP_ENV = "LORAPLANE_FAULT_SLOW_STEP_S"
 SLOW_BLOB_ENV = "LORAPLANE_FAULT_SLOW_BLOB_S"
+SLOW_WARMUP_ENV = "LORAPLANE_FAULT_SLOW_WARMUP_S"
 
 log = logging.getLogger("faults")
 
@@ -59,6 +61,7 @@ class Faults:
     slow_write_s: float = 0.0
     slow_step_s: float = 0.0
     slow_blob_s: float = 0.0
+    slow_warmup_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
@@ -69,7 +72,8 @@ class Faults:
                      perturb_slot=int(perturb) if perturb else None,
                      slow_write_s=float(env.get(SLOW_WRITE_ENV, "") or 0.0),
                      slow_step_s=float(env.get(SLOW_STEP_ENV, "") or 0.0),
-                     slow_blob_s=float(env.get(SLOW_BLOB_ENV, "") or 0.0))
+                     slow_blob_s=float(env.get(SLOW_BLOB_ENV, "") or 0.0),
+                     slow_warmup_s=float(env.get(SLOW_WARMUP_ENV, "") or 0.0))
         for name, value in dataclasses.asdict(faults).items():
             if value:
                 log.warning("test-only fault switch on: %s=%s", name, value)
@@ -100,6 +104,12 @@ class Faults:
         if self.slow_step_s:
             time.sleep(self.slow_step_s)
 
+    def after_warmup(self, stop: Callable[[], bool]) -> None:
+        """A replica's warm-up, after its compiles: it stays "warming" long enough for a test to
+        send requests that must wait for it (ended early by `stop()`)."""
+        end = time.monotonic() + self.slow_warmup_s
+        while time.monotonic() < end and not stop():
+            time.sleep(0.05)
 
     def before_blob_read(self) -> None:
         """statesvc's blob thread, before each chunk is read."""

@@ -105,6 +105,12 @@ class InferenceStatus(TypedDict):
     """`status`'s `inference` field (null on a replica without inference)."""
 
     warm: bool
+    # "warming" until the warm-up has compiled every shape serving uses (requests wait in the
+    # queue meanwhile, and the gateway routes nothing here), then "ready"
+    state: str
+    # the warm-up's seconds, XLA compiles and the compiles the persistent cache served
+    # (computed/model/compile_cache.py); null until it has finished
+    warmup: dict[str, float] | None
     running: int
     waiting: int
     max_batch: int

@@ -258,7 +258,7 @@ class LlamaRunner:
     """
 
     def __init__(self, config: Any, params: LlamaParams, *, max_batch: int, max_len: int,
-                 prefill_tokens: int = PREFILL_TOKENS, extend: bool = False) -> None:
+                 prefill_tokens: int = PREFILL_TOKENS, extend: bool = False, piece: int = 0) -> None:
         self.config, self.params = config, params
         self.vocab_size = int(config.vocab_size)
         self.max_batch = max_batch
@@ -270,6 +270,9 @@ class LlamaRunner:
         # prefills that continue a row (prefix-cache hits, chunks): compiled at warm-up; not
         # with dynamic RoPE, whose tables depend on each forward's whole length
         self.extend = extend and self.chunkable(config)
+        # the longest piece of a prompt one forward takes (the engine's --prefill-chunk; 0: whole
+        # prompts): warm-up compiles no bucket above it
+        self.piece = piece if piece and self.extend else max_len
 
     @staticmethod
     def chunkable(config: LlamaConfig) -> bool:
@@ -285,8 +288,10 @@ class LlamaRunner:
 
     @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
-        """Every (prompts, padded length) `prefill` runs a forward of."""
-        return tuple((n, p) for p in self.buckets for n in self.row_buckets if n <= self.prefill_rows(p))
+        """Every (prompts, padded length) `prefill` runs a forward of: lengths up to the bucket of
+        the longest piece (chunks of 256 never run a bucket above 256)."""
+        top = self.bucket(min(self.piece, self.max_len))
+        return tuple((n, p) for p in self.buckets if p <= top for n in self.row_buckets if n <= self.prefill_rows(p))
 
     def new_cache(self, blocked: bool | None = None) -> KVCache:
         """A zeroed KV cache for this runner; K's layout as the backend attends, or by `blocked`."""

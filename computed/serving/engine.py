@@ -117,6 +117,8 @@ class Engine:
         self.prefills = Prefills(model, chunk=prefill_chunk, prefix_blocks=prefix_blocks)
         self._budget: int | None = None  # prefill tokens left in this step (None: no limit)
         self.warm = False
+        # what the warm-up took (its caller's measure: seconds, compiles, cache hits); None before
+        self.warmup_report: dict[str, float] | None = None
         self.tickets = 0
         self.cancelled = 0
         # a step may wait for a queued miss's fetch up to `fetch_wait` x the last decode
@@ -127,9 +129,12 @@ class Engine:
         # `stream` (the daemon sends it on at once); the final reply is the usual Done
         self.on_token: Callable[[Request, int, int], None] | None = None
 
-    def warmup(self, *, stop: Callable[[], bool] = lambda: False) -> None:
+    def warmup(self, *, stop: Callable[[], bool] = lambda: False,
+               pause: Callable[[Callable[[], bool]], None] | None = None) -> None:
         """Compile every shape serving uses, once the pool exists (its shapes are inputs).
-        `stop()` true ends it between two compiles (the replica is stopping), still cold."""
+        `stop()` true ends it between two compiles (the replica is stopping), still cold.
+        `pause(stop)` runs after the compiles, before the engine says it is warm (a test-only
+        fault: shared/faults.py)."""
         shapes = None if self.warm else self.replica.pool_shapes()
         if shapes is None:
             return
@@ -137,6 +142,8 @@ class Engine:
         # compiles (seconds per bucket and window)
         store = self.prefills.store
         self.model.warmup(shapes, self.cache, stop=stop, **({} if store is None else {"store": store}))
+        if pause is not None:
+            pause(stop)
         self.warm = not stop()
 
     # ---- intake ----------------------------------------------------------------
@@ -196,7 +203,8 @@ class Engine:
 
     def stats(self) -> InferenceStatus:
         """What `status` reports of inference."""
-        return {"warm": self.warm, "running": sum(r is not None for r in self.rows),
+        return {"warm": self.warm, "state": "ready" if self.warm else "warming",
+                "warmup": self.warmup_report, "running": sum(r is not None for r in self.rows),
                 "waiting": len(self.waiting), "max_batch": self.model.max_batch,
                 "max_len": self.model.max_len, "cancelled": self.cancelled}
 

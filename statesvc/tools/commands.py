@@ -14,6 +14,7 @@ from shared.endpoints import click_addresses
 from shared.modelconfig import FAMILIES
 from statesvc.console import JSON_OPT, emit, err, handles_errors, keys_of, out, terminal_safe
 from statesvc.tools.families import FAMILIES as EXAMPLE_FAMILIES
+from statesvc.tools.presets import PRESETS
 
 # the families a replica serves that the example writer has an entry for
 EXAMPLE_CHOICES = tuple(f for f in FAMILIES if f in EXAMPLE_FAMILIES)
@@ -102,13 +103,21 @@ def drill(ctx: click.Context, kill: str | None, run_file: Path | None,
 @click.command("make-example")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
-@click.option("--family", type=click.Choice(EXAMPLE_CHOICES), default="llama", show_default=True,
+@click.option("--family", type=click.Choice(EXAMPLE_CHOICES), default=None,
               help="The model family (config.json model_type) of the checkpoint, with that "
-                   "family's tokenizer and chat template (docs/adapters.md, the families served).")
+                   "family's tokenizer and chat template (docs/adapters.md, the families served) "
+                   "[default: llama, or the preset's].")
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default=None,
+              help="A public checkpoint's geometry instead of the tiny example: its sizes and "
+                   "config, random bfloat16 weights, rank-16 adapters on all seven projections "
+                   "(statesvc/tools/presets.py).")
+@click.option("--adapters", "n_adapters", type=click.IntRange(0), default=None,
+              help="With --preset: how many adapters to write [default: 4].")
 @JSON_OPT
-def make_example_cmd(directory: Path, seed: int, family: str, as_json: bool) -> None:
-    """Write a small random checkpoint of one model family, with its tokenizer, and PEFT
-    adapters (nothing is downloaded)."""
+def make_example_cmd(directory: Path, seed: int, family: str | None, preset_name: str | None,
+                     n_adapters: int | None, as_json: bool) -> None:
+    """Write a random checkpoint of one model family, with its tokenizer, and PEFT adapters
+    (nothing is downloaded): a tiny one, or a real model's geometry with --preset."""
     from statesvc.tools.example import make_example
 
     try:
@@ -116,9 +125,23 @@ def make_example_cmd(directory: Path, seed: int, family: str, as_json: bool) -> 
     except UnicodeEncodeError:  # the tokenizer library takes UTF-8 paths only
         raise click.BadParameter(f"{str(directory)!r} is not valid UTF-8 text; choose a "
                                  "directory whose path is", param_hint="DIRECTORY") from None
+    if n_adapters is not None and preset_name is None:
+        raise click.UsageError("--adapters counts a preset's adapters: pass --preset too (the tiny "
+                               "example writes its own five)")
+    kwargs: dict[str, Any] = {}
+    if preset_name is not None:
+        chosen = PRESETS[preset_name]
+        if family is not None and family != chosen.family:
+            raise click.UsageError(f"--preset {preset_name} is a {chosen.family} checkpoint, not "
+                                   f"--family {family}: drop --family or pass --family {chosen.family}")
+        family = chosen.family
+        kwargs = dict(shape=chosen.shape, dtype=chosen.dtype, config=chosen.config,
+                      adapters=chosen.adapters(4 if n_adapters is None else n_adapters),
+                      base_model_name_or_path=f"loraplane/random-{preset_name}")
+    family = family or "llama"
     t0 = time.perf_counter()
     try:
-        assets = make_example(directory, seed=seed, family=family)
+        assets = make_example(directory, seed=seed, family=family, **kwargs)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename not in (None, str(directory)) else ""
         raise click.UsageError(f"DIRECTORY {directory}: {exc.strerror or exc}{where}; choose "

@@ -177,13 +177,14 @@ def _model_tensors(shape: ModelShape, seed: int, family: str = "llama") -> dict[
 
 
 def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyle | None = None,
-                 family: str = "llama") -> dict[str, Any]:
+                 family: str = "llama", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json transformers writes for the family's ``*ForCausalLM`` of this shape.
 
     ``style``: "v5" is what transformers 5 writes (``dtype``, ``rope_parameters``),
     "v4" what 4.x writes (``torch_dtype``, ``rope_theta``, ``rope_scaling``),
     "both" carries both sets of keys (Llama's default; each version reads it). Families
     other than Llama are written as transformers 5 writes them ("v5", their default).
+    `overrides` replace keys last (a real checkpoint's, statesvc/tools/presets.py).
     """
     fam = _family(family)
     if style is None:
@@ -233,6 +234,7 @@ def model_config(shape: ModelShape, *, dtype: str = "float32", style: ConfigStyl
     for key in fam.drop:
         del cfg[key]
     cfg.update(fam.config(shape))
+    cfg.update(overrides or {})
     return cfg
 
 
@@ -252,11 +254,12 @@ def generation_config(cfg: dict[str, Any], *, family: str = "llama") -> dict[str
 
 def write_model(dir: Path, shape: ModelShape = ModelShape(), *, seed: int = 0,
                 dtype: str = "float32", config_style: ConfigStyle | None = None,
-                family: str = "llama") -> Path:
-    """Write config.json, generation_config.json and model.safetensors; return dir."""
+                family: str = "llama", config: dict[str, Any] | None = None) -> Path:
+    """Write config.json (with `config`'s keys over the family's), generation_config.json and
+    model.safetensors; return dir."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    cfg = model_config(shape, dtype=dtype, style=config_style, family=family)
+    cfg = model_config(shape, dtype=dtype, style=config_style, family=family, overrides=config)
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     write_json(dir / "config.json", cfg)
@@ -271,11 +274,13 @@ def make_example(dir: Path, *, family: str = "llama", seed: int = 0,
                  shape: ModelShape = ModelShape(),
                  adapters: tuple[AdapterSpec, ...] | None = None,
                  dtype: str = "float32",
-                 base_model_name_or_path: str | None = None) -> ExampleAssets:
+                 base_model_name_or_path: str | None = None,
+                 config: dict[str, Any] | None = None) -> ExampleAssets:
     """Write dir/model, a checkpoint of `family` (one of `FAMILIES`) with that family's example
     tokenizer when the vocab has room for one (statesvc/tools/tokenizer.py), and
     dir/adapters/<name>/ for each adapter (default: `example_adapters(family)`);
-    `base_model_name_or_path` defaults to loraplane/tiny-random-<family>."""
+    `base_model_name_or_path` defaults to loraplane/tiny-random-<family>; `config` replaces keys of
+    the family's config.json (a preset's, statesvc/tools/presets.py)."""
     fam = _family(family)
     adapters = example_adapters(family) if adapters is None else adapters
     for a in adapters:
@@ -292,7 +297,7 @@ def make_example(dir: Path, *, family: str = "llama", seed: int = 0,
     shape = shaped(shape, family)
     base_name = base_model_name_or_path or f"loraplane/tiny-random-{family}"
     root = Path(dir)
-    model_dir = write_model(root / "model", shape, seed=seed, dtype=dtype, family=family)
+    model_dir = write_model(root / "model", shape, seed=seed, dtype=dtype, family=family, config=config)
     if shape.vocab_size >= fam.tokenizer.min_vocab:
         write_tokenizer(model_dir, vocab_size=shape.vocab_size,
                         max_len=shape.max_position_embeddings, spec=fam.tokenizer)
