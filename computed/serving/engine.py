@@ -86,16 +86,40 @@ class Done:
     error: GenerateError | None = None
 
 
+NUCLEUS_CANDIDATES = 256  # the first candidate set of top-p sampling (grown 8x while too small)
+
+
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else temperature, then nucleus (top-p) sampling."""
+    """Greedy at temperature 0; else temperature, then nucleus (top-p) sampling: the smallest
+    prefix of the tokens by descending probability (ties in id order) whose mass reaches top_p,
+    drawn from renormalised. At top_p 1 every token is kept and the draw is over them in id order.
+
+    Sorting a 152k-token vocabulary took 25-30 ms a row (a batch of 32 sampled rows: most of a
+    second a step); the nucleus is found among the largest probabilities instead: the tokens at
+    or above the k-th largest (all its ties) are sorted, and where their mass reaches top_p the
+    nucleus is exactly the one a sort of every token gives, drawn the same way (the same
+    probabilities in the same order). Otherwise k grows, up to every token."""
     if temperature == 0.0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    keep = np.cumsum(p[order]) - p[order] < top_p  # the smallest prefix reaching top_p
-    kept = order[keep]
+    if top_p >= 1.0:  # by the inverse of the cumulative distribution (rng.choice checks p first: 1.5 ms)
+        cdf = np.cumsum(p)
+        return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+    k = min(NUCLEUS_CANDIDATES, len(p))
+    while True:
+        if k >= len(p):
+            order = np.argsort(-p, kind="stable")
+        else:
+            threshold = np.partition(p, len(p) - k)[len(p) - k]
+            candidates = np.flatnonzero(p >= threshold)  # ascending ids: ties stay in id order
+            order = candidates[np.argsort(-p[candidates], kind="stable")]
+        mass = np.cumsum(p[order])
+        if k >= len(p) or mass[-1] >= top_p:  # the nucleus ends within these candidates
+            break
+        k *= 8
+    kept = order[mass - p[order] < top_p]  # the smallest prefix reaching top_p
     q = p[kept] / p[kept].sum()
     return int(kept[rng.choice(len(kept), p=q)])
 
