@@ -68,6 +68,8 @@ BENCHES = (
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
     # the prefix cache and chunked prefill, each beside itself switched off (issue 41)
     Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True),
+    # a real model's geometry (Qwen2.5-0.5B, bf16) against this machine's floors; startup (issue 48)
+    Bench("shapes", "benchmarks.bench_shapes", ("--quick",), isa_bound=True),
     # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
     Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",)),
 )
@@ -468,12 +470,37 @@ def tp_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def shapes_figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 48, at a real geometry (bench_shapes): decode beside the weights-read floor, prefill
+    beside the dense kernel's GEMM rate, first start and restart until ready, RSS unexplained.
+    Each names the preset and the CPU's matrix ISA."""
+    f, where = r["figures"], f"{r['preset']}, {r['machine'].get('matrix_isa', '?')}"
+    out = []
+    for mix in ("base", "16 adapters"):
+        d, runs = f[f"decode {mix}"], len(r["decode_s"][mix])
+        out.append(figure("shapes", f"decode {where}, batch 32, {mix}", d["tokens_s"], "tokens/s", runs=runs))
+        out.append(figure("shapes", f"decode {where}, batch 32, {mix}: step / weights-read floor",
+                          d["over_weights_floor"], "x", target="<= 1.5x", meets=d["over_weights_floor"] <= 1.5,
+                          runs=runs))
+    p = f["prefill"]
+    if "of_gemm_peak" in p:
+        out.append(figure("shapes", f"prefill {where}, 256 tokens: FLOP/s / the dense kernel's at 256 rows",
+                          100 * p["of_gemm_peak"], "%", target=">= 50", meets=p["of_gemm_peak"] >= 0.5,
+                          runs=len(r["prefill_s"])))
+    for which, limit in (("first start", 60), ("restart", 15)):
+        out.append(figure("shapes", f"replica {which} until ready, {where}", f[which]["seconds"], "s",
+                          target=f"<= {limit}", meets=f[which]["seconds"] <= limit))
+    out.append(figure("shapes", f"replica RSS unexplained by its parts, {where}", f["restart"]["unexplained_gb"],
+                      "GB", target="<= 1", meets=f["restart"]["unexplained_gb"] <= 1))
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "pg": pg_figures, "replica": replica_figures,
     "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
     "families": families_figures, "residency": residency_figures, "gateway": gateway_figures,
     "peer": peer_figures, "prefix": prefix_figures,
-    "tp": tp_figures, "vllm": vllm_figures}
+    "tp": tp_figures, "vllm": vllm_figures, "shapes": shapes_figures}
 
 
 # ---- the README table -------------------------------------------------------------------

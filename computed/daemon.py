@@ -177,17 +177,29 @@ class Daemon:
             raise self.sync.fatal
 
     def _warm(self) -> None:
+        """Warm the engine up: it serves once every request can run (`inference.state` ready),
+        while the forwards of several prompts at once go on compiling (`warmup.pending` true)."""
         name_os_thread()
         assert self.engine is not None
+        engine = self.engine
         t0, before = time.perf_counter(), COMPILES.start().snapshot()
-        self.engine.warmup(stop=lambda: self._stop, pause=self.replica.faults.after_warmup)
-        if self.engine.warm:
+
+        def report(pending: bool) -> dict[str, Any]:
             after, seconds = COMPILES.snapshot(), time.perf_counter() - t0
-            compiled, hits = after.compiled - before.compiled, after.cache_hits - before.cache_hits
-            self.engine.warmup_report = {"seconds": round(seconds, 2), "compiles": compiled,
-                                         "cache_hits": hits}
+            return {"seconds": round(seconds, 2), "compiles": after.compiled - before.compiled,
+                    "cache_hits": after.cache_hits - before.cache_hits, "pending": pending}
+
+        def ready() -> None:
+            engine.warmup_report = {**report(True), "ready_s": round(time.perf_counter() - t0, 2)}
+            log.info("inference ready in %.1f s (%d compiles, %d from the compilation cache); "
+                     "compiling the rest", engine.warmup_report["seconds"], engine.warmup_report["compiles"],
+                     engine.warmup_report["cache_hits"])
+        engine.warmup(stop=lambda: self._stop, pause=self.replica.faults.after_warmup, ready=ready)
+        if engine.warm and not self._stop:
+            done = report(False)
+            engine.warmup_report = {**done, "ready_s": (engine.warmup_report or done).get("ready_s", done["seconds"])}
             log.info("inference warmed up in %.1f s (%d compiles, %d from the compilation cache)",
-                     seconds, compiled, hits)
+                     done["seconds"], done["compiles"], done["cache_hits"])
 
     def status(self, *, details: bool = True) -> dict[str, Any]:
         r = self.replica

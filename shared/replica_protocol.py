@@ -108,9 +108,10 @@ class InferenceStatus(TypedDict):
     # "warming" until the warm-up has compiled every shape serving uses (requests wait in the
     # queue meanwhile, and the gateway routes nothing here), then "ready"
     state: str
-    # the warm-up's seconds, XLA compiles and the compiles the persistent cache served
-    # (computed/model/compile_cache.py); null until it has finished
-    warmup: dict[str, float] | None
+    # the warm-up: seconds so far, XLA compiles and those the persistent cache served
+    # (computed/model/compile_cache.py), `ready_s` when it could serve, `pending` while the
+    # forwards of several prompts still compile; null until it is ready
+    warmup: dict[str, Any] | None
     running: int
     waiting: int
     max_batch: int

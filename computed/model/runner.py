@@ -273,6 +273,11 @@ class LlamaRunner:
         # the longest piece of a prompt one forward takes (the engine's --prefill-chunk; 0: whole
         # prompts): warm-up compiles no bucket above it
         self.piece = piece if piece and self.extend else max_len
+        # while a warm-up that let the replica serve early compiles the rest: the forwards
+        # ("prefill" | "extend", prompts, length; "decode", rows, 0) compiled so far, which alone
+        # `prefill` and `decode` run; None: any (all compiled, or no warm-up: each compiles on
+        # first use)
+        self.compiled: frozenset[tuple[str, int, int]] | None = None
 
     @staticmethod
     def chunkable(config: LlamaConfig) -> bool:
@@ -336,7 +341,7 @@ class LlamaRunner:
                 # forwards of power-of-two counts (12 prompts: 8 then 4), not one padded to the
                 # next (16): a forward costs about its tokens, padding included
                 at = 0
-                for size in [len(part)] if len(part) in self.row_buckets else _binary_parts(len(part)):
+                for size in self._counts(len(part), "extend" if later else "prefill", p):
                     chunk = part[at:at + size]
                     logits, cache = prefill_batch(
                         self.params, pool, cache, tokens[at:at + size], [lengths[i] - firsts[i] for i in chunk],
@@ -345,6 +350,20 @@ class LlamaRunner:
                     out[chunk] = logits
                     at += size
         return out, cache
+
+    def _counts(self, n: int, kind: str, p: int) -> list[int]:
+        """The prompt counts of the forwards that run `n` prompts of bucket `p`: n itself where it
+        is a row bucket, else its binary parts; while a warm-up still compiles (`compiled`), the
+        largest counts compiled so far (one prompt's always are)."""
+        done = self.compiled
+        if done is None:
+            return [n] if n in self.row_buckets else _binary_parts(n)
+        have = sorted((m for k, m, q in done if k == kind and q == p), reverse=True) or [1]
+        out = []
+        while n:
+            out.append(next((m for m in have if m <= n), 1))
+            n -= out[-1]
+        return out
 
     def _chunk_start(self, length: int, start: int) -> int:
         """Where a chunk of a `length`-token prompt from `start` begins: `start`, or earlier where
@@ -400,7 +419,9 @@ class LlamaRunner:
         # attention over the smallest bucket that holds every running sequence
         longest = int(positions[active].max()) + 1 if active.any() else 1
         live = np.flatnonzero(active)
-        n = next((k for k in self.decode_rows if k >= live.size), self.max_batch)
+        done = self.compiled
+        n = next((k for k in self.decode_rows if k >= live.size and (done is None or ("decode", k, 0) in done)),
+                 self.max_batch)
         if n >= self.max_batch:
             logits, cache = decode(self.params, pool, cache, tokens, positions, slots, active,
                                    attend_len=self.bucket(longest))
@@ -419,12 +440,22 @@ class LlamaRunner:
         return every, cache
 
     def warmup(self, pool: LoraPool, cache: KVCache, *, store: KVBlocks | None = None,
-               stop: Callable[[], bool] = lambda: False) -> None:
+               stop: Callable[[], bool] = lambda: False, ready: Callable[[], None] | None = None) -> None:
         """Compile prefill for every shape of `prefill_shapes` (and its chunks' where `extend`),
         decode for every bucket and LoRA window, and the prefix cache's copies where there is a
         `store`; only the shapes of `pool`, `cache` and `store` are used. `stop()` true ends it
-        between two compiles."""
+        between two compiles. With `ready`, it is called once one prompt's forwards are compiled
+        (computed/model/warmup.py): from then on `prefill` runs what is compiled while the
+        forwards of several prompts follow."""
         _check_pool(pool, self.params.config)
+        if ready is not None:
+            self.compiled = frozenset()
+
+        def compiled(kind: str, n: int, p: int) -> None:
+            if self.compiled is not None:
+                self.compiled = self.compiled | {(kind, n, p)}  # replaced whole: the serving thread reads it
         compile_serving(self.params, pool, cache, prefill_shapes=self.prefill_shapes,
                         attend_lens=self.buckets, extend_shapes=self.prefill_shapes if self.extend else (),
-                        store=store, block_counts=self.block_counts, stop=stop)
+                        store=store, block_counts=self.block_counts, stop=stop, ready=ready, compiled=compiled)
+        if not stop():
+            self.compiled = None

@@ -3,6 +3,7 @@ into jit's caches before the first request, from shapes alone (computed/model/ru
 `LlamaRunner.warmup` calls it with the runner's buckets)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,9 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
                     prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...],
                     extend_shapes: tuple[tuple[int, int], ...] = (), store: KVBlocks | None = None,
                     block_counts: tuple[int, ...] = (),
-                    stop: Callable[[], bool] = lambda: False) -> None:
+                    stop: Callable[[], bool] = lambda: False,
+                    ready: Callable[[], None] | None = None,
+                    compiled: Callable[[str, int, int], None] = lambda kind, n, p: None) -> None:
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
     one per prefill shape (prompts, prompt length) and per chunk shape (`extend_shapes`), one per
     attention length (only one with the attention kernel) and LoRA window of the backend, and
@@ -31,7 +34,16 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     (nothing is read or donated), so a replica can warm up while diffs keep writing its pool.
     `stop()` is asked before each compile: a replica that stops while it warms up waits for one
     compile, not all of them, and exits with no compile running (a thread inside XLA when the
-    interpreter shuts down aborts the process)."""
+    interpreter shuts down aborts the process).
+
+    With `ready`, what a replica needs to serve every request comes first: a decode step of every
+    row, the block copies, and prefill and chunks of one prompt at every length; then `ready()`
+    is called (the
+    replica serves from then on; `essential`), and the forwards of several prompts at once and
+    decode steps of fewer rows follow, each reported by `compiled("prefill" | "extend" | "decode",
+    n, P)` as it is done (every one is): until then the runner runs what is compiled
+    (computed/model/runner.py). A replica at Qwen2.5-0.5B's geometry serves after 11 of its
+    34 large compiles."""
     def shapes(tree: Any) -> Any:  # a mesh's layout kept: what a tensor-parallel replica calls with
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if isinstance(
             getattr(a, "sharding", None), NamedSharding) else None), tree)
@@ -39,33 +51,51 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
     backend = params.backend
     backend.check_cache(cache)
     pool_s, cache_s = shapes(lora_pool), shapes(cache)
-    for n, p in prefill_shapes:  # as `prefill_batch` calls it
-        if stop():
-            return
-        per_prompt = np.zeros(n, np.int32)
-        prefill_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
-                          per_prompt).compile()
-    for n, p in extend_shapes:  # as `prefill_batch` calls it with starts
-        if stop():
-            return
-        per_prompt = np.zeros(n, np.int32)
-        extend_jit.lower(params, pool_s, cache_s, np.zeros((n, p), np.int32), per_prompt, per_prompt,
-                         per_prompt, per_prompt).compile()
-    if store is not None:
-        store_s, row = shapes(store), np.int32(0)
-        for m in block_counts:  # as `LlamaRunner.load_blocks` and `save_blocks` call them
-            if stop():
-                return
-            ids = np.zeros(m, np.int32)
-            kv_blocks.load_row.lower(cache_s, store_s, row, ids).compile()
-            kv_blocks.save_row.lower(store_s, cache_s, row, ids, ids).compile()
+    # (kind, n, P, compile): each forward serving calls, as the runner calls it
+    jobs: list[tuple[str, int, int, Callable[[], Any]]] = []
     for n in backend.decode_rows(cache.max_batch):  # as `decode` calls it
         zeros = np.zeros(n, np.int32)
         windows = backend.windows(n) if lora_pool is not None else (None,)
         for attend_len in sorted({backend.attend_len(cache, p) for p in attend_lens}):
             for window in windows:
-                if stop():
-                    return
-                decode_jit.lower(params, pool_s, cache_s, zeros, zeros, zeros, np.zeros(n, np.bool_),
-                                 rope_tables(zeros, params.config), attend_len=attend_len, window=window,
-                                 rows=None if n == cache.max_batch else zeros).compile()
+                jobs.append(("decode", n, 0, functools.partial(
+                    lambda z, a, w: decode_jit.lower(params, pool_s, cache_s, z, z, z, np.zeros(len(z), np.bool_),
+                                                     rope_tables(z, params.config), attend_len=a, window=w,
+                                                     rows=None if len(z) == cache.max_batch else z).compile(),
+                    zeros, attend_len, window)))
+    if store is not None:
+        store_s, row = shapes(store), np.int32(0)
+        for m in block_counts:  # as `LlamaRunner.load_blocks` and `save_blocks` call them
+            ids = np.zeros(m, np.int32)
+            jobs.append(("blocks", m, 0, functools.partial(
+                lambda i: (kv_blocks.load_row.lower(cache_s, store_s, row, i).compile(),
+                           kv_blocks.save_row.lower(store_s, cache_s, row, i, i).compile()), ids)))
+    for kind, fn, shape_list in (("prefill", prefill_jit, prefill_shapes), ("extend", extend_jit, extend_shapes)):
+        for n, p in shape_list:  # as `prefill_batch` calls it (with starts: extend)
+            per_prompt = np.zeros(n, np.int32)
+            args = (per_prompt,) * (3 if kind == "prefill" else 4)
+            jobs.append((kind, n, p, functools.partial(
+                lambda f, t, a: f.lower(params, pool_s, cache_s, t, *a).compile(), fn,
+                np.zeros((n, p), np.int32), args)))
+    if ready is not None:  # what every request needs first (a stable sort keeps the order within)
+        jobs.sort(key=lambda j: not essential(j[0], j[1], cache.max_batch))
+    told = ready is None
+    for kind, n, p, compile_ in jobs:
+        if not told and not essential(kind, n, cache.max_batch):
+            assert ready is not None
+            ready()
+            told = True
+        if stop():
+            return
+        compile_()
+        compiled(kind, n, p)
+    if not told:
+        assert ready is not None
+        ready()
+
+
+def essential(kind: str, n: int, max_batch: int) -> bool:
+    """Whether a replica needs this forward compiled before it serves: a decode step of every row
+    (fewer rows run on it meanwhile), one prompt's prefill and chunk at each length (several run
+    one by one meanwhile), and the prefix cache's copies."""
+    return kind == "blocks" or (n == max_batch if kind == "decode" else n == 1)

@@ -46,8 +46,8 @@ class Model(Protocol):
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
-    def warmup(self, pool: LoraPool, cache: Any, *,
-               stop: Callable[[], bool] = lambda: False) -> None: ...
+    def warmup(self, pool: LoraPool, cache: Any, *, stop: Callable[[], bool] = lambda: False,
+               ready: Callable[[], None] | None = None) -> None: ...
 
 
 @dataclass
@@ -142,7 +142,7 @@ class Engine:
         self._budget: int | None = None  # prefill tokens left in this step (None: no limit)
         self.warm = False
         # what the warm-up took (its caller's measure: seconds, compiles, cache hits); None before
-        self.warmup_report: dict[str, float] | None = None
+        self.warmup_report: dict[str, Any] | None = None
         self.tickets = 0
         self.cancelled = 0
         # a step may wait for a queued miss's fetch up to `fetch_wait` x the last decode
@@ -154,21 +154,30 @@ class Engine:
         self.on_token: Callable[[Request, int, int], None] | None = None
 
     def warmup(self, *, stop: Callable[[], bool] = lambda: False,
-               pause: Callable[[Callable[[], bool]], None] | None = None) -> None:
+               pause: Callable[[Callable[[], bool]], None] | None = None,
+               ready: Callable[[], None] | None = None) -> None:
         """Compile every shape serving uses, once the pool exists (its shapes are inputs).
         `stop()` true ends it between two compiles (the replica is stopping), still cold.
-        `pause(stop)` runs after the compiles, before the engine says it is warm (a test-only
-        fault: shared/faults.py)."""
+        With `ready` the engine is warm (and `ready()` called) as soon as every request can run,
+        and the rest compiles after it (computed/model/warmup.py); `pause(stop)` runs just before
+        the engine says it is warm (a test-only fault: shared/faults.py)."""
         shapes = None if self.warm else self.replica.pool_shapes()
         if shapes is None:
             return
+
+        def warm() -> None:
+            if pause is not None:
+                pause(stop)
+            self.warm = not stop()
+            if self.warm and ready is not None:
+                ready()
         # from the pool's shapes alone, without holding it: diffs keep applying while it
         # compiles (seconds per bucket and window)
         store = self.prefills.store
-        self.model.warmup(shapes, self.cache, stop=stop, **({} if store is None else {"store": store}))
-        if pause is not None:
-            pause(stop)
-        self.warm = not stop()
+        self.model.warmup(shapes, self.cache, stop=stop, **({} if store is None else {"store": store}),
+                          **({} if ready is None else {"ready": warm}))
+        if not self.warm:
+            warm()
 
     # ---- intake ----------------------------------------------------------------
 

@@ -21,9 +21,10 @@ PROMPT = [5, 17, 33, 2, 81, 9]
 def _ready(replica: Computed) -> dict[str, Any]:
     states: list[str] = []
 
-    def ready() -> bool:
-        states.append(replica.status()["inference"]["state"])
-        return states[-1] == "ready"
+    def ready() -> bool:  # and done compiling what it compiles after it is ready
+        inference = replica.status()["inference"]
+        states.append(inference["state"])
+        return states[-1] == "ready" and not inference["warmup"]["pending"]
     wait_for(ready, what="warm-up", timeout=WARMUP_TIMEOUT_S)
     assert set(states) <= {"warming", "ready"}, states
     inference: dict[str, Any] = replica.status()["inference"]
