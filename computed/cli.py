@@ -173,6 +173,8 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
             config, params = load_model(model, dtype, tensor_parallel=tensor_parallel)
         except ModelLoadError as exc:
             raise click.ClickException(str(exc)) from None
+        freed = memtune.release()  # the load's read, widened and packed copies, freed but resident
+        log.info("model loaded; %.0f MB of the load's buffers returned to the system", freed / 2**20)
         length = max_len or min(config.max_position_embeddings, 4096)
         if prefill_chunk % 16:
             raise click.BadParameter(f"{prefill_chunk} is not a multiple of 16 (the KV block)",

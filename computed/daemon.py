@@ -16,7 +16,6 @@ weights); a replica key may call nothing but `blob` and `status` (shared/keys.py
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import threading
@@ -32,6 +31,7 @@ from computed.model.compile_cache import COMPILES
 from computed.serving.engine import Done, Engine, Request
 from computed.replica import Replica
 from computed.sync import IDLE_POLL_MS, SyncLoop, digests
+from shared import memtune
 from shared.blobserve import BlobServer, read_chunk
 from shared.config import HELD_REPLY_RETRY_MS
 from shared.endpoints import check_bind
@@ -68,14 +68,6 @@ def _nbytes(tree: Any) -> int:
     return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(tree))
 
 
-def rss_bytes() -> int:
-    """This process's resident set, from /proc/self/statm (0 where there is none)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def memory_report(r: Replica, engine: Engine, weights: int) -> dict[str, int]:
     """The replica's resident memory beside its parts (bytes): the model's weights as loaded
     (packed for the kernels), the running rows' KV cache, the prefix cache's block store, the
@@ -84,7 +76,7 @@ def memory_report(r: Replica, engine: Engine, weights: int) -> dict[str, int]:
     host = r.fills.stats().get("host_bytes", 0) if r.residency is not None else 0
     parts = {"weights": weights, "kv_rows": _nbytes(engine.cache), "prefix_store": _nbytes(engine.prefills.store),
              "lora_pool": 0 if r.pool is None else _nbytes(r.pool.arrays), "host_tier": int(host or 0)}
-    rss = rss_bytes()
+    rss = memtune.rss_bytes()
     return {"rss": rss, **parts, "other": rss - sum(parts.values())}
 
 
@@ -195,6 +187,7 @@ class Daemon:
                      "compiling the rest", engine.warmup_report["seconds"], engine.warmup_report["compiles"],
                      engine.warmup_report["cache_hits"])
         engine.warmup(stop=lambda: self._stop, pause=self.replica.faults.after_warmup, ready=ready)
+        memtune.release()  # what tracing and compiling freed
         if engine.warm and not self._stop:
             done = report(False)
             engine.warmup_report = {**done, "ready_s": (engine.warmup_report or done).get("ready_s", done["seconds"])}

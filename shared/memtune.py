@@ -55,3 +55,28 @@ def tune() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
         and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release() -> int:
+    """Hand the free pages of every malloc arena back to the kernel (glibc's malloc_trim(0)),
+    once a phase that freed much is over: a model load's per-tensor buffers (read, widened,
+    packed, then freed) stay resident otherwise, kept by the thresholds above and by the
+    heap's fragmentation. Returns the bytes the process's RSS shrank by (0 off glibc)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return 0
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    before = rss_bytes()
+    trim(0)
+    return max(0, before - rss_bytes())
+
+
+def rss_bytes() -> int:
+    """This process's resident set, from /proc/self/statm (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
