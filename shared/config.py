@@ -28,6 +28,8 @@ HELD_REPLY_RETRY_MS = 5
 MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
 # a replica's host tier of parsed adapter weights (computed serve --host-cache-mb), in MiB
 DEFAULT_HOST_CACHE_MB = 512
+# a replica's blob cache of verified adapter blobs on disk (computed serve --blob-cache-mb)
+DEFAULT_BLOB_CACHE_MB = 4096
 # the gateway's --prefix-slack: how many more queued requests than the least queued candidate
 # a replica holding the prompt's prefix may have and still win (docs/gateway.md, Routing)
 DEFAULT_PREFIX_SLACK = 8
