@@ -2,9 +2,9 @@
 many headers (431), heads and bodies dribbled a byte at a time (408, the connection closed),
 more connections than --max-connections (503), cross-site writes (415, 403) and foreign Host
 headers (400, redirects that never name them), malformed requests (logged a few times, not
-once each) and clients that close mid-body (499, no traceback). A real statesvc and
-gateways (subprocesses); no replica: /v1/models answers without one, and nothing here
-generates."""
+once each), clients that close mid-body (499, no traceback) and prompts longer than any
+context (400 before tokenizing). A real statesvc and gateways (subprocesses); no replica:
+/v1/models answers without one, and nothing here generates."""
 from __future__ import annotations
 
 import json
@@ -275,3 +275,17 @@ def test_a_client_that_closes_mid_body_is_a_499_with_no_traceback(setup: Setup) 
     log = setup.gateway.log.read_text()
     assert "Traceback" not in log and "request failed" not in log
     assert requests_counted(gw, "/v1/completions", "500") == 0
+
+
+# ---- prompts no context holds (D5) ----------------------------------------------------------
+
+def test_a_prompt_longer_than_any_context_is_refused_by_its_length(setup: Setup) -> None:
+    for path, body, param in (
+            ("/v1/completions", {"model": "model", "prompt": "word " * 50_000}, "prompt"),
+            ("/v1/chat/completions", {"model": "model", "messages": [
+                {"role": "user", "content": "word " * 50_000}]}, "messages")):
+        r = post(setup.gateway, path, json=body)
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (
+            400, "context_length_exceeded", param), r.text
+        assert "250000" in error["message"] and "characters" in error["message"]
