@@ -63,6 +63,8 @@ BENCHES = (
     Bench("families", "benchmarks.bench_families", ("--quick",), isa_bound=True),
     Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True),
     Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
+    # a good client beside slow connections and a flood of oversized prompts (issue 50)
+    Bench("hostile", "benchmarks.bench_gateway_hostile", ("--quick",)),
     Bench("tp", "benchmarks.bench_tp", ("--quick",)),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
@@ -425,6 +427,22 @@ def vllm_figures(r: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def hostile_figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 50: a good client's slowest answer and the gateway's RSS beside 300 slow or
+    oversized connections, and small completions beside a flood of oversized prompts over
+    alone (bench_gateway_hostile); beside them the good client's p50 and the flood's."""
+    units = ("ms", "MB", "x")
+    out = [figure("hostile", t["name"], t["measured"], unit, target=t["target"], meets=t["met"])
+           for t, unit in zip(r["targets"], units)]
+    flood = r["flood"]
+    out += [figure("hostile", f"good client's p50 beside {r['slow']['connections']} slow "
+                              "connections", r["slow"]["good_p50_ms"], "ms"),
+            figure("hostile", "small completions' p50 alone", flood["alone_p50_ms"], "ms"),
+            figure("hostile", f"small completions' p50 beside {flood['flooders']} "
+                              "oversized-prompt clients", flood["during_p50_ms"], "ms")]
+    return out
+
+
 def prefix_figures(r: dict[str, Any]) -> list[Figure]:
     """Issue 41: the prefix cache's TTFT and throughput, chunked prefill's inter-token p99, each
     with / without in the same rounds (bench_prefix); and the cached run's hit rate."""
@@ -499,6 +517,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "events": events_figures, "pg": pg_figures, "replica": replica_figures,
     "replay": replay_figures, "decode": decode_figures, "dtype": dtype_figures,
     "families": families_figures, "residency": residency_figures, "gateway": gateway_figures,
+    "hostile": hostile_figures,
     "peer": peer_figures, "prefix": prefix_figures,
     "tp": tp_figures, "vllm": vllm_figures, "shapes": shapes_figures}
 

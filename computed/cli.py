@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gateway.cli import gateway
-from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_CONTROL,
-                           DEFAULT_HOST_CACHE_MB, DEFAULT_PREFIX_STORE_MB, DEFAULT_PUBLISH,
-                           DEFAULT_REPLICA_LISTEN)
+from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_BLOB_CACHE_MB,
+                           DEFAULT_CONTROL, DEFAULT_HOST_CACHE_MB, DEFAULT_PREFIX_STORE_MB,
+                           DEFAULT_PUBLISH, DEFAULT_REPLICA_LISTEN)
 from shared.endpoints import (BindError, EndpointError, check_bind, click_addresses,
                               split_addresses)
 from shared.faults import Faults
@@ -81,6 +81,11 @@ def main() -> None:
               show_default=True,
               help="Host tier: parsed adapter weights ready for a slot write, LRU within this "
                    "many MiB (0: none; every miss reads, verifies and parses its blob).")
+@click.option("--blob-cache-mb", type=click.IntRange(0), default=DEFAULT_BLOB_CACHE_MB,
+              show_default=True,
+              help="Blob cache: verified adapter blobs on disk, LRU within this many MiB; the "
+                   "blobs of adapters in a slot or the host tier are kept beyond it (0: keep "
+                   "only those).")
 @click.option("--tensor-parallel", type=click.IntRange(1), default=1, show_default=True,
               help="Devices the replica's model, KV cache and LoRA pool are split over (a "
                    "one-axis mesh of the first N local devices; N > 1 runs the XLA backend). "
@@ -110,7 +115,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
           queue_limit: int, min_seq_timeout: float, warmup: bool, inference: bool,
           replay_from_zero: bool, heartbeat: bool, key: str | None, server_key: str | None,
           client_queue_limit: int, auth_dir: Path | None, host_cache_mb: int,
-          tensor_parallel: int, prefetch: bool, prefix_cache: bool, kv_cache_mb: int | None,
+          blob_cache_mb: int, tensor_parallel: int, prefetch: bool, prefix_cache: bool, kv_cache_mb: int | None,
           prefill_chunk: int, compile_cache: bool, peer_blobs: bool) -> None:
     """Follow the log and hold every loaded adapter in the pool, until SIGTERM or Ctrl-C."""
     from computed.daemon import Daemon
@@ -157,6 +162,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     client = ControlClient(state, timeout_s=3.0, retries=1, keys=keys)
     replica = Replica(info, client, cache_dir, from_zero=replay_from_zero,
                       faults=Faults.from_env(), host_cache_mb=host_cache_mb,
+                      blob_cache_mb=blob_cache_mb,
                       prefetch=prefetch, pool_layout=pool_layout,
                       peers=PeerList(client, replica_id, peer_keys) if peer_blobs else None,
                       weights_sha256=weights)

@@ -37,7 +37,7 @@ from computed.residency.slots import ResidentVersion, SlotMap
 from computed.serving.admission import AdmittedAdapter, GenerateError, NoSlot, NotReady
 from shared.canonical import canonical_bytes
 from shared.client import ControlClient
-from shared.config import DEFAULT_HOST_CACHE_MB
+from shared.config import DEFAULT_BLOB_CACHE_MB, DEFAULT_HOST_CACHE_MB
 from shared.events import AdapterLoaded, Body, EventError, PoolConfigured, decode_body
 from shared.faults import NO_FAULTS, Faults
 from shared.fingerprint import ModelInfo
@@ -69,7 +69,8 @@ class ForeignLog(Exception):
 class Replica:
     def __init__(self, model: ModelInfo, client: ControlClient, cache_dir: Path, *,
                  from_zero: bool = False, faults: Faults = NO_FAULTS,
-                 host_cache_mb: int = DEFAULT_HOST_CACHE_MB, prefetch: bool = False,
+                 host_cache_mb: int = DEFAULT_HOST_CACHE_MB,
+                 blob_cache_mb: int | None = DEFAULT_BLOB_CACHE_MB, prefetch: bool = False,
                  pool_layout: Callable[[PoolSpec], LoraPool] | None = None,
                  peers: Peers | None = None, weights_sha256: str | None = None) -> None:
         self.model = model
@@ -83,7 +84,9 @@ class Replica:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         # the device slots, the host tier and the blob cache: the one way into the pool
-        self.tiers = ResidencyManager(BlobCache(self.cache_dir / "blobs", client, peers),
+        blobs = BlobCache(self.cache_dir / "blobs", client, peers,
+                          limit_bytes=None if blob_cache_mb is None else blob_cache_mb << 20)
+        self.tiers = ResidencyManager(blobs,
                                       host_cache_mb << 20, faults=faults,
                                       pool_layout=pool_layout)
         self.prefetch = prefetch  # parse newly loaded adapters into the host tier

@@ -13,18 +13,20 @@ from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import admin
-from gateway.auth import Operator, operator_of
+from gateway.auth import OPERATOR_KEY_WITHOUT_AUTH, Operator, may_change_log, operator_of
+from gateway.crosssite import SameOrigin
 from gateway.metrics import UNRESOLVED, Metrics
 from gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion, parse_chat,
                               parse_completion, parse_json)
 from gateway.service import Gateway, Output
 from gateway.streaming import Chunks, EventStream, Inbox, StreamText, TokenGate, events, usage
+from shared.config import GATEWAY_BODY_TIMEOUT_S
 from shared.keys import ClientKeys
 
 log = logging.getLogger("computed.gateway")
@@ -32,11 +34,17 @@ TOKENS_PER_TURN = 1  # streams woken for their tokens a turn of the loop (docs/g
 CLIENT_GONE = "499"  # the status label of a stream whose client went away (nginx's code)
 
 
+# answered before the whole body was read: the connection is closed after the answer, so
+# what the client still sends is not read as its next request
+UNREAD_BODY = frozenset({408, 413})
+
+
 def error_response(exc: ApiError) -> Response:
     """OpenAI's error shape, in ASCII JSON: a message that quotes a caller's text renders
     whatever that text holds (JSONResponse's UTF-8 fails on a lone surrogate)."""
     return Response(json.dumps(exc.body()), status_code=exc.status,
-                    media_type="application/json")
+                    media_type="application/json",
+                    headers={"connection": "close"} if exc.status in UNREAD_BODY else None)
 
 
 def internal_error(exc: Exception) -> ApiError:
@@ -54,26 +62,42 @@ def answering(handler: Callable[[Request], Awaitable[Response]]
             return await handler(request)
         except ApiError as exc:
             return error_response(exc)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the connection is gone
         except Exception as exc:  # a bug: still OpenAI's shape, not Starlette's plain text
             return error_response(internal_error(exc))
     return answer
 
 
-async def read_body(request: Request) -> dict[str, Any]:
-    """The JSON body, read at most MAX_BODY_BYTES far."""
+class ClientGone(Exception):
+    """The HTTP client went away before its answer: mid-body, or before an unstreamed
+    request's answer. Counted under status 499, never logged as an error."""
+
+
+async def read_body(request: Request, timeout_s: float = GATEWAY_BODY_TIMEOUT_S
+                    ) -> dict[str, Any]:
+    """The JSON body, read at most MAX_BODY_BYTES far and for at most `timeout_s` seconds
+    (--body-timeout: a client sending a byte at a time holds its connection no longer);
+    ClientGone when the client closes the connection before the body's end."""
+    too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+        raise too_large
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise too_large
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s "
+                       "(--body-timeout); send it at once", code="timeout") from None
+    except ClientDisconnect:
+        log.info("%s: the client closed the connection before the end of its body (499)",
+                 request.scope["path"])
+        raise ClientGone from None
     return parse_json(bytes(raw))
-
-
-class ClientGone(Exception):
-    """The HTTP client of an unstreamed request went away before its answer."""
 
 
 async def unless_gone(request: Request, work: Awaitable[Output]) -> Output:
@@ -104,11 +128,16 @@ class Endpoints:
     """The gateway's endpoints, one method each, over one Gateway: the requests in flight
     (at most `max_pending`, --max-pending), their metrics and the token gate their streams
     share. operators: with --auth, who may load and unload (else anyone who reaches the
-    gateway, as the gateway's own identity on statesvc)."""
+    gateway, as the gateway's own identity on statesvc, which must then not be an operator's:
+    `own_key_changes_log` is what statesvc said of it at start, None if it did not answer)."""
 
     def __init__(self, gw: Gateway, *, max_pending: int = 256,
-                 operators: list[Operator] | None = None) -> None:
+                 operators: list[Operator] | None = None,
+                 body_timeout_s: float = GATEWAY_BODY_TIMEOUT_S,
+                 own_key_changes_log: bool | None = False) -> None:
         self.gw, self.max_pending, self.operators = gw, max_pending, operators
+        self.body_timeout_s = body_timeout_s
+        self.own_key_changes_log = own_key_changes_log
         self.pending = threading.BoundedSemaphore(max_pending)
         self.metrics = Metrics(gw.router)
         self.tasks: set[asyncio.Task[None]] = set()  # requests running: held until they end
@@ -129,7 +158,7 @@ class Endpoints:
         started, label = time.perf_counter(), UNRESOLVED
         endpoint = request.scope["path"]  # request.url builds a whole URL object
         try:
-            req = parse(await read_body(request))
+            req = parse(await read_body(request, self.body_timeout_s))
             target = gw.resolve(req.model)  # 404 before queueing
             label = target.adapter or gw.served_name
             stop_ids = gw.stop_ids(req.sampling)
@@ -152,6 +181,9 @@ class Endpoints:
         except ApiError as exc:
             self.record(label, endpoint, started, exc)
             return error_response(exc)
+        except ClientGone:  # before its body's end
+            metrics.requests.labels(label, endpoint, CLIENT_GONE).inc()
+            return Response(status_code=499)
         except Exception as exc:  # a bug: still OpenAI's shape, and counted
             error = internal_error(exc)
             self.record(label, endpoint, started, error)
@@ -246,36 +278,52 @@ class Endpoints:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        view = self.gw.router.view
+        """Healthy while a request could be routed: the replicas of the routing view, less
+        those a request found gone since the last poll (as `Router.candidates`)."""
+        router = self.gw.router
+        view, replicas = router.view, router.routable()
         if not view.ok:
             return error_response(ApiError(503, view.error, code="not_ready"))
-        if not view.replicas:
+        if not replicas:
             warming = f" ({', '.join(view.warming)} warming up)" if view.warming else ""
-            return error_response(ApiError(503, "no replica is ACTIVE, agreeing with the log and "
-                                           f"warm yet{warming}", code="not_ready"))
+            return error_response(ApiError(503, "no replica can be routed to: none is ACTIVE, "
+                                           "agreeing with the log and warm, or those that were "
+                                           f"have failed since{warming}", code="not_ready"))
         return JSONResponse({"status": "ok", "head_seq": view.head_seq,
-                             "replicas": [r.id for r in view.replicas]})
+                             "replicas": [r.id for r in replicas]})
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        keys = self.caller_keys(request)
-        body = await read_body(request)
+        keys = await self.caller_keys(request)
+        body = await read_body(request, self.body_timeout_s)
         gw = self.gw
         return PlainTextResponse(await run_in_threadpool(admin.load, gw.router, keys,
                                                          gw.served_name, body))
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        keys = self.caller_keys(request)
-        body = await read_body(request)
+        keys = await self.caller_keys(request)
+        body = await read_body(request, self.body_timeout_s)
         return PlainTextResponse(await run_in_threadpool(admin.unload, self.gw.router, keys,
                                                          body))
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def caller_keys(self, request: Request) -> ClientKeys | None:
-        if self.operators is None:
-            return self.gw.router.keys
-        return operator_of(self.operators, request.headers.get("authorization")).keys
+    async def caller_keys(self, request: Request) -> ClientKeys | None:
+        """The keys a load or unload goes to statesvc with: the caller's operator's under
+        --auth, else the gateway's own, once statesvc has said they are not an operator's."""
+        if self.operators is not None:
+            return operator_of(self.operators, request.headers.get("authorization")).keys
+        keys = self.gw.router.keys
+        if keys is None:
+            return None
+        if self.own_key_changes_log is None:  # statesvc did not answer at start: ask now
+            self.own_key_changes_log = await run_in_threadpool(
+                may_change_log, self.gw.router.state, keys)
+            if self.own_key_changes_log is None:
+                raise ApiError(503, "statesvc does not answer", code="not_ready")
+        if self.own_key_changes_log:
+            raise ApiError(403, OPERATOR_KEY_WITHOUT_AUTH, code="forbidden")
+        return keys
 
 
 class GenerationFirst:
@@ -298,9 +346,14 @@ class GenerationFirst:
 
 
 def build_app(gw: Gateway, *, max_pending: int = 256,
-              operators: list[Operator] | None = None) -> ASGIApp:
-    """The gateway's routes over its `Endpoints` (which says what `operators` means)."""
-    api = Endpoints(gw, max_pending=max_pending, operators=operators)
+              operators: list[Operator] | None = None, hosts: frozenset[str] | None = None,
+              body_timeout_s: float = GATEWAY_BODY_TIMEOUT_S,
+              own_key_changes_log: bool | None = False) -> ASGIApp:
+    """The gateway's routes over its `Endpoints` (which says what `operators` and
+    `own_key_changes_log` mean), behind the cross-site checks (gateway/crosssite.py;
+    `hosts`: --allowed-hosts, None for any)."""
+    api = Endpoints(gw, max_pending=max_pending, operators=operators,
+                    body_timeout_s=body_timeout_s, own_key_changes_log=own_key_changes_log)
     app = Starlette(routes=[
         Route("/metrics", answering(api.metrics_page), methods=["GET"]),
         Route("/v1/load_lora_adapter", answering(api.load_lora_adapter), methods=["POST"]),
@@ -310,5 +363,14 @@ def build_app(gw: Gateway, *, max_pending: int = 256,
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
     ])
-    return GenerationFirst(app, {"/v1/completions": api.completions,
-                                 "/v1/chat/completions": api.chat_completions})
+    app.router.redirect_slashes = False  # SameOrigin redirects, without echoing the Host
+    generation: dict[str, Callable[[Request], Awaitable[Response]]] = {
+        "/v1/completions": api.completions, "/v1/chat/completions": api.chat_completions}
+
+    def refused(path: str, status: int) -> None:
+        if path in generation:  # every status of a generation endpoint is counted
+            api.metrics.requests.labels(UNRESOLVED, path, str(status)).inc()
+
+    routes = frozenset(r.path for r in app.routes if isinstance(r, Route))
+    return SameOrigin(GenerationFirst(app, generation), hosts=hosts, routes=routes,
+                      refused=refused)

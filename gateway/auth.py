@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.requests import ApiError
+from shared.client import ControlClient, RemoteError, Unavailable
 from shared.keys import ClientKeys, KeyError_, client_keys
 
 MAX_TOKENS_FILE_BYTES = 1 << 20
@@ -75,3 +76,25 @@ def operator_of(operators: list[Operator], authorization: str | None) -> Operato
     if found is None:
         raise ApiError(401, "the bearer token is not an operator's", code="invalid_api_key")
     return found
+
+
+OPERATOR_KEY_WITHOUT_AUTH = (
+    "--key is an operator key of statesvc (its public key is in statesvc's operators/): "
+    "without --auth, anyone who reaches the gateway could load and unload adapters as that "
+    "operator. Give the gateway a key of its own in statesvc's replicas/ (reads only), or "
+    "start it with --auth TOKENS so that each caller acts as its own operator")
+
+
+def may_change_log(state: str, keys: ClientKeys, *, timeout_s: float = 3.0) -> bool | None:
+    """Whether `keys` may append to statesvc's log (an operator key), asked of statesvc with
+    an `unload` that cannot succeed: statesvc checks the caller's role before the command's
+    arguments, so an operator's is refused as `bad_request`, anyone else's as `forbidden`,
+    and nothing is appended either way. None when statesvc does not answer."""
+    try:
+        with ControlClient(state, timeout_s=timeout_s, retries=1, keys=keys) as c:
+            c.call("unload", {})
+    except Unavailable:
+        return None
+    except RemoteError as exc:
+        return exc.code != "forbidden"
+    return True  # an unload without a name cannot succeed; a statesvc that says it did

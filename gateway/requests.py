@@ -172,13 +172,17 @@ def _sampling(body: dict[str, Any]) -> Sampling:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
+    include_usage = (opts or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool) and include_usage is not None:
+        raise bad("stream_options.include_usage must be true or false",
+                  "stream_options.include_usage")
     seed = _int(body, "seed", -(2**63), 2**63 - 1)
     return Sampling(max_tokens=max_tokens,
                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                     seed=0 if seed is None else seed % (2**63),
                     stop=stops, stop_token_ids=ids, ignore_eos=bool(ignore_eos),
-                    stream=bool(stream), include_usage=bool((opts or {}).get("include_usage")))
+                    stream=bool(stream), include_usage=bool(include_usage))
 
 
 def _model(body: dict[str, Any]) -> str:

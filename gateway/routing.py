@@ -56,6 +56,9 @@ class ReplicaView:
     # adapter name -> (requests running on it, requests waiting for it) at its last status
     requests: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     prefix: PrefixCache | None = None  # None: its prefix cache is off (or not reported)
+    # requests one client may have waiting or running there (--client-queue-limit); None:
+    # not reported (an older replica)
+    client_limit: int | None = None
 
     def tier(self, adapter: str | None) -> int:
         """Where `adapter` is on this replica, best first: 0 in a slot (or the base model), 1 in
@@ -277,6 +280,12 @@ class Router:
             prompt = PromptKeys.of(root, tokens)
         return rank(pool, adapter, queued, prompt, self.prefix_slack)
 
+    def routable(self) -> tuple[ReplicaView, ...]:
+        """The replicas a request may be sent to now: the last poll's, less those a request
+        has found gone since (`failed`). /health reports these."""
+        with self._lock:
+            return tuple(r for r in self.view.replicas if r.address not in self._failed)
+
     def failed(self, address: str) -> None:
         """A request found this replica gone: no more requests until its status answers."""
         with self._lock:
@@ -305,7 +314,8 @@ def _replica_view(listed: dict[str, Any], own: dict[str, Any]) -> ReplicaView:
         applied_seq=max(int(listed["applied_seq"]), int(own.get("applied_seq", 0))),
         queued=int(inf["running"]) + int(inf["waiting"]), resident=resident,
         max_len=int(inf["max_len"]), host=_host_tier(own),
-        requests=_adapter_requests(own), prefix=_prefix_cache(own))
+        requests=_adapter_requests(own), prefix=_prefix_cache(own),
+        client_limit=int(inf["client_limit"]) if "client_limit" in inf else None)
 
 
 def _host_tier(status: dict[str, Any]) -> frozenset[str]:

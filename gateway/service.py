@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -14,12 +15,12 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from gateway.requests import ApiError, Chat, Completion, Sampling, bad
-from gateway.routing import Router
-
 from gateway.replicas import ReplicaLinks
+from gateway.routing import ReplicaView, Router
 from shared.client import RemoteError, Unavailable
 from shared.replica_protocol import MAX_STOP_TOKENS, Timings, generate_args
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
+from shared.threadname import name_os_thread
 
 log = logging.getLogger("computed.gateway")
 CONNECT_TIMEOUT_S = 2.0  # a replica not reachable this long is skipped for another
@@ -28,10 +29,12 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 WARMING_POLL_S = 0.2  # how often a request waiting for a warming replica looks again
 RETRY_ELSEWHERE = {"overloaded": 429, "not_ready": 503}
 REPLICA_ERRORS = {"bad_request": 400, "prompt_too_long": 400, "unknown_adapter": 404}
-INLINE_PROMPT_CHARS = 4096  # longer text prompts are tokenized on a worker thread
+INLINE_PROMPT_CHARS = 4096  # longer text prompts are tokenized on the tokenizer thread
+TOKENIZER_THREADS = 1  # long prompts tokenized at once: each takes a CPU from the event loop
 
 
 def prompt_chars(req: Completion | Chat) -> int:
+    """The characters the caller sent to be tokenized (a chat's template adds its own)."""
     if isinstance(req, Chat):
         return sum(len(m["content"]) for m in req.messages)
     return len(req.prompt) if isinstance(req.prompt, str) else 0
@@ -134,6 +137,19 @@ class Gateway:
         self.eos_ids = frozenset(t for t in self.codec.eos_token_ids if 0 <= t < self.vocab_size)
         self.request_timeout_s = request_timeout_s
         self.links = ReplicaLinks(zmq.Context.instance(), router.replica_keys)
+        # a prompt of more characters than this many per token of the context cannot fit:
+        # refused before it is tokenized (`check_prompt_chars`)
+        self.chars_per_token = self.codec.max_chars_per_token()
+        max_pos = json.loads((model_dir / "config.json").read_text()).get(
+            "max_position_embeddings")
+        self.max_position = max_pos if type(max_pos) is int and max_pos > 0 else None
+        self.tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
+                                             initializer=name_os_thread)
+        # under the replicas' --auth every request reaches a replica as the gateway's one
+        # CURVE key, which each replica lets have --client-queue-limit requests at once:
+        # the gateway keeps its requests within that, the rest wait here (`_room`)
+        self.one_client = router.replica_keys is not None
+        self._room_waiters: list[asyncio.Future[None]] = []
 
     def resolve(self, model: str) -> Target:
         adapters = self.router.view.adapters
@@ -151,15 +167,34 @@ class Gateway:
                            code="model_not_found")
         return Target(model, name, adapters[name])
 
-    def prompt_ids(self, req: Completion | Chat) -> list[int]:
+    def context_tokens(self) -> int | None:
+        """The longest context a request can have: the largest `--max-len` of the replicas
+        in view, else (none in view) the model's max_position_embeddings."""
+        return max((r.max_len for r in self.router.view.replicas), default=self.max_position)
+
+    def check_prompt_chars(self, req: Completion | Chat) -> None:
+        """A 400 for a prompt whose characters alone cannot fit the context: one token
+        stands for at most `chars_per_token` characters. Tokenizing a prompt of 786 KB took
+        0.4 s of CPU and hundreds of MB only to refuse it; this costs nothing."""
+        context, chars = self.context_tokens(), prompt_chars(req)
+        if context is None or chars <= context * self.chars_per_token:
+            return
+        param = "messages" if isinstance(req, Chat) else "prompt"
+        raise ApiError(400, f"This model's maximum context length is {context} tokens, and "
+                       f"no text of more than {context * self.chars_per_token} characters fits "
+                       f"it (a token of this tokenizer stands for at most "
+                       f"{self.chars_per_token}); the {param} has {chars}: shorten it",
+                       param=param, code="context_length_exceeded")
+
+    def prompt_ids(self, req: Completion | Chat, *, release_gil: bool = False) -> list[int]:
         if isinstance(req, Chat):
             try:
-                return self.codec.encode_chat(req.messages)
+                return self.codec.encode_chat(req.messages, release_gil=release_gil)
             except Exception as exc:  # the template's own raise_exception, or a bad template
                 raise bad(f"the chat template could not render these messages: {exc}",
                           "messages")
         if isinstance(req.prompt, str):
-            return self.codec.encode(req.prompt)
+            return self.codec.encode(req.prompt, release_gil=release_gil)
         if any(t >= self.vocab_size for t in req.prompt):
             raise bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return req.prompt
@@ -174,8 +209,10 @@ class Gateway:
         result, streamed or not, and handed to `on_output` then, with its last tokens (this
         coroutine returns it a turn later)."""
         target = self.resolve(req.model)
+        self.check_prompt_chars(req)
         if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
-            ids = await asyncio.get_running_loop().run_in_executor(None, self.prompt_ids, req)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, lambda: self.prompt_ids(req, release_gil=True))
         else:
             ids = self.prompt_ids(req)
         if not ids:
@@ -184,7 +221,8 @@ class Gateway:
         stop_ids = self.stop_ids(s)
         tried: set[str] = set()
         last: ApiError | None = None
-        deadline = time.monotonic() + self.request_timeout_s
+        deadline = time.monotonic() + self.request_timeout_s  # waits for a warming replica end here
+        room_by: float | None = None  # how long it may wait for room on a replica (`_room`)
         while True:
             candidates = self.router.candidates(target.adapter, target.min_seq,
                                                 frozenset(tried), tokens=ids)
@@ -201,6 +239,13 @@ class Gateway:
                 raise last or ApiError(503, "no replica is ready to serve (none ACTIVE and "
                                        "agreeing with the log); see GET /health",
                                        code="not_ready")
+            if self.one_client:
+                with_room = [r for r in candidates if self._has_room(r)]
+                if not with_room:
+                    room_by = room_by or time.monotonic() + self.request_timeout_s
+                    await self._room(candidates, room_by)
+                    continue
+                candidates = with_room
             replica = candidates[0]
             tried.add(replica.address)
             max_new = self._max_new(s, len(ids), replica.max_len, isinstance(req, Chat))
@@ -265,7 +310,40 @@ class Gateway:
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
+                self._room_freed()
             return made[0] if made else finish(res)
+
+    def _has_room(self, r: ReplicaView) -> bool:
+        """Whether `r` takes another of this gateway's requests: under its --client-queue-limit
+        (as its status reports it) with those this gateway has sent it and not had answered."""
+        return r.client_limit is None or \
+            sum(self.router.inflight(r.address).values()) < r.client_limit
+
+    async def _room(self, candidates: list[ReplicaView], by: float) -> None:
+        """Wait until a request to a replica ends (one of `candidates` may then have room), at
+        the latest until `by` (time.monotonic(): --request-timeout after the request first
+        waited); then 429, as the replicas would have answered."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, max(0.0, by - time.monotonic()))
+        except asyncio.TimeoutError:
+            limits = sorted({r.client_limit for r in candidates if r.client_limit is not None})
+            raise ApiError(429, f"every replica has had its --client-queue-limit "
+                           f"({', '.join(map(str, limits))}) of this gateway's requests for "
+                           f"{self.request_timeout_s:g} s (--request-timeout); retry later, or "
+                           "raise the replicas' --client-queue-limit", code="overloaded")
+        finally:
+            if waiter in self._room_waiters:
+                self._room_waiters.remove(waiter)
+
+    def _room_freed(self) -> None:
+        """A request to a replica ended: the requests waiting for room look again, in the
+        order they came."""
+        waiters, self._room_waiters = self._room_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
                         seen: list[int], relay: Callable[[int], None] | None,

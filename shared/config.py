@@ -28,9 +28,17 @@ HELD_REPLY_RETRY_MS = 5
 MAX_BLOB_CHUNK = 8 << 20  # a 2 MB rank-16 adapter in one round trip; replies stay under MAX_WIRE_BYTES
 # a replica's host tier of parsed adapter weights (computed serve --host-cache-mb), in MiB
 DEFAULT_HOST_CACHE_MB = 512
+# a replica's blob cache of verified adapter blobs on disk (computed serve --blob-cache-mb)
+DEFAULT_BLOB_CACHE_MB = 4096
 # the gateway's --prefix-slack: how many more queued requests than the least queued candidate
 # a replica holding the prompt's prefix may have and still win (docs/gateway.md, Routing)
 DEFAULT_PREFIX_SLACK = 8
+# what one HTTP connection to the gateway may cost (gateway/connections.py, docs/security.md)
+GATEWAY_MAX_HEAD_BYTES = 64 << 10  # --max-head-bytes; nginx's default is 4 x 8 KiB, Node's 16 KiB
+GATEWAY_MAX_HEADERS = 100  # --max-headers; Apache's LimitRequestFields
+GATEWAY_HEAD_TIMEOUT_S = 10.0  # --head-timeout
+GATEWAY_BODY_TIMEOUT_S = 30.0  # --body-timeout
+GATEWAY_MAX_CONNECTIONS = 1024  # --max-connections
 MAX_EVENTS_PER_PAGE = 1000
 HEARTBEAT_INTERVAL_S = 1.0          # statesvc's heartbeat on the diff stream, and each replica's
 REPLICA_SILENCE_S = 3.0             # a replica that hears nothing this long catches up

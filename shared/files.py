@@ -51,7 +51,7 @@ def read_limited(f: BinaryIO, limit: int, path: Path) -> bytes:
     """All of open file `f`, refused when it holds more than `limit` bytes."""
     size = os.fstat(f.fileno()).st_size
     if size > limit:
-        raise FileError(f"{path} is {size} bytes, above the {limit}-byte limit")
+        raise FileError(f"{path} is above the {limit}-byte limit")
     data = f.read(size + 1)
     if len(data) <= size:  # the size was honest: all of it in one read
         return data

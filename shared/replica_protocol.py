@@ -117,6 +117,7 @@ class InferenceStatus(TypedDict):
     max_batch: int
     max_len: int
     cancelled: int  # requests its clients cancelled since start (`cancel`)
+    client_limit: int  # requests one client may have waiting or running (--client-queue-limit)
 
 
 def decode_replica_request(msg: Any) -> tuple[str, dict[str, Any]]:

@@ -71,7 +71,7 @@ def _check_entry(name: str, entry: Any, data_len: int) -> TensorInfo:
     start, end = offsets
     if not 0 <= start <= end <= data_len:
         raise TensorFileError(
-            f"tensor {name!r}: data_offsets {offsets} fall outside the {data_len}-byte data section")
+            f"tensor {name!r}: data_offsets {offsets} fall outside the file's data section")
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
     if end - start != expected:
         raise TensorFileError(
@@ -85,17 +85,21 @@ def parse_header(prefix: bytes | mmap.mmap, total_size: int, *, max_header: int 
     `prefix` must hold at least the 8-byte length and the header itself.
     """
     if total_size < 8 or len(prefix) < 8:
-        raise TensorFileError(f"file is {total_size} bytes: too short for a safetensors header")
+        raise TensorFileError("the file is too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > max_header:
-        raise TensorFileError(f"header claims {n} bytes, above the {max_header}-byte limit")
+        raise TensorFileError(f"its first 8 bytes, the header's length, are above the "
+                              f"{max_header}-byte limit: not a safetensors file")
     if 8 + n > total_size:
-        raise TensorFileError(f"header claims {n} bytes but the file has only {total_size - 8} after the length")
+        raise TensorFileError("its first 8 bytes, the header's length, run past the end of "
+                              "the file: not a safetensors file, or a truncated one")
     if len(prefix) < 8 + n:
         raise TensorFileError("truncated header")
     try:
         raw = json.loads(bytes(prefix[8:8 + n]).decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
+    except UnicodeDecodeError as exc:  # its message quotes the byte: never echo what was read
+        raise TensorFileError(f"header is not UTF-8 text (at byte {exc.start} of it)") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, too deep, too many digits
         raise TensorFileError(f"header is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise TensorFileError("header must be a JSON object")

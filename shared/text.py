@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
+COMPOSED_CHARS = 4  # the most characters canonical composition (NFC, NFKC) makes one of: U+1FAF
 REPLACEMENT = "\ufffd"  # what decoding yields for bytes that are not (yet) a whole character
 # The named special tokens a template sees as variables (transformers' special_tokens_map)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -83,8 +84,29 @@ class TextCodec:
                    eos_token_ids=frozenset(_config_eos_ids(model_dir)
                                            | ({eos_id} if eos_id is not None else set())))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, *, release_gil: bool = False) -> list[int]:
+        return self._ids(text, special=True, release_gil=release_gil)
+
+    def _ids(self, text: str, *, special: bool, release_gil: bool) -> list[int]:
+        """`release_gil`: through `encode_batch`, which every `tokenizers` release runs with
+        the GIL released (`encode` does only in recent ones), for a long text tokenized on a
+        thread beside an event loop."""
+        if release_gil:
+            return list(self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+
+    def max_chars_per_token(self) -> int:
+        """The most characters of a text that one token can stand for, so that a text of C
+        characters is at least C / this many tokens whatever it holds: the longest token's
+        string in the vocabulary (a byte-level BPE's holds a character per byte, so never
+        fewer than it decodes to; SentencePiece's as many as it decodes to; a byte-fallback
+        token's six, for one byte), times COMPOSED_CHARS where a normalizer runs first
+        (NFC and NFKC compose up to 4 characters into one: omega and three marks). A normalizer
+        that deletes characters (BERT's control-character cleaning; no chat model's) is not
+        allowed for."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        longest = max((len(t) for t in vocab), default=1) or 1
+        return longest * (1 if self.tokenizer.normalizer is None else COMPOSED_CHARS)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -103,10 +125,10 @@ class TextCodec:
             messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
             tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], *,
+                    release_gil: bool = False) -> list[int]:
         """Token ids of a rendered chat; the template writes its own special tokens."""
-        return list(self.tokenizer.encode(self.render_chat(messages),
-                                          add_special_tokens=False).ids)
+        return self._ids(self.render_chat(messages), special=False, release_gil=release_gil)
 
 
 @lru_cache(maxsize=16)

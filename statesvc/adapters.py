@@ -55,33 +55,48 @@ class Candidate:
         return lora_scaling(self.alpha, self.rank, self.use_rslora)
 
 
+FIELD = "args.path"  # what every refusal of an adapter directory names
+
+
 def _invalid(path: Path, what: str) -> AdapterError:
-    return AdapterError("invalid_adapter", f"{path}: {what}")
+    return AdapterError("invalid_adapter", f"{path}: {what}", FIELD)
 
 
 class _Opened:
     """An adapter directory and its two files, each opened once beneath the roots: every
     check and every read uses these handles, so what is read is what was checked. A file
-    that is missing is None; one that cannot be opened is the error that using it raises."""
+    that is missing is None; one that cannot be opened is the error that using it raises.
+
+    Each file must be a regular file inside the directory itself (a symlink is followed only
+    to a target inside it): without --adapter-root statesvc reads whatever its user may, and
+    a weights file linking to /etc/shadow had its first bytes quoted back as a header
+    length. With --adapter-root the roots confine the files instead, so a Hugging Face
+    cache's snapshot links to ../../blobs keep working."""
 
     def __init__(self, path: Path, roots: tuple[Path, ...]) -> None:
         self.path = path
-        beneath = Beneath(roots)
         try:
-            self.fd, real = beneath.open_dir(path)
+            self.fd, real = Beneath(roots).open_dir(path)
         except OutsideRoots as exc:
             raise _outside(path, exc.resolved, roots) from None
         except OSError as exc:
             missing = exc.errno in (errno.ENOENT, errno.ENOTDIR)
             raise _invalid(path, "no such directory" if missing else
                            f"cannot open the directory: {exc.strerror or exc}") from None
+        inside = Beneath(roots if roots != ANYWHERE else (real,))
         self.files: dict[str, BinaryIO | AdapterError | None] = {}
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             try:
-                self.files[name] = beneath.open_file(self.fd, real, name)
+                self.files[name] = inside.open_file(self.fd, real, name)
             except OutsideRoots as exc:
                 self.close()
-                raise _outside(path / name, exc.resolved, roots) from None
+                if roots != ANYWHERE:
+                    raise _outside(path / name, exc.resolved, roots) from None
+                raise AdapterError("forbidden", f"{path}: {name} is a symlink to "
+                                   f"{exc.resolved}, outside the adapter directory; statesvc "
+                                   f"reads an adapter's files from inside its directory "
+                                   f"only: copy the file in, or run statesvc with an "
+                                   f"--adapter-root holding both", FIELD) from None
             except FileNotFoundError:
                 self.files[name] = None
             except (OSError, FileError) as exc:
@@ -130,7 +145,8 @@ class _Opened:
 def _outside(path: Path, resolved: Path, roots: tuple[Path, ...]) -> AdapterError:
     via = "" if resolved == path else f" (it resolves to {resolved})"
     return AdapterError("forbidden", f"{path} is outside the adapter roots{via}; statesvc "
-                        f"loads only from under {', '.join(map(str, roots))} (--adapter-root)")
+                        f"loads only from under {', '.join(map(str, roots))} (--adapter-root)",
+                        FIELD)
 
 
 def _read_config(d: _Opened) -> dict[str, Any]:
@@ -145,7 +161,10 @@ def _read_config(d: _Opened) -> dict[str, Any]:
                        f"{getattr(exc, 'strerror', None) or exc}") from None
     try:
         cfg = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
+    except UnicodeDecodeError as exc:  # its message quotes the byte: never echo what was read
+        raise _invalid(path, f"{CONFIG_FILE} is not valid JSON (not UTF-8 text at byte "
+                       f"{exc.start})") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, too deep, too many digits
         raise _invalid(path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise _invalid(path, f"{CONFIG_FILE} must hold a JSON object")
@@ -224,7 +243,7 @@ def _weights_header(d: _Opened, max_bytes: int) -> tuple[BinaryIO, Header, int]:
     try:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
-            raise _invalid(path, f"cannot read {WEIGHTS_FILE}: it is {size} bytes, above the "
+            raise _invalid(path, f"cannot read {WEIGHTS_FILE}: it is above the "
                            f"{max_bytes}-byte limit (statesvc --max-adapter-bytes)")
         return f, read_header_of(f), size
     except TensorFileError as exc:

@@ -151,6 +151,11 @@ class HostTier:
         else:
             self.times["miss"].append(took.fetch_s + write_s)
 
+    def versions(self) -> set[Key]:
+        """The versions held here, or being fetched or handed over: their blobs are in use."""
+        with self._lock:
+            return {*self.host.keys(), *self._pending, *self._handoff, *self._fresh}
+
     def retain(self, current: Callable[[str, int], bool]) -> None:
         """Forget every version `current` refuses (it left the registry)."""
         def keep(k: Key) -> bool:

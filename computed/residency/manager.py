@@ -155,9 +155,17 @@ class ResidencyManager:
             self.host.want(adapter, demand=demand)
 
     def retain(self, new: State) -> None:
-        """Versions that left the registry leave the host tier and the fill queue."""
+        """Versions that left the registry leave the host tier and the fill queue; the blob
+        cache keeps the blobs of what is in a slot or the host tier (or on its way there) and
+        may remove the others to fit its bound."""
         self.host.retain(lambda n, v: (a := new.adapters.get(n)) is not None
                          and a.version == v)
+        holders = dict(self.slots.holders) if self.slots is not None else {}  # a copy: no lock
+        in_use = {h.sha256 for h in holders.values()}
+        for name, version in self.host.versions():
+            if (a := new.adapters.get(name)) is not None and a.version == version:
+                in_use.add(a.sha256)
+        self.blobs.keep(frozenset(in_use))
 
 
 __all__ = ["ResidencyManager", "pool_spec"]

@@ -239,7 +239,8 @@ class Engine:
         return {"warm": self.warm, "state": "ready" if self.warm else "warming",
                 "warmup": self.warmup_report, "running": sum(r is not None for r in self.rows),
                 "waiting": len(self.waiting), "max_batch": self.model.max_batch,
-                "max_len": self.model.max_len, "cancelled": self.cancelled}
+                "max_len": self.model.max_len, "cancelled": self.cancelled,
+                "client_limit": self.client_limit}
 
     def adapter_requests(self) -> dict[str, dict[str, int]]:
         """Per adapter, the requests running on it (their grant's adapter) and waiting for it

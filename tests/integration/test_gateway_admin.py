@@ -75,7 +75,8 @@ def test_load_inplace_names_clash_and_lone_surrogates(fleet: Fleet, example: Exa
     # a lone surrogate: 400 naming the field, nothing appended, counted, the gateway serves on
     head = fleet.head()
     body = '{"lora_name": "z", "lora_path": "/tmp/\\ud800"}'.encode()
-    error = error_of(httpx.post(url + "/v1/load_lora_adapter", content=body), 400)
+    error = error_of(httpx.post(url + "/v1/load_lora_adapter", content=body,
+                                headers={"content-type": "application/json"}), 400)
     assert error["param"] == "lora_path" and "lone surrogate (\\ud800)" in error["message"]
     body = f'{{"model": "{base}", "prompt": "\\ud800", "max_tokens": 2}}'.encode()
     error = error_of(httpx.post(url + "/v1/completions", content=body), 400)

@@ -151,6 +151,43 @@ def test_symlinks_that_stay_under_the_root_are_followed(svc: StateService, examp
     assert "--adapter-root" in str(err)
 
 
+def test_without_roots_an_adapters_files_must_be_inside_its_directory(
+        svc: StateService, example: ExampleAssets, tmp_path: Path) -> None:
+    """Without --adapter-root statesvc reads any directory its user may read, but an adapter's
+    files only from inside that directory: a weights file or a config linking out of it (to a
+    secret statesvc can read and its caller cannot) is refused as `forbidden` naming the file
+    and args.path, and no error quotes what a file holds or how large it is. A link that stays
+    inside the directory is followed."""
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:*:20000:0:99999:7:::\n" * 40)
+    claimed = str(struct.unpack("<Q", secret.read_bytes()[:8])[0])  # what the header read was
+    for i, (name, target) in enumerate(((WEIGHTS, secret), (WEIGHTS, Path("../shadow")),
+                                        ("adapter_config.json", secret))):
+        d = tmp_path / f"link-{i}"
+        shutil.copytree(example.adapter_dirs[QV], d)
+        (d / name).unlink()
+        (d / name).symlink_to(target)
+        err = refused(svc, d)
+        assert (err.code, err.field) == ("forbidden", "args.path"), str(err)
+        assert f"{name} is a symlink to {secret}, outside the adapter directory" in str(err)
+        assert claimed not in str(err) and str(secret.stat().st_size) not in str(err)
+    # a file that is no safetensors file: refused without its bytes or its size
+    d = tmp_path / "not-weights"
+    shutil.copytree(example.adapter_dirs[QV], d)
+    shutil.copy(secret, d / WEIGHTS)
+    err = refused(svc, d)
+    assert err.code == "invalid_adapter" and err.field == "args.path"
+    assert "the header's length" in str(err), str(err)
+    assert claimed not in str(err) and str(secret.stat().st_size) not in str(err)
+    # inside the directory, a link is followed
+    inside = tmp_path / "inside"
+    shutil.copytree(example.adapter_dirs[QV], inside)
+    (inside / "weights").mkdir()
+    (inside / WEIGHTS).rename(inside / "weights" / "w.safetensors")
+    (inside / WEIGHTS).symlink_to("weights/w.safetensors")
+    assert call(svc, "load", name="inside", path=str(inside))["created"]
+
+
 @pytest.mark.parametrize("cmd", ["load", "pool.init"])
 def test_nul_bytes_in_paths_are_bad_requests(svc: StateService, example: ExampleAssets,
                                              tmp_path: Path, cmd: str) -> None:

@@ -1,6 +1,7 @@
 """A replica's blob cache as peers read it (shared/blobserve.py's ChunkSource over real files):
 chunks of what it holds, and `not_found`, never an internal error, for a file that went away
-while a peer read it (a cached blob found damaged is removed and fetched again)."""
+while a peer read it (a cached blob found damaged is removed and fetched again); blobs held in
+memory until written; and the files within --blob-cache-mb, the blobs in use kept."""
 from __future__ import annotations
 
 import hashlib
@@ -38,8 +39,9 @@ class _Fetched(BlobCache):
     """A cache whose fetches return `blobs` (the fetch over ZeroMQ is tested with real
     services in tests/integration/test_replica.py and test_peer_blobs.py)."""
 
-    def __init__(self, root: Path, blobs: dict[str, bytes]) -> None:
-        super().__init__(root, ControlClient("tcp://127.0.0.1:9"))
+    def __init__(self, root: Path, blobs: dict[str, bytes], *,
+                 limit_bytes: int | None = None) -> None:
+        super().__init__(root, ControlClient("tcp://127.0.0.1:9"), limit_bytes=limit_bytes)
         self.blobs = blobs
         self.writer_may_go = threading.Event()  # holds the cache writer until set
 
@@ -93,3 +95,29 @@ def test_a_cache_file_is_written_whole_and_flushed(tmp_path: Path) -> None:
     cache.close()
     assert cache.path(sha).read_bytes() == data
     assert not list((tmp_path / "blobs").glob("*.tmp*"))
+
+
+def test_the_files_stay_within_the_bound_least_recently_used_out_those_in_use_kept(
+        tmp_path: Path) -> None:
+    blobs = {hashlib.sha256(d).hexdigest(): d for d in (bytes([i]) * 1000 for i in range(5))}
+    s0, s1, s2, s3, s4 = blobs
+    cache = _Fetched(tmp_path / "blobs", blobs, limit_bytes=2500)
+    cache.writer_may_go.set()
+
+    def fetched(*shas: str) -> set[str]:
+        for sha in shas:
+            assert cache.get(sha) == blobs[sha]
+        cache.close()  # every file written
+        return {p.name for p in (tmp_path / "blobs").iterdir()}
+
+    cache.keep(frozenset({s0}))  # in a slot: kept whatever the bound
+    assert fetched(s0, s1, s2) == {s0, s2}  # s1 least recently used, s2 just written
+    assert fetched(s0, s3) == {s0, s3}  # s0 read again: s2 is the least recently used
+    cache.keep(frozenset())  # s0 unloaded: the least recently used now
+    assert fetched(s4) == {s3, s4} and cache.evictions == 3
+    assert cache.get(s0) == blobs[s0] and cache.fetches == 6  # removed: fetched again
+    cache.close()
+    # a replica restarted on the cache dir takes its files in their order of last use
+    again = _Fetched(tmp_path / "blobs", blobs, limit_bytes=1500)
+    again.keep(frozenset())
+    assert {p.name for p in (tmp_path / "blobs").iterdir()} == {s0}

@@ -1,8 +1,9 @@
 """What the gateway answers to bodies it cannot serve, before any statesvc or replica is
 asked (gateway/requests.py `parse_json`, app.py `answering` and `error_response`):
 a lone surrogate anywhere in a body is OpenAI's 400 naming the field; a bug in a handler is
-OpenAI's 500, counted in /metrics, never Starlette's plain-text page; and the model list
-names each id once. The app runs in-process (Starlette's TestClient) over a Router that is
+OpenAI's 500, counted in /metrics, never Starlette's plain-text page; the model list
+names each id once; a field of the wrong type is a 400 naming it; a prompt that no context
+can hold is refused before it is tokenized; and /health answers as routing would. The app runs in-process (Starlette's TestClient) over a Router that is
 not started, its view set here."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from starlette.testclient import TestClient
 from gateway import admin
 from gateway.app import build_app, error_response
 from gateway.requests import ApiError, parse_json
-from gateway.routing import FleetView, Router
+from gateway.routing import FleetView, ReplicaView, Router
 from gateway.service import Gateway
 from statesvc.tools.example import ExampleAssets
 
@@ -152,3 +153,59 @@ def test_an_adapter_named_like_the_base_model_is_listed_once(client: TestClient,
     assert gw.resolve(BASE).adapter is None
     assert (gw.resolve(f"{BASE}:{BASE}").adapter, gw.resolve(f"{BASE}:{BASE}").min_seq) == (
         BASE, 7)
+
+
+def test_include_usage_must_be_true_or_false(client: TestClient) -> None:
+    for value in ("no", 1, [True], {}):
+        r = client.post("/v1/completions", json={"model": BASE, "prompt": "x", "stream": True,
+                                                 "stream_options": {"include_usage": value}})
+        error = error_of(r, 400)
+        assert error["param"] == "stream_options.include_usage", error
+        assert error["message"] == "stream_options.include_usage must be true or false"
+
+
+def test_a_prompt_no_context_holds_is_refused_before_it_is_tokenized(
+        client: TestClient, gw: Gateway, example: ExampleAssets,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenized: list[int] = []
+    encode = gw.codec.encode
+
+    def counted(text: str, **kw: Any) -> list[int]:
+        tokenized.append(len(text))
+        return encode(text, **kw)
+
+    monkeypatch.setattr(gw.codec, "encode", counted)
+    context = gw.context_tokens()  # no replica in view: the model's max_position_embeddings
+    assert context == json.loads((example.model_dir / "config.json").read_text())[
+        "max_position_embeddings"]
+    limit = context * gw.chars_per_token
+    error = error_of(client.post("/v1/completions", json={"model": BASE,
+                                                          "prompt": "x" * (limit + 1)}), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert f"no text of more than {limit} characters fits it" in error["message"]
+    assert tokenized == []
+    # a prompt within the bound is tokenized (and finds no replica to serve it)
+    error_of(client.post("/v1/completions", json={"model": BASE, "prompt": "x" * limit}), 503)
+    assert tokenized == [limit]
+    # with replicas in view, the largest --max-len is the context
+    gw.router.view = FleetView(ok=True, error="", adapters={"chat": 3}, replicas=(
+        replica_view("r1", max_len=32), replica_view("r2", max_len=64)))
+    error = error_of(client.post("/v1/chat/completions", json={"model": BASE, "messages": [
+        {"role": "user", "content": "x" * (64 * gw.chars_per_token + 1)}]}), 400)
+    assert error["param"] == "messages" and "is 64 tokens" in error["message"]
+    assert tokenized == [limit]
+
+
+def test_health_answers_as_routing_would(client: TestClient, gw: Gateway) -> None:
+    r1 = replica_view("r1")
+    gw.router.view = FleetView(ok=True, error="", replicas=(r1,))
+    assert client.get("/health").json()["replicas"] == ["r1"]
+    gw.router.failed(r1.address)  # a request found it gone: the next poll drops it
+    assert gw.router.candidates(None, 0) == []
+    assert error_of(client.get("/health"), 503)["code"] == "not_ready"
+
+
+def replica_view(name: str, max_len: int = 256) -> ReplicaView:
+    return ReplicaView(id=name, address=f"tcp://127.0.0.1:{9000 + int(name[1:])}",
+                       applied_seq=0, queued=0,
+                       resident=frozenset(), max_len=max_len)

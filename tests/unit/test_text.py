@@ -86,8 +86,10 @@ def test_chat_template_renders_as_transformers(example: ExampleAssets) -> None:
         messages, tokenize=False, add_generation_prompt=True)
     assert codec.encode_chat(messages) == tok.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert codec.encode_chat(messages, release_gil=True) == codec.encode_chat(messages)
     for text in TEXTS:
         assert codec.encode(text) == tok(text).input_ids
+        assert codec.encode(text, release_gil=True) == tok(text).input_ids  # encode_batch
 
 
 def test_incremental_pieces_keep_a_metaspace_decoders_spaces() -> None:

@@ -339,6 +339,8 @@ def test_oversized_weights(tmp_path: Path, example: ExampleAssets) -> None:
     svc.max_adapter_bytes = 1000
     err = refused(svc, example.adapter_dirs[QV])
     assert "above the 1000-byte limit" in str(err)
+    size = (example.adapter_dirs[QV] / "adapter_model.safetensors").stat().st_size
+    assert str(size) not in str(err)  # what statesvc read of a file is never quoted
 
 
 def test_reloading_same_content_repairs_a_damaged_blob(svc: StateService,
