@@ -151,8 +151,12 @@ def read_header_of(f: BinaryIO) -> Header:
     return parse_header(head, size)
 
 
-def _raw(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> memoryview:
+def raw_bytes(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> memoryview:
+    """The tensor's bytes as stored (little-endian, its safetensors dtype), a view of `buf`."""
     return memoryview(buf)[header.data_start + info.start:header.data_start + info.end]
+
+
+_raw = raw_bytes
 
 
 def is_finite(buf: bytes | bytearray | memoryview, header: Header, info: TensorInfo) -> bool:

@@ -23,11 +23,11 @@ import numpy as np
 from computed.backend import Backend, TensorParallelBackend, select
 from computed.model import moe, sharding
 from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
-from computed.model.params import Experts, LayerParams, LlamaParams, PackedWeight, pack, unpack
+from computed.model.params import Experts, LayerParams, LlamaParams, PackedWeight, pack, pack_rows, unpack
 from shared.checkpoint import shard_paths
 from shared.llama import MODULE_PARENT, MODULES
 from shared.modelconfig import ModelConfigError, check_tensors
-from shared.tensorfile import TensorFileError, parse_header, to_float32
+from shared.tensorfile import TensorFileError, parse_header, raw_bytes, to_float32
 
 
 @contextmanager
@@ -99,6 +99,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
 
         def host(name: str) -> np.ndarray:
             buf, header, info = tensors[name]  # present, in this shape: check_tensors
+            if info.dtype == "BF16" and jdt == jnp.bfloat16 and tensor_parallel == 1:
+                # its bits, as stored: a view of the map, which every caller copies before the
+                # shards close (widening to float32 and back took 5.6 s of a 0.5B model's load)
+                bits: np.ndarray = np.frombuffer(raw_bytes(buf, header, info), "<u2").view(jnp.bfloat16)
+                return bits.reshape(info.shape)
             try:
                 return to_float32(buf, header, info).astype(jdt, copy=False)  # one tensor at a time
             except TensorFileError as exc:
@@ -110,8 +115,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
         def weight(name: str) -> jax.Array | PackedWeight:
             """A projection as the backend multiplies it: packed as it is read (no second copy of the
             model, however briefly), or transposed to [in, out] for XLA."""
-            w = host(name).T
-            return pack(w, panel) if panel else to_device(np.ascontiguousarray(w))
+            wt = host(name)  # [out, in], as HF stores it
+            return pack_rows(wt, panel) if panel else to_device(np.ascontiguousarray(wt.T))
 
         def norm(name: str) -> jax.Array:
             """A norm's weight; a Gemma norm as 1 + w in float32, as Gemma's RMSNorm computes it."""
@@ -151,14 +156,18 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
                      for n in config.layer_norms()}
             layers.append(LayerParams(norms=norms, weights=weights, biases=biases,
                                       experts=experts(i) if sparse else None))
+        tied_packed = config.tie_word_embeddings and panel and tensor_parallel == 1
         params = LlamaParams(
             config=config,
             backend=backend,
-            embed=get("model.embed_tokens.weight"),
+            # tied and packed: the packed lm_head is the embedding's one copy (`with_layout`), made
+            # here from the checkpoint's [vocab, hidden] rows
+            embed=None if tied_packed else get("model.embed_tokens.weight"),
             layers=tuple(layers),
             norm=norm("model.norm.weight"),
             # stored [hidden, vocab]: XLA's CPU product x @ W ran 1.2x faster than x @ W.T here
-            lm_head=None if config.tie_word_embeddings else weight("lm_head.weight"),
+            lm_head=pack_rows(host("model.embed_tokens.weight"), panel) if tied_packed else
+            None if config.tie_word_embeddings else weight("lm_head.weight"),
         )
     params = with_layout(params, backend)
     if isinstance(backend, TensorParallelBackend):

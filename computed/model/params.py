@@ -68,21 +68,32 @@ class PackedWeight:
 def pack(w: np.ndarray | jax.Array, panel: int) -> PackedWeight:
     """W [in, out] -> its panels (host work, once per weight): a bfloat16 W as its uint16 bits in
     pairs of k, any other as float32."""
-    w = np.asarray(w)
-    bf16 = w.dtype == jnp.bfloat16
+    return pack_rows(np.asarray(w).T, panel)
+
+
+def pack_rows(wt: np.ndarray, panel: int) -> PackedWeight:
+    """W's transpose `wt [out, in]` (a checkpoint's own layout, HF's `[out, in]`) -> W's panels:
+    panel p, k, column c is wt[p * panel + c, k], so the panels are wt in blocks of `panel` rows,
+    each block transposed: one strided copy (through W [in, out] it took a transpose, a padded
+    copy and a second transpose: 3.7 s of a Qwen2.5-0.5B load's 7)."""
+    wt = np.asarray(wt)
+    bf16 = wt.dtype == jnp.bfloat16
     if not bf16:
-        w = w.astype(np.float32, copy=False)
-    n_in, out = w.shape
+        wt = wt.astype(np.float32, copy=False)
+    out, n_in = wt.shape
     count = -(-out // panel)
-    rows = n_in + (n_in % 2 if bf16 else 0)
-    padded = np.zeros((rows, count * panel), w.dtype)
-    padded[:n_in, :out] = w
+    cols = n_in + (n_in % 2 if bf16 else 0)
+    if (count * panel, cols) != (out, n_in):
+        wt = np.pad(wt, ((0, count * panel - out), (0, cols - n_in)))
     panels: np.ndarray
-    if bf16:  # [in2, 2, count, panel] -> [count, in2, panel, 2]
-        panels = padded.view(np.uint16).reshape(rows // 2, 2, count, panel).transpose(2, 0, 3, 1)
-    else:
-        panels = padded.reshape(n_in, count, panel).transpose(1, 0, 2)
-    return PackedWeight(jnp.asarray(np.ascontiguousarray(panels)), out, n_in)
+    if bf16:  # [count, panel, in2] pairs -> [count, in2, panel] pairs: each pair moved as one
+        # 32-bit element (3x faster than as two 16-bit ones), then seen as [.., panel, 2] bits
+        rows = np.ascontiguousarray(wt).view(np.uint32).reshape(count, panel, cols // 2)
+        pairs = np.ascontiguousarray(rows.transpose(0, 2, 1))
+        panels = pairs.view(np.uint16).reshape(count, cols // 2, panel, 2)
+    else:  # [count, panel, in] -> [count, in, panel]
+        panels = np.ascontiguousarray(wt.reshape(count, panel, n_in).transpose(0, 2, 1))
+    return PackedWeight(jnp.asarray(panels), out, n_in)
 
 
 def unpack(w: PackedWeight) -> jax.Array:

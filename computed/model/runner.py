@@ -7,6 +7,7 @@ parameters were loaded for. `LlamaRunner` is the model behind the engine's `Mode
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -451,9 +452,12 @@ class LlamaRunner:
         if ready is not None:
             self.compiled = frozenset()
 
+        lock = threading.Lock()  # the warm-up's compile threads report one at a time
+
         def compiled(kind: str, n: int, p: int) -> None:
-            if self.compiled is not None:
-                self.compiled = self.compiled | {(kind, n, p)}  # replaced whole: the serving thread reads it
+            with lock:
+                if self.compiled is not None:
+                    self.compiled = self.compiled | {(kind, n, p)}  # replaced whole: the serving thread reads it
         compile_serving(self.params, pool, cache, prefill_shapes=self.prefill_shapes,
                         attend_lens=self.buckets, extend_shapes=self.prefill_shapes if self.extend else (),
                         store=store, block_counts=self.block_counts, stop=stop, ready=ready, compiled=compiled)

@@ -4,7 +4,9 @@ into jit's caches before the first request, from shapes alone (computed/model/ru
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -18,6 +20,8 @@ from computed.model.llama import decode_jit, extend_jit, prefill_jit, rope_table
 from computed.model.params import LlamaParams
 from computed.residency.pool import LoraPool
 
+COMPILE_THREADS = min(2, os.cpu_count() or 1)  # compiles at once (`compile_serving`)
+
 
 def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
                     prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...],
@@ -25,7 +29,8 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
                     block_counts: tuple[int, ...] = (),
                     stop: Callable[[], bool] = lambda: False,
                     ready: Callable[[], None] | None = None,
-                    compiled: Callable[[str, int, int], None] = lambda kind, n, p: None) -> None:
+                    compiled: Callable[[str, int, int], None] = lambda kind, n, p: None,
+                    threads: int = COMPILE_THREADS) -> None:
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
     one per prefill shape (prompts, prompt length) and per chunk shape (`extend_shapes`), one per
     attention length (only one with the attention kernel) and LoRA window of the backend, and
@@ -77,21 +82,23 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
             jobs.append((kind, n, p, functools.partial(
                 lambda f, t, a: f.lower(params, pool_s, cache_s, t, *a).compile(), fn,
                 np.zeros((n, p), np.int32), args)))
-    if ready is not None:  # what every request needs first (a stable sort keeps the order within)
-        jobs.sort(key=lambda j: not essential(j[0], j[1], cache.max_batch))
-    told = ready is None
-    for kind, n, p, compile_ in jobs:
-        if not told and not essential(kind, n, cache.max_batch):
-            assert ready is not None
-            ready()
-            told = True
+    def run(job: tuple[str, int, int, Callable[[], Any]]) -> None:
+        if not stop():
+            job[3]()
+            compiled(*job[:3])
+
+    # two compiles at a time: XLA compiles one on one thread, and a cache hit's read of the
+    # executable leaves the interpreter to the other's tracing (`threads`)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="compile") as pool:
+        if ready is None:
+            list(pool.map(run, jobs))
+            return
+        first = [j for j in jobs if essential(j[0], j[1], cache.max_batch)]
+        list(pool.map(run, first))  # what every request needs
         if stop():
             return
-        compile_()
-        compiled(kind, n, p)
-    if not told:
-        assert ready is not None
         ready()
+        list(pool.map(run, [j for j in jobs if not essential(j[0], j[1], cache.max_batch)]))
 
 
 def essential(kind: str, n: int, max_batch: int) -> bool:
