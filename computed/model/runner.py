@@ -275,8 +275,8 @@ class LlamaRunner:
         # prompts): warm-up compiles no bucket above it
         self.piece = piece if piece and self.extend else max_len
         # while a warm-up that let the replica serve early compiles the rest: the forwards
-        # ("prefill" | "extend", prompts, length; "decode", rows, 0) compiled so far, which alone
-        # `prefill` and `decode` run; None: any (all compiled, or no warm-up: each compiles on
+        # ("prefill" | "extend", prompts, length; "decode", rows, 0; "blocks", count, 0) compiled so
+        # far, which alone `prefill`, `decode` and the block copies run; None: any (all compiled, or no warm-up: each compiles on
         # first use)
         self.compiled: frozenset[tuple[str, int, int]] | None = None
 
@@ -395,7 +395,11 @@ class LlamaRunner:
         return backend.shard_blocks(kv_blocks.zeros(self.config, n, backend.cache_dtype(self.params.dtype)))
 
     def _padded(self, ids: Sequence[int], fill: int) -> np.ndarray:
-        m = next(b for b in self.block_counts if b >= len(ids))
+        """`ids` padded to the smallest block count compiled (while a warm-up still compiles
+        them, `compiled`: the largest is)."""
+        done = self.compiled
+        m = next(b for b in self.block_counts if b >= len(ids) and (done is None or ("blocks", b, 0) in done
+                                                                     or b == self.block_counts[-1]))
         out = np.full(m, fill, np.int32)
         out[:len(ids)] = ids
         return out

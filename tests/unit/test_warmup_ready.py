@@ -31,18 +31,22 @@ def test_ready_comes_before_the_forwards_of_several_prompts(example: ExampleAsse
             active = np.zeros(8, np.bool_)
             active[:2] = True
             zeros = np.zeros(8, np.int32)
-            early["step"], _ = runner.decode(pool.arrays, cache, zeros + 7, zeros + 5, zeros - 1, active)
+            early["step"], cache = runner.decode(pool.arrays, cache, zeros + 7, zeros + 5, zeros - 1, active)
+            # a one-block prefix hit: copied as the most blocks (the copy of one is not compiled yet)
+            runner.load_blocks(cache, store, 0, [3])
         early["compiles"] = len(compiles)
 
+    store = runner.new_blocks(8)
     with counting_compiles() as all_compiles:
-        runner.warmup(pool.shapes(), runner.new_cache(), ready=ready)
+        runner.warmup(pool.shapes(), runner.new_cache(), store=store, ready=ready)
     compiled = early["compiled"]
     assert isinstance(compiled, frozenset)
     # a decode step of every row, one prompt at every length of both kinds, nothing of several prompts
-    forwards = {(k, n, p) for k, n, p in compiled if k != "decode"}
+    forwards = {(k, n, p) for k, n, p in compiled if k in ("prefill", "extend")}
     assert {(k, p) for k, n, p in forwards} == {(k, p) for k in ("prefill", "extend") for _, p in runner.prefill_shapes}
     assert {n for _, n, _ in forwards} == {1}
     assert ("decode", runner.max_batch, 0) in compiled
+    assert {("blocks", runner.block_counts[-1], 0)} == {c for c in compiled if c[0] == "blocks"}
     assert early["compiles"] == 0
     assert runner.compiled is None  # every shape compiled: groups run whole again
     assert len(all_compiles) >= len(runner.prefill_shapes) * 2 + len(runner.decode_rows)
