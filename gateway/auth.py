@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.requests import ApiError
-from shared.client import ControlClient, RemoteError, Unavailable
+from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
+from shared.config import MAX_SEQ
 from shared.keys import ClientKeys, KeyError_, client_keys
 
 MAX_TOKENS_FILE_BYTES = 1 << 20
@@ -87,12 +88,13 @@ OPERATOR_KEY_WITHOUT_AUTH = (
 
 def may_change_log(state: str, keys: ClientKeys, *, timeout_s: float = 3.0) -> bool | None:
     """Whether `keys` may append to statesvc's log (an operator key), asked of statesvc with
-    an `unload` that cannot succeed: statesvc checks the caller's role before the command's
-    arguments, so an operator's is refused as `bad_request`, anyone else's as `forbidden`,
-    and nothing is appended either way. None when statesvc does not answer."""
+    an `unload` that cannot succeed: well formed (statesvc checks a request's fields before the
+    caller's role), but of no adapter (`-` is no adapter's name) and expecting a head the log never reaches, so an
+    operator's is refused by the command (a conflict or a bad name), anyone else's as
+    `forbidden`, and nothing is appended either way. None when statesvc does not answer."""
     try:
         with ControlClient(state, timeout_s=timeout_s, retries=1, keys=keys) as c:
-            c.call("unload", {})
+            c.call("unload", {"event_id": new_event_id(), "name": "-", "expect_head": MAX_SEQ})
     except Unavailable:
         return None
     except RemoteError as exc:

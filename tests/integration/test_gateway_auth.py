@@ -127,6 +127,10 @@ def test_concurrent_requests_beyond_the_replicas_client_limit_wait_in_the_gatewa
 
 def test_an_operator_key_as_the_gateways_own_without_auth_is_refused(
         setup: Setup, example: ExampleAssets, tmp_path: Path) -> None:
+    def head() -> int:
+        with ControlClient(setup.svc.control, keys=setup.alice) as c:
+            return int(c.call("status")["head_seq"])
+    before = head()
     res = subprocess.run([str(BIN / "computed"), "gateway", "--model", str(example.model_dir),
                           "--state", setup.svc.control, "--port", "0",
                           "--key", str(setup.clients / "alice.key_secret"),
@@ -135,3 +139,11 @@ def test_an_operator_key_as_the_gateways_own_without_auth_is_refused(
     assert res.returncode == 2, res.stderr
     assert "Error: --key is an operator key of statesvc" in res.stderr
     assert "--auth" in res.stderr and "READY" not in res.stdout
+    assert head() == before  # asking statesvc appended nothing
+    # a key of its own in statesvc's replicas/ (reads only) starts without --auth, as `make demo`'s
+    own = Gateway(example.model_dir, setup.svc, log_file=tmp_path / "own-key.log",
+                  extra_args=("--key", str(setup.clients / "gw.key_secret"), "--server-key", setup.server_key))
+    try:
+        assert own.start().ready.startswith("READY"), own.log.read_text()[-2000:]
+    finally:
+        own.stop()
