@@ -54,7 +54,7 @@ def key(*, fingerprint: str, dtype: str, tensor_parallel: int = 1) -> str:
         parts.append(kernels.build().name)  # named by its sources, flags, compiler and CPU
     else:
         parts.append(f"no kernels: {kernels.unavailable_reason()}")
-        parts.append(kernels.built_isas().__repr__())
+        parts.append(repr(kernels.built_isas()))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
