@@ -17,7 +17,7 @@ then rounds until `--repeats` of them ran without other load on the machine
 PEFT in a process of its own, since torch and XLA in one process slow each
 other down:
 
-* decode:       LlamaRunner.decode in a loop: computed.model.runner.decode as the engine calls it
+* decode:       Runner.decode in a loop: computed.model.runner.decode as the engine calls it
                 (attention over the smallest bucket of the cache that holds the longest
                 sequence), 32 active rows, the next tokens by argmax of each step's
                 logits; every round restarts at position 32. The pool has `--slots`
@@ -36,7 +36,7 @@ other down:
                 (BGMV-style: every row gathers its own adapter's A and B;
                 the backend's option lora="gather", which serving never uses), on the
                 batches with adapters.
-* Engine.step:  computed.serving.engine.Engine with LlamaRunner (max_batch 32, the same
+* Engine.step:  computed.serving.engine.Engine with Runner (max_batch 32, the same
                 max_len), the 32 requests submitted with their adapter names and
                 admitted (prefilled) before timing; a round is `--steps` calls of
                 `step()`, host sampling included. The requests keep running across
@@ -122,13 +122,13 @@ from computed.backend import NativeBackend, XlaBackend, native
 from computed.serving.engine import Engine
 from computed.model.loader import load_model, with_layout
 from computed.model.params import pack
-from computed.model.runner import LlamaRunner, decode
+from computed.model.runner import Runner, decode
 from computed.residency.pool import LoraPool, MemoryPool, PoolSpec
 from computed.residency.blob_cache import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.config import POOL_DTYPES
 from shared.events import AdapterLoaded, lora_scaling
-from shared.llama import MODULES
+from shared.projections import MODULES
 from shared.protocol import encode_request, unpack
 from shared.reducer import State
 from shared.replica_protocol import generate_args
@@ -285,14 +285,14 @@ class Serving:
 
 
 class RawDecode:
-    """LlamaRunner.decode in a loop over one prefilled batch; each round restarts at the prompt's end.
+    """Runner.decode in a loop over one prefilled batch; each round restarts at the prompt's end.
 
     The runner is what the engine calls: computed.model.runner.decode over the
     smallest attention bucket that holds the longest sequence, on the backend its
     parameters were laid out for (the alternatives pass another: `alternative_runners`).
     """
 
-    def __init__(self, runner: LlamaRunner, pool: MemoryPool | None, prompts: np.ndarray,
+    def __init__(self, runner: Runner, pool: MemoryPool | None, prompts: np.ndarray,
                  slots: np.ndarray) -> None:
         self.runner, self.slots = runner, slots.astype(np.int32)
         self.arrays = None if pool is None else pool.arrays  # the pool never changes here
@@ -317,14 +317,14 @@ class RawDecode:
         return self.runner.decode(self.arrays, self.cache, tokens, positions, self.slots, self.active)
 
 
-def alternative_runners(runner: LlamaRunner) -> dict[str, LlamaRunner]:
+def alternative_runners(runner: Runner) -> dict[str, Runner]:
     """The runner's model on XLA alone (LOOP: XLA's dot over unpacked weights, a second copy of the
     model, the LoRA window loop, bucket attention over K positions-minor), and on its own backend
     with the per-token gather for the LoRA terms (GATHER)."""
     params = runner.params
-    return {LOOP: LlamaRunner(runner.config, with_layout(params, XlaBackend()), max_batch=runner.max_batch,
+    return {LOOP: Runner(runner.config, with_layout(params, XlaBackend()), max_batch=runner.max_batch,
                               max_len=runner.max_len),
-            GATHER: LlamaRunner(runner.config, with_layout(params, dataclasses.replace(params.backend, lora="gather")),
+            GATHER: Runner(runner.config, with_layout(params, dataclasses.replace(params.backend, lora="gather")),
                                 max_batch=runner.max_batch, max_len=runner.max_len)}
 
 
@@ -332,7 +332,7 @@ class DeepDecode:
     """The base batch deep in a long cache, no prefill: every row at positions from `start` on,
     attention by `attention` ("kernel" or "xla", the native backend's option)."""
 
-    def __init__(self, runner: LlamaRunner, start: int, attention: str) -> None:
+    def __init__(self, runner: Runner, start: int, attention: str) -> None:
         self.runner, self.start = runner, start
         self.params = with_layout(runner.params, NativeBackend(attention=attention))
         self.cache = runner.new_cache(blocked=attention == "kernel")  # each attention with its own layout of K
@@ -351,7 +351,7 @@ class DeepDecode:
 class EngineDecode:
     """Engine.step over 32 running requests, admitted (prefilled) before the first round."""
 
-    def __init__(self, runner: LlamaRunner, serving: Serving, prompts: np.ndarray, rows: list[int],
+    def __init__(self, runner: Runner, serving: Serving, prompts: np.ndarray, rows: list[int],
                  max_new_tokens: int, *, warm: bool = True) -> None:
         self.engine = Engine(runner, serving)
         if warm:  # what serving compiles; only the first engine compiles (shared jit caches)
@@ -556,7 +556,7 @@ class EngineRequests:
     last one's end, the same prompts, adapters and new tokens as the served clients send, each
     request prefilled as the engine admits it, as the replica does."""
 
-    def __init__(self, runner: LlamaRunner, serving: Serving, prompts: np.ndarray, *, clients: int,
+    def __init__(self, runner: Runner, serving: Serving, prompts: np.ndarray, *, clients: int,
                  new_tokens: int, warm: bool = True) -> None:
         self.engine = Engine(runner, serving)
         if warm:
@@ -775,7 +775,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 adapters[name] = loaded_event(name, slot, data)
                 pool.write_slot(slot, slot_weights(data, adapters[name]))
             serving = Serving(pool, State(seq=ADAPTERS + 1, adapters=adapters))
-            runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
+            runner = Runner(config, params, max_batch=BATCH, max_len=max_len)
             others = alternative_runners(runner)
             n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(others[LOOP].params))
 
@@ -857,7 +857,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         long_base = long_context = None
         if args.long_max_len:
             console.print(f"base batch with a {args.long_max_len}-position cache ...")
-            long_runner = LlamaRunner(config, params, max_batch=BATCH, max_len=args.long_max_len)
+            long_runner = Runner(config, params, max_batch=BATCH, max_len=args.long_max_len)
             long = RawDecode(long_runner, pool, prompts, np.full(BATCH, -1))
             long.round(steps, None)
             t = Timing()
@@ -1028,7 +1028,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"pool of {s['slots']} slots, {s['pool_dtype']}; KV cache of {s['max_len']} positions. Row i uses "
               f"adapter i % k; prompts of {s['prompt']} tokens, then greedy decoding. tokens/s: the median "
               f"of the rounds (their range in brackets). decode: "
-              f"`LlamaRunner.decode` (`computed.model.runner.decode` as the engine calls it: projections from the "
+              f"`Runner.decode` (`computed.model.runner.decode` as the engine calls it: projections from the "
               f"native dense kernel `computed/backend/kernels/dense.cc` over packed weights, LoRA from `sgmv.cc`, "
               f"attention from `attention.cc`) in a loop; XLA only: the same "
               f"loop without the native kernels, as a replica runs where they cannot be built (XLA's dot, LoRA from "

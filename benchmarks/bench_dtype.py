@@ -12,7 +12,7 @@ same for both (`--pool-dtype`).
 Paths, interleaved round by round (a warm-up round, then `--repeats` rounds; medians, with the
 spread beside them):
 
-* decode: LlamaRunner.decode in a loop over 32 prefilled rows (bench_decode's `decode`), on the
+* decode: Runner.decode in a loop over 32 prefilled rows (bench_decode's `decode`), on the
   base model and on 16 distinct adapters; tokens/s = 32 * steps / seconds.
 * served: a real `statesvc serve` and `computed serve --dtype D --max-batch 32` per dtype
   (testkit/fleet.py subprocesses), the adapters loaded through the state service, 32 clients each
@@ -58,7 +58,7 @@ from benchmarks.bench_decode import (
 )
 from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
 from computed.residency.blob_cache import slot_weights
 from shared.config import POOL_DTYPES
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for slot, name in enumerate(names):
                 data = (dirs[name] / "adapter_model.safetensors").read_bytes()
                 pool.write_slot(slot, slot_weights(data, loaded_event(name, slot, data)))
-            runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
+            runner = Runner(config, params, max_batch=BATCH, max_len=max_len)
             if not args.quick:  # a smoke run's warm-up round compiles the few shapes it runs
                 runner.warmup(pool.arrays, runner.new_cache())
             info[dtype] = {"backend": repr(params.backend),

@@ -21,7 +21,7 @@ checkpoint loaded for the whole run; per family, these paths side by side, inter
 round (a warm-up round, then rounds until `--repeats` ran without other load on the machine, at
 most `--max-rounds`; the medians of those), all of bench_decode's own machinery:
 
-* base:        bench_decode's `RawDecode` (LlamaRunner.decode in a loop, as the engine calls
+* base:        bench_decode's `RawDecode` (Runner.decode in a loop, as the engine calls
                it, on the backend serving picks here: the native kernels where they are built),
                every row on the base model;
 * 16 adapters: the same loop, row i on adapter i % 16;
@@ -67,10 +67,10 @@ from benchmarks.bench_decode import (ALPHA, BATCH, CONTENDED, PROMPT, QUICK_SHAP
                                      loaded_event, row_adapters)
 from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread, target_lines
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
 from computed.residency.blob_cache import slot_weights
-from shared.llama import ATTN_MODULES, MODULES
+from shared.projections import ATTN_MODULES, MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 from testkit.jaxcount import counting_compiles
 
@@ -138,7 +138,7 @@ class Ours:
         for slot, name in enumerate(self.names):
             data = (self.assets.adapter_dirs[name] / "adapter_model.safetensors").read_bytes()
             pool.write_slot(slot, slot_weights(data, loaded_event(name, slot, data, bench.targets)))
-        runner = LlamaRunner(config, params, max_batch=BATCH, max_len=args.max_len)
+        runner = Runner(config, params, max_batch=BATCH, max_len=args.max_len)
         self.parameters = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
         self.backend = {"name": type(params.backend).__name__,
                         **dataclasses.asdict(params.backend)}  # type: ignore[call-overload]
@@ -291,7 +291,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               "the family takes (`targets` in families.json: all seven for a dense family); a batch of "
               f"{s['batch']} rows, row i on adapter i % {ADAPTERS} (base: every row on the base model), "
               f"prompts of {s['prompt']} tokens, then {s['steps']} greedy steps a round. Ours: "
-              "`LlamaRunner.decode` in a loop (bench_decode's `RawDecode`) on "
+              "`Runner.decode` in a loop (bench_decode's `RawDecode`) on "
               f"{', '.join(backends)}; PEFT {v['peft']} mixed-batch inference (`adapter_names`) on "
               f"transformers {v['transformers']}, torch {v['torch']} with {s['torch_threads']} threads, in a "
               "process of its own. One family after another, its paths and Llama's base and 16-adapter "

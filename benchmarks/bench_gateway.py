@@ -65,7 +65,7 @@ import numpy as np
 from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile, publish,
                                spread)
 from shared.client import ControlClient, new_event_id
-from shared.llama import MODULES
+from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 from testkit.fleet import Computed, Gateway, StateSvc, wait_for
 

@@ -3,7 +3,7 @@
 bench_decode's checkpoint (vocab 8192, hidden 1024, intermediate 2816, 8 layers, 111 M
 parameters, float32) and 16 of its rank-16 adapters, the same model written in bfloat16
 (bench_dtype's), and its 32 prompts of 32 tokens, batch 32, greedy. Our side is
-bench_decode's RawDecode (LlamaRunner.decode in a loop, as the engine calls it, native
+bench_decode's RawDecode (Runner.decode in a loop, as the engine calls it, native
 kernels where they build) in this process; llama.cpp's is
 benchmarks/peer_llamacpp_worker.py in a process of its own, in the peer's environment:
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
     from benchmarks.bench_decode import (BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, RawDecode, Timing, adapter_names,
                                          agreement, loaded_event, row_adapters, write_assets)
     from computed.model.loader import load_model
-    from computed.model.runner import LlamaRunner
+    from computed.model.runner import Runner
     from computed.residency.pool import MemoryPool, PoolSpec
     from computed.residency.blob_cache import slot_weights
     from statesvc.tools.example import write_model
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
                 for slot, name in enumerate(names):
                     data = (dirs[name] / "adapter_model.safetensors").read_bytes()
                     pool.write_slot(slot, slot_weights(data, loaded_event(name, slot, data)))
-                runner = LlamaRunner(config, params, max_batch=BATCH, max_len=PROMPT + args.steps + 8)
+                runner = Runner(config, params, max_batch=BATCH, max_len=PROMPT + args.steps + 8)
                 runner.warmup(pool.arrays, runner.new_cache())
                 for d, k in WORKLOADS:
                     if d == dtype:

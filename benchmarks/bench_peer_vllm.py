@@ -462,7 +462,7 @@ def greedy_tokens(ours: Ours, vllm: Vllm, reqs: list[Request]) -> tuple[list[lis
 
 def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
     from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
-    from shared.llama import MODULES
+    from shared.projections import MODULES
     from statesvc.tools.example import AdapterSpec, make_example
 
     shape = QUICK_SHAPE if args.quick else SHAPE

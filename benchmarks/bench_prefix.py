@@ -39,7 +39,7 @@ from benchmarks.bench_decode import QUICK_SHAPE
 from benchmarks.bench_residency import build_log
 from benchmarks.report import machine_info, median, output_flags, percentile, run_and_publish
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.replica import Replica
 from computed.serving.engine import Engine, Request
 from shared.client import ControlClient
@@ -87,7 +87,7 @@ class Clock:
             raise RuntimeError(f"{req_id} refused: {done.error}")
 
 
-def engine_of(runner: LlamaRunner, replica: Replica, *, chunk: int, prefix_blocks: int) -> tuple[Engine, Clock]:
+def engine_of(runner: Runner, replica: Replica, *, chunk: int, prefix_blocks: int) -> tuple[Engine, Clock]:
     engine = Engine(runner, replica, queue_limit=4 * ROWS, min_seq_wait_s=120, prefill_chunk=chunk,
                     prefix_blocks=prefix_blocks)
     engine.warm = True  # compiled by the first engine's warm-up: the jitted functions are shared
@@ -105,7 +105,7 @@ def step_until_idle(engine: Engine, on_done: Any = None) -> None:
                 on_done(d.req_id)
 
 
-def sessions(runner: LlamaRunner, replica: Replica, names: list[str], sizes: Sizes, turns: int,
+def sessions(runner: Runner, replica: Replica, names: list[str], sizes: Sizes, turns: int,
              prefix: bool, rng: np.random.Generator) -> dict[str, Any]:
     """The shared-system-prompt workload, with the prefix cache or without: TTFTs and tokens/s."""
     blocks = ADAPTERS * (sizes.system // 16 + 8) if prefix else 0
@@ -139,7 +139,7 @@ def sessions(runner: LlamaRunner, replica: Replica, names: list[str], sizes: Siz
             "prompt_tokens": 0 if cache is None else cache.prompt_tokens}
 
 
-def long_arrival(runner: LlamaRunner, replica: Replica, names: list[str], sizes: Sizes, chunked: bool,
+def long_arrival(runner: Runner, replica: Replica, names: list[str], sizes: Sizes, chunked: bool,
                  rng: np.random.Generator) -> dict[str, Any]:
     """32 streams decoding, then a long prompt: the streams' inter-token gaps."""
     engine, clock = engine_of(runner, replica, chunk=CHUNK if chunked else 0, prefix_blocks=0)
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             base_model_name_or_path="bench") for i in range(ADAPTERS)}
         build_log(tmp / "log", model_dir, list(dirs.items()), ADAPTERS)
         config, params = load_model(model_dir, "float32")
-        runner = LlamaRunner(config, params, max_batch=ROWS, max_len=sizes.max_len, extend=True)
+        runner = Runner(config, params, max_batch=ROWS, max_len=sizes.max_len, extend=True)
         svc = StateSvc(tmp / "log").start()
         try:
             with ControlClient(svc.control, timeout_s=60) as client:

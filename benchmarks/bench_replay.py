@@ -54,7 +54,7 @@ from shared.client import ControlClient
 from shared.config import DEFAULT_SNAPSHOT_EVERY
 from shared.events import PoolConfigured
 from shared.fingerprint import read_model
-from shared.llama import MODULES
+from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, make_example
 from testkit.fleet import StateSvc
 from testkit.inproc import init_pool, open_service, request

@@ -52,7 +52,7 @@ from computed.residency.blob_cache import slot_weights
 from shared.client import ControlClient, new_event_id
 from shared.events import AdapterLoaded, decode_body
 from shared.fingerprint import read_model
-from shared.llama import MODULES
+from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 from testkit.fleet import Computed, StateSvc, memory_kb
 from testkit.jaxcount import counting_compiles

@@ -59,7 +59,7 @@ from benchmarks.report import machine_info, median, output_flags, run_and_publis
 from benchmarks.residency_streams import BATCH, NEW_TOKENS, PROMPT, run_streams
 from computed.serving.engine import Engine
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.replica import Replica
 from shared.client import ControlClient
 from shared.fingerprint import read_model
@@ -101,7 +101,7 @@ def build_log(data_dir: Path, model_dir: Path, loads: list[tuple[str, Path]], sl
 
 
 def serve_stream(tmp: Path, model_dir: Path, dirs: dict[str, Path], slots: int,
-                 args: argparse.Namespace, runner: LlamaRunner) -> dict[str, Any]:
+                 args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
     """The streams on `slots` slots (benchmarks/residency_streams.py), on a log of their own
     (the slots are in the genesis) served by a `statesvc serve` subprocess."""
     data = tmp / f"log-{slots}"
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = write_model(tmp / "model", shape, seed=0)
         dirs = write_adapters(tmp / "adapters", shape, args.adapters)
         config, params = load_model(model_dir, "float32")
-        runner = LlamaRunner(config, params, max_batch=BATCH, max_len=PROMPT + NEW_TOKENS + 8)
+        runner = Runner(config, params, max_batch=BATCH, max_len=PROMPT + NEW_TOKENS + 8)
         streams = []
         for slots in args.slots:
             print(f"streams on {slots} slots ...", flush=True)

@@ -14,12 +14,12 @@ kernels were built for. Measured, in this order:
   at that shape", measured with the kernel in use). Beside it XLA's own dot on the same shapes,
   plain and through the oneDNN library jaxlib links (`--xla_cpu_use_onednn`, AMX tiles where the
   CPU has them), each in a process of its own: which GEMM path a CPU should take, measured.
-* decode: `LlamaRunner.decode` (what the engine calls) of a batch of 32 rows at position 64,
+* decode: `Runner.decode` (what the engine calls) of a batch of 32 rows at position 64,
   greedy, on the base model and on 16 distinct adapters, rounds alternated, median ms a step.
   Beside it the weights-read floor (every weight's bytes, the tied LM head once, over the read
   bandwidth; target <= 1.5x) and the FLOP floor (2 x rows x every product's in x out, over the
   GEMM rate at 32 rows).
-* prefill: one 256-token prompt through `LlamaRunner.prefill`, tokens/s and FLOP/s (the layers'
+* prefill: one 256-token prompt through `Runner.prefill`, tokens/s and FLOP/s (the layers'
   products and causal attention, the LM head for the last token) over the GEMM rate at 256 rows
   (target >= 50%).
 * startup: a real `statesvc serve` and `computed serve --dtype bfloat16 --max-batch 32 --max-len
@@ -58,7 +58,7 @@ from benchmarks.report import machine_info, median, output_flags, run_and_publis
 from computed.backend import native
 from computed.model.loader import load_model
 from computed.model.params import PackedWeight
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.residency.blob_cache import slot_weights
 from computed.residency.pool import MemoryPool, PoolSpec
 from shared.client import ControlClient, new_event_id
@@ -181,7 +181,7 @@ def measure_model(model_dir: Path, adapter_dirs: dict[str, Path], repeats: int, 
                               scaling=2.0, use_rslora=False, targets=tuple(config.module_dims), pinned=False)
         pool.write_slot(slot, slot_weights(data, event))
     max_len = 2 * PREFILL + POSITION
-    runner = LlamaRunner(config, params, max_batch=BATCH, max_len=max_len)
+    runner = Runner(config, params, max_batch=BATCH, max_len=max_len)
     arrays, cache = pool.arrays, runner.new_cache()
     weight_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(params))
     sizes = product_sizes(params)

@@ -7,7 +7,7 @@ Per N in 1, 2 and 4, each in its own process on N forced host devices
   shards, beside the formula from the shapes (1/N of each split array plus each replicated one:
   computed/model/sharding.py `expected_param_bytes`, `expected_pool_bytes`), and whether the two
   match exactly;
-* decode throughput of a 32-row batch over 16 distinct adapters (two rows each), LlamaRunner.decode
+* decode throughput of a 32-row batch over 16 distinct adapters (two rows each), Runner.decode
   in a loop after the runner's warm-up and a warm-up round, relative to N = 1 round by round: the
   three processes stay up and take turns, one round each, the order rotating. N = 1 runs the XLA backend
   (what N > 1 runs, on one device), not the native kernels, so the ratio is the cost of the mesh.
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
-from shared.llama import MODULES
+from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 
 SHAPE = ModelShape(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -55,7 +55,7 @@ def worker(n: int, root: Path, steps: int, repeats: int, batch: int) -> None:
     from computed.backend import XlaBackend
     from computed.model import sharding
     from computed.model.loader import load_model
-    from computed.model.runner import LlamaRunner
+    from computed.model.runner import Runner
     from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights
 
     assert len(jax.devices()) == n, f"{len(jax.devices())} devices, asked for {n}"
@@ -72,7 +72,7 @@ def worker(n: int, root: Path, steps: int, repeats: int, batch: int) -> None:
                  for layer in range(config.num_layers) for m, (i, o) in config.module_dims.items()}
         pool.write_slot(s, SlotWeights(scaling=2.0, rank=RANK, pairs=pairs))
     max_len = PROMPT + (repeats + 1) * steps + 1
-    runner = LlamaRunner(config, params, max_batch=batch, max_len=max_len)
+    runner = Runner(config, params, max_batch=batch, max_len=max_len)
     cache = runner.new_cache()
     slots = np.arange(batch, dtype=np.int32) % ADAPTERS
     prompts = [list(rng.integers(0, config.vocab_size, PROMPT)) for _ in range(batch)]

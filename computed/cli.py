@@ -20,7 +20,7 @@ from shared.endpoints import (BindError, EndpointError, check_bind, click_addres
 from shared.faults import Faults
 
 if TYPE_CHECKING:
-    from computed.model.runner import LlamaRunner
+    from computed.model.runner import Runner
 
 
 
@@ -171,7 +171,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         from computed.serving.engine import Engine
         from computed.model.config import ModelLoadError
         from computed.model.loader import load_model
-        from computed.model.runner import LlamaRunner
+        from computed.model.runner import Runner
         if compile_cache:
             from computed.model import compile_cache as cc
             cc.enable(cache_dir, fingerprint=info.fingerprint, dtype=dtype, tensor_parallel=tensor_parallel)
@@ -185,7 +185,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         if prefill_chunk % 16:
             raise click.BadParameter(f"{prefill_chunk} is not a multiple of 16 (the KV block)",
                                      param_hint="--prefill-chunk")
-        runner = LlamaRunner(config, params, max_batch=max_batch, max_len=length,
+        runner = Runner(config, params, max_batch=max_batch, max_len=length,
                              extend=prefix_cache or prefill_chunk > 0, piece=prefill_chunk)
         if not runner.extend and (prefix_cache or prefill_chunk):
             log.info("dynamic RoPE: no prefix cache and whole-prompt prefill (docs/prefix-cache.md)")
@@ -219,7 +219,7 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
     log.info("stopped")
 
 
-def _prefix_blocks(runner: LlamaRunner, kv_cache_mb: int | None, prefix_cache: bool) -> int:
+def _prefix_blocks(runner: Runner, kv_cache_mb: int | None, prefix_cache: bool) -> int:
     """The prefix cache's blocks within --kv-cache-mb, after the running rows' cache; by default
     as many bytes as the rows' cache, at most DEFAULT_PREFIX_STORE_MB (0 without the prefix
     cache). A UsageError where the budget does not hold the rows' cache (and one block, with the
@@ -246,10 +246,10 @@ def _tensor_parallel(model: Path, n: int, log: logging.Logger) -> Any:
     import jax
 
     from computed.model import sharding
-    from computed.model.config import LlamaConfig, ModelLoadError
+    from computed.model.config import DecoderConfig, ModelLoadError
     from computed.residency.pool import PoolSpec
     try:
-        config = LlamaConfig.from_hf(json.loads((model / "config.json").read_text()))
+        config = DecoderConfig.from_hf(json.loads((model / "config.json").read_text()))
         sharding.check(config, n, len(jax.local_devices()))
     except (ModelLoadError, sharding.TensorParallelError, OSError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None

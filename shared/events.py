@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
 from shared.config import DEFAULT_MAX_ADAPTERS, SHA256_RE, UUID_RE
-from shared.llama import MODULES
+from shared.projections import MODULES
 
 
 class EventError(ValueError):
@@ -31,7 +31,7 @@ class PoolConfigured:
     fingerprint: str
     model_config: dict[str, Any]
     num_layers: int
-    module_dims: dict[str, tuple[int, int]]  # every Llama module -> (in, out)
+    module_dims: dict[str, tuple[int, int]]  # every target module -> (in, out)
     max_loras: int  # device slots per replica: the most distinct adapters one batch holds
     max_rank: int
     targets: tuple[str, ...]

@@ -29,7 +29,7 @@ HASH_CHUNK = 8 << 20  # tensor bytes hashed at a time; `progress` between chunks
 
 
 class ModelError(ValueError):
-    """The directory is not a usable Hugging Face Llama checkpoint."""
+    """The directory is not a usable Hugging Face checkpoint of a served family."""
 
 
 @dataclass(frozen=True)

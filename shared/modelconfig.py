@@ -1,7 +1,7 @@
-"""What a replica can serve of a Llama `config.json`: one set of checks for `pool init` and replicas.
+"""What a replica can serve of a family's `config.json`: one set of checks for `pool init` and replicas.
 
 `pool init` (shared/fingerprint.py `read_model`) and the replica's model loader
-(computed/model/config.py `LlamaConfig.from_hf`) both call `read_architecture`, so a
+(computed/model/config.py `DecoderConfig.from_hf`) both call `read_architecture`, so a
 config that no replica can serve is refused when the pool is configured, with
 the text a replica start would print, instead of being recorded in the
 immutable genesis event. `check_recordable` bounds what that event records:
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.canonical import canonical_bytes
-from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, module_dims
+from shared.projections import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, module_dims
 from shared.rope import ROPE_TYPES, Rope, read_rope
 
 __all__ = ["ROPE_TYPES", "Rope"]
 
-# What `pool.configured` may record of a config.json. Real Llama configs nest 2 levels (a
+# What `pool.configured` may record of a config.json. Real configs nest 2 levels (a
 # rope_scaling or quantization_config object) and take a few KiB; the event carries the config
 # about 5 levels deep in an `events` reply, whose decoder refuses nesting deeper than 32.
 MAX_MODEL_CONFIG_DEPTH = 8
@@ -400,13 +400,13 @@ def check_recordable(cfg: Mapping[str, Any]) -> None:
     """Raise ModelConfigError if `cfg` is too deep or too large for `pool.configured` to record."""
     if _depth(cfg, MAX_MODEL_CONFIG_DEPTH) > MAX_MODEL_CONFIG_DEPTH:
         raise _fail(f"nests deeper than {MAX_MODEL_CONFIG_DEPTH} levels, which the pool's genesis "
-                    "event cannot record; remove the nested entries that are not part of the Llama "
-                    "architecture")
+                    "event cannot record; remove the nested entries that are not part of the "
+                    "family's architecture")
     size = len(canonical_bytes(cfg))
     if size > MAX_MODEL_CONFIG_BYTES:
         raise _fail(f"takes {size} bytes as recorded, above the {MAX_MODEL_CONFIG_BYTES}-byte limit "
                     "of the pool's genesis event; remove the entries that are not part of the "
-                    "Llama architecture")
+                    "family's architecture")
 
 
 def _depth(value: Any, limit: int) -> int:

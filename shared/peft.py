@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.llama import MODULE_PARENT, MODULES
+from shared.projections import MODULE_PARENT, MODULES
 
 _NAME_RE = re.compile(
     r"base_model\.model\.model\.layers\.(0|[1-9][0-9]{0,5})\.(self_attn|mlp)\."
@@ -25,7 +25,7 @@ def lora_name(key: LoraKey) -> str:
 
 
 def parse_lora_name(name: str) -> LoraKey | None:
-    """The key a PEFT tensor name stands for, or None when it is not a Llama LoRA weight."""
+    """The key a PEFT tensor name stands for, or None when it is not a LoRA weight of a target projection."""
     m = _NAME_RE.fullmatch(name)
     if m is None or MODULE_PARENT[m.group(3)] != m.group(2):
         return None

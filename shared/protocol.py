@@ -19,7 +19,7 @@ from shared.config import (ADAPTER_NAME_RE, ADAPTER_NAME_WORDS, DEFAULT_MAX_ADAP
                            SHA256_RE, UUID_RE)
 from shared.endpoints import EndpointError, parse_endpoint
 from shared.errors import CodedError
-from shared.llama import MODULES
+from shared.projections import MODULES
 
 _POOL_DIGEST_RE = re.compile(r"[0-9a-f]{64}|none|pending")
 _PLAIN = (type(None), bool, int, float, str, bytes)

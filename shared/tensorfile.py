@@ -30,7 +30,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 MAX_HEADER_BYTES = 100 << 20
-MAX_DIMS = 8  # LoRA and Llama weights have 1 or 2
+MAX_DIMS = 8  # LoRA and model weights have 1 or 2
 
 
 class TensorFileError(ValueError):

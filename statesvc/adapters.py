@@ -17,7 +17,7 @@ from shared.config import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, POOL_DTYPE_MAX
 from shared.errors import CodedError
 from shared.events import AdapterLoaded, PoolConfigured, lora_scaling
 from shared.files import Beneath, FileError, OutsideRoots, read_limited
-from shared.llama import ATTN_MODULES, MODULES
+from shared.projections import ATTN_MODULES, MODULES
 from shared.modelconfig import MOE_FAMILIES
 from shared.peft import LoraKey, parse_lora_name
 from shared.tensorfile import (FLOAT_DTYPES, Header, TensorFileError, is_finite,

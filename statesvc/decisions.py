@@ -24,7 +24,7 @@ from typing import Any, Callable
 from shared.errors import CodedError
 from shared.events import AdapterLoaded, AdapterUnloaded, Body, PoolConfigured, Replaced
 from shared.fingerprint import ModelError, read_model, weights_digest
-from shared.llama import MODULES
+from shared.projections import MODULES
 from shared.protocol import WRITE_COMMANDS
 from shared.reducer import State, admit_load, require_pool
 from statesvc.adapters import ANYWHERE, absolute_path, inspect_adapter, same_adapter

@@ -33,7 +33,7 @@ from typing import Any
 
 from shared.config import POOL_DTYPE_MAX
 from shared.errors import CodedError, short_int
-from shared.llama import MODULE_PARENT, MODULES
+from shared.projections import MODULE_PARENT, MODULES
 
 MERGE_FIX = ("or merge it into the base model (PeftModel.merge_and_unload(), then save_pretrained) "
              "and configure a pool on the merged model")

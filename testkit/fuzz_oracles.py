@@ -24,7 +24,7 @@ from computed.residency.pool import LoraPool
 from shared.config import UUID_RE
 from shared.events import AdapterLoaded, AdapterUnloaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
-from shared.llama import MODULES
+from shared.projections import MODULES
 from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, ProtocolError, Request,
                              decode_request, error_reply, validate)
 from shared.reducer import ReducerError, State, apply, body_of_diff, diff_of

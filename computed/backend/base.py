@@ -1,7 +1,7 @@
 """What the model asks of a compute backend: its dense products, its LoRA terms, its decode attention.
 
 A backend is chosen once, when the model loads (`computed.backend.select`), and rides on the
-parameters (`LlamaParams.backend`, static under jit); the forward pass (computed/model/llama.py)
+parameters (`DecoderParams.backend`, static under jit); the forward pass (computed/model/decoder.py)
 asks it, never the environment. After SGLang's `lora/backend/`: one class per backend, and a
 per-batch `prepare` hook that turns a batch's slots into what the backend's LoRA product reads,
 once per forward pass, shared by every layer and module.

@@ -20,11 +20,11 @@ class ModelLoadError(ValueError):
 
 
 @dataclass(frozen=True)
-class LlamaConfig(Architecture):
+class DecoderConfig(Architecture):
     """The architecture, read from config.json; hashable (static under jit)."""
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
+    def from_hf(cls, cfg: Mapping[str, Any]) -> DecoderConfig:
         """Read a transformers 4.x or 5.x config.json of a served family (as a dict), with the checks `pool
         init` makes (shared/modelconfig.py)."""
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 from computed.model.kv_cache import KV_BLOCK, KVCache
 
 
@@ -34,12 +34,12 @@ class KVBlocks:
         return int(self.k.shape[0])
 
 
-def block_bytes(config: LlamaConfig, dtype: jnp.dtype) -> int:
+def block_bytes(config: DecoderConfig, dtype: jnp.dtype) -> int:
     """Bytes of one block: K and V of 16 positions over every layer."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BLOCK * jnp.dtype(dtype).itemsize
 
 
-def zeros(config: LlamaConfig, n: int, dtype: jnp.dtype) -> KVBlocks:
+def zeros(config: DecoderConfig, n: int, dtype: jnp.dtype) -> KVBlocks:
     lead = (n, config.num_layers, config.num_kv_heads)
     return KVBlocks(k=jnp.zeros(lead + (config.head_dim, KV_BLOCK), dtype),
                     v=jnp.zeros(lead + (KV_BLOCK, config.head_dim), dtype))

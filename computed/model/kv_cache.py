@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 
 KV_BLOCK = 16  # positions per block of K (KVCache); computed/backend/kernels/attention.cc assumes it
 
@@ -59,7 +59,7 @@ def blocks(positions: int) -> int:
     return -(-positions // KV_BLOCK)
 
 
-def zeros(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype, *, blocked: bool) -> KVCache:
+def zeros(config: DecoderConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype, *, blocked: bool) -> KVCache:
     """A zeroed cache of `max_batch` rows of `max_len` positions; K blocked or positions-minor."""
     lead = (config.num_layers, max_batch, config.num_kv_heads)
     k_shape = (blocks(max_len), config.head_dim, KV_BLOCK) if blocked else (config.head_dim, max_len)

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face checkpoint of a served family (config.json + safetensors) into `LlamaParams`.
+"""Loading a Hugging Face checkpoint of a served family (config.json + safetensors) into `DecoderParams`.
 
 Weights are read from the memory-mapped shards (shared/checkpoint.py lists them, as the fingerprint
 does), one tensor at a time, converted to the model dtype, and laid out for the backend chosen at
@@ -22,10 +22,10 @@ import numpy as np
 
 from computed.backend import Backend, TensorParallelBackend, select
 from computed.model import moe, sharding
-from computed.model.config import DTYPES, LlamaConfig, ModelLoadError
-from computed.model.params import Experts, LayerParams, LlamaParams, PackedWeight, pack, pack_rows, unpack
+from computed.model.config import DTYPES, DecoderConfig, ModelLoadError
+from computed.model.params import Experts, LayerParams, DecoderParams, PackedWeight, pack, pack_rows, unpack
 from shared.checkpoint import shard_paths
-from shared.llama import MODULE_PARENT, MODULES
+from shared.projections import MODULE_PARENT, MODULES
 from shared.modelconfig import ModelConfigError, check_tensors
 from shared.tensorfile import TensorFileError, parse_header, raw_bytes, to_float32
 
@@ -57,8 +57,8 @@ def _open_shards(model_dir: Path) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backend | None = None,
-               tensor_parallel: int = 1) -> tuple[LlamaConfig, LlamaParams]:
-    """Load a Hugging Face Llama checkpoint (config.json + safetensors) in `dtype`, laid out for
+               tensor_parallel: int = 1) -> tuple[DecoderConfig, DecoderParams]:
+    """Load a Hugging Face checkpoint of a served family (config.json + safetensors) in `dtype`, laid out for
     `backend` (None: `computed.backend.select(dtype)`, the one this machine runs best).
 
     `tensor_parallel` N > 1: on a mesh of the first N local devices, by the tensor-parallel
@@ -75,7 +75,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{model_dir}/config.json: invalid JSON ({exc})") from None
     try:
-        config = LlamaConfig.from_hf(raw)
+        config = DecoderConfig.from_hf(raw)
     except ModelLoadError as exc:  # the text `pool init` gives (shared/fingerprint.py)
         raise ModelLoadError(f"{model_dir}/{exc}") from None
     jdt = jnp.dtype(dtype)
@@ -157,7 +157,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
             layers.append(LayerParams(norms=norms, weights=weights, biases=biases,
                                       experts=experts(i) if sparse else None))
         tied_packed = config.tie_word_embeddings and panel and tensor_parallel == 1
-        params = LlamaParams(
+        params = DecoderParams(
             config=config,
             backend=backend,
             # tied and packed: the packed lm_head is the embedding's one copy (`with_layout`), made
@@ -176,7 +176,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *, backend: Backen
     return config, params
 
 
-def with_layout(params: LlamaParams, backend: Backend) -> LlamaParams:
+def with_layout(params: DecoderParams, backend: Backend) -> DecoderParams:
     """`params` for `backend`: every projection and the lm_head packed in the backend's panels
     (`backend.panel_for` its dtype), or unpacked to [in, out] for XLA where it has none; host work,
     once per model. A tied model keeps one copy: packed, its lm_head is the embedding's transpose and

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 from computed.model.params import Experts
 
 MAX_WINDOW = 64
@@ -48,7 +48,7 @@ def window(assignments: int, experts: int) -> int:
     return min(MAX_WINDOW, 1 << (mean.bit_length() - 1))
 
 
-def route(x: jax.Array, router: jax.Array, config: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, config: DecoderConfig) -> tuple[jax.Array, jax.Array]:
     """(weights [T, k], experts [T, k]) of tokens `x [T, hidden]`, each token's experts in
     ascending order."""
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
@@ -61,7 +61,7 @@ def route(x: jax.Array, router: jax.Array, config: LlamaConfig) -> tuple[jax.Arr
     return jnp.take_along_axis(top, order, axis=-1), jnp.take_along_axis(idx, order, axis=-1)
 
 
-def moe(h: jax.Array, experts: Experts, config: LlamaConfig,
+def moe(h: jax.Array, experts: Experts, config: DecoderConfig,
         act: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """The mixture of experts' output for `h [..., hidden]` (act: the experts' activation, as the
     dense MLP's: `act(gate, up)`)."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 
 if TYPE_CHECKING:  # the backend package imports this module
     from computed.backend.base import Backend
@@ -125,7 +125,7 @@ class LayerParams:
     """One decoder layer. Projection weights are stored [in, out], or packed (PackedWeight)."""
 
     # the layer's norms by their checkpoint name (input_layernorm, post_attention_layernorm, and
-    # the family's: pre_/post_feedforward_layernorm, q_norm, k_norm; LlamaConfig.layer_norms)
+    # the family's: pre_/post_feedforward_layernorm, q_norm, k_norm; DecoderConfig.layer_norms)
     norms: dict[str, jax.Array]
     weights: dict[str, jax.Array | PackedWeight]  # module -> [in, out]
     biases: dict[str, jax.Array]    # module -> [out]; empty without attention/mlp bias
@@ -135,14 +135,14 @@ class LayerParams:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["embed", "layers", "norm", "lm_head"], meta_fields=["config", "backend"])
 @dataclass(frozen=True)
-class LlamaParams:
-    config: LlamaConfig
+class DecoderParams:
+    config: DecoderConfig
     backend: Backend                # what computes the forward pass, chosen once at load
     embed: jax.Array | None         # [vocab, hidden]; None when tied and packed (lm_head holds it)
     layers: tuple[LayerParams, ...]
     norm: jax.Array                 # [hidden]
     # [hidden, vocab] (as the projections); None when tied to embed, unless packed: a tied model's
-    # packed lm_head is the embedding's only copy, and lookups read its columns (llama.py `_embed`)
+    # packed lm_head is the embedding's only copy, and lookups read its columns (decoder.py `_embed`)
     lm_head: jax.Array | PackedWeight | None
 
     @property

@@ -1,8 +1,8 @@
 """The model's host side: argument checks, the KV cache, bucket choice and ahead-of-time warm-up.
 
 `prefill`, `decode` and `forward_full` check their arguments on the host (with messages that name
-the limit) and call the jitted forward pass (computed/model/llama.py) on the backend the
-parameters were loaded for. `LlamaRunner` is the model behind the engine's `Model` interface
+the limit) and call the jitted forward pass (computed/model/decoder.py) on the backend the
+parameters were loaded for. `Runner` is the model behind the engine's `Model` interface
 (computed/serving/engine.py).
 """
 from __future__ import annotations
@@ -17,22 +17,22 @@ import numpy as np
 
 from computed.backend import select
 from computed.model import kv_blocks, kv_cache, lora
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KV_BLOCK, KVCache
-from computed.model.llama import (
+from computed.model.decoder import (
     decode_jit,
     extend_jit,
     forward_full_jit,
     prefill_jit,
     rope_tables,
 )
-from computed.model.params import LlamaParams
+from computed.model.params import DecoderParams
 from computed.model.warmup import compile_serving
 from computed.residency.pool import LoraPool
 
 
-def init_cache(config: LlamaConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32", *,
+def init_cache(config: DecoderConfig, max_batch: int, max_len: int, dtype: str | jnp.dtype = "float32", *,
                blocked: bool | None = None) -> KVCache:
     """A zeroed cache of `max_batch` rows of `max_len` positions for a model of `dtype`, as the
     backend `computed.backend.select(dtype)` attends: in its `cache_dtype` (float32 for the
@@ -52,7 +52,7 @@ def _host_i32(x: Any, name: str) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def _check_tokens(tokens: np.ndarray, config: LlamaConfig) -> None:
+def _check_tokens(tokens: np.ndarray, config: DecoderConfig) -> None:
     if tokens.size and not (0 <= tokens.min() and tokens.max() < config.vocab_size):
         raise ValueError(f"token ids must be in [0, {config.vocab_size}) (vocab_size); "
                          f"got {tokens.min()}..{tokens.max()}")
@@ -67,7 +67,7 @@ def _check_slots(slots: np.ndarray, lora_pool: LoraPool | None) -> None:
                             f", the pool has {limit} slots (max_loras)"))
 
 
-def _check_pool(pool: LoraPool | None, config: LlamaConfig) -> None:
+def _check_pool(pool: LoraPool | None, config: DecoderConfig) -> None:
     if pool is None:
         return
     dims = config.module_dims
@@ -80,7 +80,7 @@ def _check_pool(pool: LoraPool | None, config: LlamaConfig) -> None:
                              f"[{config.num_layers}, slots, {n_out}, rank]: configure the pool for this model")
 
 
-def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, length: int,
+def prefill(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, length: int,
             row: int, slot: int) -> tuple[np.ndarray, KVCache]:
     """Run one prompt (`tokens [P]`, the first `length` real, the rest padding) into cache row `row`:
     `prefill_batch` with one prompt. Returns (logits [vocab] float32 after token length - 1, the
@@ -92,7 +92,7 @@ def prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
     return logits[0], cache
 
 
-def prefill_batch(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, lengths: Any,
+def prefill_batch(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, lengths: Any,
                   rows: Any, slots: Any, *, pad_to: int | None = None,
                   starts: Any = None) -> tuple[np.ndarray, KVCache]:
     """Run n prompts (`tokens [n, P]`, prompt i's first `lengths[i]` real, the rest padding) at once,
@@ -148,7 +148,7 @@ def prefill_batch(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCach
     return np.asarray(logits)[:n], cache  # sliced on the host: a slice of a jax.Array compiles
 
 
-def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
+def decode(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
            slots: Any, active: Any, attend_len: int | None = None, *,
            window: int | None = None, rows: Any = None) -> tuple[jax.Array, KVCache]:
     """One decode step for every cache row: each argument `[max_batch]`. Returns (logits [B, vocab] f32, cache).
@@ -164,7 +164,7 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
 
     `rows [n]` runs the step over n entries instead, entry i for cache row rows[i] (each argument
     then `[n]`; an inactive entry's row may be max_batch, padding): the projections cost what n
-    rows cost. One compile per n (`LlamaRunner` takes n from `backend.decode_rows`).
+    rows cost. One compile per n (`Runner` takes n from `backend.decode_rows`).
     """
     tokens, positions, slots = (_host_i32(tokens, "tokens"), _host_i32(positions, "positions"),
                                 _host_i32(slots, "slots"))
@@ -211,7 +211,7 @@ def decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, toke
     return out
 
 
-def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
+def forward_full(params: DecoderParams, lora_pool: LoraPool | None, tokens: Any, slots: Any) -> jax.Array:
     """Logits [B, T, vocab] float32 for `tokens [B, T]`, row b with LoRA slot `slots[b]`; no cache."""
     tokens, slots = _host_i32(tokens, "tokens"), _host_i32(slots, "slots")
     if tokens.ndim != 2 or slots.shape != tokens.shape[:1]:
@@ -223,7 +223,7 @@ def forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: Any, s
     return logits
 
 
-PREFILL_TOKENS = 256  # tokens one prefill forward takes at most (LlamaRunner's prefill_tokens): docs/benchmarks.md
+PREFILL_TOKENS = 256  # tokens one prefill forward takes at most (Runner's prefill_tokens): docs/benchmarks.md
 
 
 def _binary_parts(n: int) -> list[int]:
@@ -240,8 +240,8 @@ def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
     return tuple(out) + (high,)
 
 
-class LlamaRunner:
-    """The Llama (computed/model/llama.py) behind the engine's `Model` interface.
+class Runner:
+    """The decoder (computed/model/decoder.py) behind the engine's `Model` interface.
 
     `prefill` takes every prompt the engine admitted in a step at once: prompts are grouped by
     their power-of-two length bucket (from 16 up to max_len) and each group runs as forwards of
@@ -258,7 +258,7 @@ class LlamaRunner:
     serving.
     """
 
-    def __init__(self, config: Any, params: LlamaParams, *, max_batch: int, max_len: int,
+    def __init__(self, config: Any, params: DecoderParams, *, max_batch: int, max_len: int,
                  prefill_tokens: int = PREFILL_TOKENS, extend: bool = False, piece: int = 0) -> None:
         self.config, self.params = config, params
         self.vocab_size = int(config.vocab_size)
@@ -281,7 +281,7 @@ class LlamaRunner:
         self.compiled: frozenset[tuple[str, int, int]] | None = None
 
     @staticmethod
-    def chunkable(config: LlamaConfig) -> bool:
+    def chunkable(config: DecoderConfig) -> bool:
         """Whether a prompt of this model can be prefilled in chunks (not with dynamic RoPE)."""
         return not any(r.type == "dynamic" for r in config.ropes)
 

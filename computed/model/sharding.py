@@ -32,10 +32,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
-from computed.model.params import LayerParams, LlamaParams, PackedWeight
+from computed.model.params import LayerParams, DecoderParams, PackedWeight
 from computed.residency.pool import LoraPool, PoolSpec
 
 AXIS = "tp"
@@ -47,7 +47,7 @@ class TensorParallelError(ValueError):
     """A model or machine that cannot run with the asked tensor-parallel degree."""
 
 
-def check(config: LlamaConfig, n: int, devices: int) -> None:
+def check(config: DecoderConfig, n: int, devices: int) -> None:
     """Refuse, naming the numbers, a degree `n` that does not divide the model's KV heads or
     intermediate size, or that exceeds the `devices` there are."""
     if n < 1:
@@ -125,7 +125,7 @@ def shard_cache(cache: Cache, mesh: Mesh) -> Cache:
     return cast(Cache, jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache))
 
 
-def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
+def shard_params(params: DecoderParams, mesh: Mesh) -> DecoderParams:
     """`params` placed on `mesh` by the module docstring's rules; weights must be [in, out] (XLA's)."""
     def put(a: Any, spec: P) -> Any:
         if isinstance(a, PackedWeight):
@@ -152,7 +152,7 @@ def device_bytes(tree: Any) -> dict[str, int]:
     return out
 
 
-def expected_param_bytes(params: LlamaParams, n: int) -> int:
+def expected_param_bytes(params: DecoderParams, n: int) -> int:
     """What each of `n` devices should hold of the weights by the rules above, from the shapes
     alone: 1/n of every projection and column-parallel bias, all of everything else."""
     total = sum(int(np.prod(a.shape)) * a.dtype.itemsize

@@ -1,6 +1,6 @@
 """Ahead-of-time compiles: every prefill, chunk, decode and block copy that serving calls, compiled
 into jit's caches before the first request, from shapes alone (computed/model/runner.py
-`LlamaRunner.warmup` calls it with the runner's buckets)."""
+`Runner.warmup` calls it with the runner's buckets)."""
 from __future__ import annotations
 
 import functools
@@ -16,14 +16,14 @@ from jax.sharding import NamedSharding
 from computed.model import kv_blocks
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
-from computed.model.llama import decode_jit, extend_jit, prefill_jit, rope_tables
-from computed.model.params import LlamaParams
+from computed.model.decoder import decode_jit, extend_jit, prefill_jit, rope_tables
+from computed.model.params import DecoderParams
 from computed.residency.pool import LoraPool
 
 COMPILE_THREADS = min(2, os.cpu_count() or 1)  # compiles at once (`compile_serving`)
 
 
-def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, *,
+def compile_serving(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, *,
                     prefill_shapes: tuple[tuple[int, int], ...], attend_lens: tuple[int, ...],
                     extend_shapes: tuple[tuple[int, int], ...] = (), store: KVBlocks | None = None,
                     block_counts: tuple[int, ...] = (),
@@ -70,7 +70,7 @@ def compile_serving(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCa
                     zeros, attend_len, window)))
     if store is not None:
         store_s, row = shapes(store), np.int32(0)
-        for m in block_counts:  # as `LlamaRunner.load_blocks` and `save_blocks` call them
+        for m in block_counts:  # as `Runner.load_blocks` and `save_blocks` call them
             ids = np.zeros(m, np.int32)
             jobs.append(("blocks", m, 0, functools.partial(
                 lambda i: (kv_blocks.load_row.lower(cache_s, store_s, row, i).compile(),

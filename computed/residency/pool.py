@@ -70,7 +70,7 @@ from jax.sharding import NamedSharding
 from computed.residency.pool_ops import plain_ops, sharded_ops, slot_of
 from computed.residency.slot_digest import slot_digest_in_place, zeros_digest
 from shared.config import POOL_DTYPES
-from shared.llama import MODULES
+from shared.projections import MODULES
 
 
 @dataclass(frozen=True)

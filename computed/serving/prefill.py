@@ -4,7 +4,7 @@ An admitted request first looks its prompt up in the prefix cache (computed/serv
 under its adapter version's content root: the blocks of its longest cached prefix are copied
 into its row, and only the rest of the prompt is computed. It then waits here until its prompt
 is in its row. A prompt is computed in pieces of at most `chunk` tokens (--prefill-chunk),
-16-token-aligned, each waiting prompt's next piece in one call (LlamaRunner.prefill groups them
+16-token-aligned, each waiting prompt's next piece in one call (Runner.prefill groups them
 into forwards by bucket). Each engine step gives prefill a token budget: unlimited while no
 request is decoding, else `chunk` tokens, spent on the waiting prompts in admission order (the
 first piece of a step is never empty). So a 2,000-token prompt that arrives among running
@@ -32,14 +32,14 @@ class Prefills:
     """The prompts admitted and not yet in their rows, the prefix cache and its store. The model
     is the engine's, with what chunks and the store need besides `Model.prefill`: `prefill`'s
     `starts`, `new_blocks`, `load_blocks` and `save_blocks` (computed/model/runner.py
-    LlamaRunner, built with `extend`)."""
+    Runner, built with `extend`)."""
 
     def __init__(self, model: Any, *, chunk: int = 0, prefix_blocks: int = 0) -> None:
         if chunk and (chunk % BLOCK_TOKENS or not getattr(model, "extend", False)):
             raise ValueError(f"--prefill-chunk {chunk}: expected a multiple of {BLOCK_TOKENS}, on a model "
                              "built for chunks")
         if prefix_blocks and not getattr(model, "extend", False):
-            raise ValueError("the prefix cache needs a model built for chunks (LlamaRunner extend=True)")
+            raise ValueError("the prefix cache needs a model built for chunks (Runner extend=True)")
         self.model = model
         self.chunk = chunk  # tokens a step prefills while others decode; 0: whole prompts
         self.cache = PrefixCache(prefix_blocks) if prefix_blocks else None

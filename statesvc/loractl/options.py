@@ -11,7 +11,7 @@ import click
 
 from shared.config import MAX_SEQ, UUID_RE
 from shared.errors import short_int
-from shared.llama import MODULES
+from shared.projections import MODULES
 
 # the ranges the services take (shared/protocol.py, shared/replica_protocol.py), so a value
 # beyond them is a usage error naming the option, never a frame that cannot be encoded

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.events import lora_scaling
-from shared.llama import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES
+from shared.projections import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES
 from shared.modelconfig import MOE_FAMILIES
 from statesvc.tools.example_files import DTYPES, normal, save_tensors, write_json
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from shared.llama import MODULES, module_dims
+from shared.projections import MODULES, module_dims
 from statesvc.tools.adapter_writer import (EXAMPLE_ADAPTERS, MOE_EXAMPLE_ADAPTERS, AdapterSpec,
                                            adapter_config, adapter_tensor_names,
                                            example_adapters, lora_targets, write_adapter)
@@ -71,7 +71,7 @@ EXAMPLE_BASE_MODEL_NAME = "loraplane/tiny-random-llama"
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a checkpoint (the fields LlamaConfig takes; a family's own options come
+    """The sizes of a checkpoint (the fields DecoderConfig takes; a family's own options come
     from its `FAMILIES` entry, which may also tie the embeddings: Gemma's always are)."""
 
     vocab_size: int = 512  # 3 special tokens, 256 bytes and the example tokenizer's merges

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared.llama import MODULE_PARENT, MODULES
+from shared.projections import MODULE_PARENT, MODULES
 from statesvc.tools.tokenizer import TOKENIZERS, TokenizerSpec
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.llama import MODULES
+from shared.projections import MODULES
 from statesvc.tools.adapter_writer import AdapterSpec
 from statesvc.tools.example import ModelShape
 

@@ -147,13 +147,13 @@ def test_a_step_waits_for_a_queued_miss_and_prefills_it_before_its_decode(
     whole step behind the running requests (docs/residency.md, "What a miss adds")."""
     from computed.serving.engine import Engine
     from computed.model.loader import load_model
-    from computed.model.runner import LlamaRunner
+    from computed.model.runner import Runner
     from shared.replica_protocol import generate_args
     with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
         load(cmd, replica, example, "a", "b", "c")
         assert "c" not in where(replica)
         config, params = load_model(example.model_dir)
-        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
+        engine = Engine(Runner(config, params, max_batch=4, max_len=64), replica)
         assert engine.submit("a", generate_args([5, 6, 7], adapter="a", max_new_tokens=8),
                              "a") is None
         engine.step()
@@ -182,13 +182,13 @@ def test_a_miss_queued_beside_resident_requests_joins_their_prefill(
     decode (docs/residency.md, "What a miss adds")."""
     from computed.serving.engine import Engine
     from computed.model.loader import load_model
-    from computed.model.runner import LlamaRunner
+    from computed.model.runner import Runner
     from shared.replica_protocol import generate_args
     with live_replica(tmp_path, example, max_loras=2) as (cmd, replica):
         load(cmd, replica, example, "a", "b", "c")
         assert "a" in where(replica) and "c" not in where(replica)
         config, params = load_model(example.model_dir)
-        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64), replica)
+        engine = Engine(Runner(config, params, max_batch=4, max_len=64), replica)
         engine.decode_s = 600.0  # here the wait ends with the fetch, never with its bound
         replica.blobs._lock.acquire()  # c's fetch cannot end before the step begins
         for name in ("a", "c"):

@@ -16,7 +16,7 @@ import zmq
 
 from shared.client import ControlClient, new_event_id
 from shared.config import UUID_RE
-from shared.llama import MODULES
+from shared.projections import MODULES
 from shared.reducer import logical_digest
 from statesvc.service import StateService
 from statesvc.persistence.base import NewEvent

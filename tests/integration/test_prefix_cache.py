@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.serving.engine import Engine
 from statesvc.tools.example import ExampleAssets
 from statesvc.tools.processes import BIN, free_port
@@ -47,9 +47,9 @@ def test_outputs_with_the_prefix_cache_equal_outputs_without(tmp_path: Path, exa
     dirs = [example.adapter_dirs[n] for n in sorted(example.adapter_dirs)]
     with live_replica(tmp_path, example, max_loras=4) as (cmd, replica):
         config, params = load_model(example.model_dir)
-        on = Engine(LlamaRunner(config, params, max_batch=4, max_len=MAX_LEN, extend=True), replica,
+        on = Engine(Runner(config, params, max_batch=4, max_len=MAX_LEN, extend=True), replica,
                     prefill_chunk=32, prefix_blocks=24)
-        off = Engine(LlamaRunner(config, params, max_batch=4, max_len=MAX_LEN), replica)
+        off = Engine(Runner(config, params, max_batch=4, max_len=MAX_LEN), replica)
         cache = on.prefills.cache
         assert cache is not None
         prompts = prompts_of(config.vocab_size)
@@ -94,7 +94,7 @@ def test_chunked_prefill_lets_running_requests_decode_between_chunks(tmp_path: P
     comes after its last chunk."""
     with live_replica(tmp_path, example, max_loras=2) as (_, replica):
         config, params = load_model(example.model_dir)
-        engine = Engine(LlamaRunner(config, params, max_batch=2, max_len=MAX_LEN, extend=True), replica,
+        engine = Engine(Runner(config, params, max_batch=2, max_len=MAX_LEN, extend=True), replica,
                         prefill_chunk=32)
         rng = np.random.default_rng(9)
         assert engine.submit("run", {"input_ids": [int(t) for t in rng.integers(0, config.vocab_size, 8)],

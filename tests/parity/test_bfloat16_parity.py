@@ -46,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 from computed.model import lora  # noqa: E402
 from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
-from computed.model.params import LlamaParams, PackedWeight  # noqa: E402
+from computed.model.params import DecoderParams, PackedWeight  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill  # noqa: E402
 from statesvc.tools.example import ExampleAssets, make_example  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_a_bfloat16_model_runs_on_its_bits(bf16: Bf16) -> None:
 @pytest.mark.parametrize("backend", ["native", "xla"])
 def test_mixed_batch_matches_peft_in_bfloat16(bf16: Bf16, backend: str) -> None:
     """Base rows and every adapter in one batch, every position's logits; native kernels and XLA alone."""
-    params: LlamaParams = bf16.params if backend == "native" else with_layout(bf16.params, XlaBackend())
+    params: DecoderParams = bf16.params if backend == "native" else with_layout(bf16.params, XlaBackend())
     adapters: list[str | None] = [None] + [a.name for a in bf16.assets.adapters]
     tokens = np.random.default_rng(7).integers(0, bf16.config.vocab_size, (len(adapters), 11))
     ref = bf16.ref.logits(tokens, adapters)

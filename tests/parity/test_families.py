@@ -36,10 +36,10 @@ peft = pytest.importorskip("peft")
 from computed.model import lora  # noqa: E402
 from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
-from computed.model.params import LlamaParams  # noqa: E402
+from computed.model.params import DecoderParams  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill, prefill_batch  # noqa: E402
 from computed.residency.pool import MemoryPool, PoolSpec  # noqa: E402
-from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
+from shared.projections import ATTN_MODULES, MODULES  # noqa: E402
 from testkit.fleet import StateSvc, loractl  # noqa: E402
 from tests.helpers import adapter_weights, one_torch_thread  # noqa: E402,F401 (autouse)
 
@@ -88,7 +88,7 @@ class Family:
     model_dir: Path
     adapter_dirs: dict[str, Path]
     config: Any
-    params: LlamaParams            # as this machine's backend lays them out
+    params: DecoderParams            # as this machine's backend lays them out
     pool: MemoryPool
     slots: dict[str, int]
     ref: Any                       # PeftModel, float32, every adapter loaded
@@ -199,7 +199,7 @@ def padded(prompt: list[int]) -> np.ndarray:
     return out
 
 
-def backend_params(fam: Family, backend: str) -> LlamaParams:
+def backend_params(fam: Family, backend: str) -> DecoderParams:
     if backend == "xla":
         return with_layout(fam.params, XlaBackend())
     if not native.available():
@@ -313,11 +313,11 @@ def test_family_in_chunks_matches_transformers_and_peft(family: Family) -> None:
     computed/serving/prefill.py), then decoded as one mixed batch: PEFT's greedy tokens. A
     model with dynamic RoPE runs no chunks (its tables depend on each forward's length). On the
     backend serving picks (the chunk's attention is XLA's on both)."""
-    from computed.model.runner import LlamaRunner
+    from computed.model.runner import Runner
     fam = family
     params = backend_params(fam, "native" if native.available() else "xla")
-    runner = LlamaRunner(fam.config, params, max_batch=3, max_len=MAX_LEN, extend=True)
-    if not LlamaRunner.chunkable(fam.config):
+    runner = Runner(fam.config, params, max_batch=3, max_len=MAX_LEN, extend=True)
+    if not Runner.chunkable(fam.config):
         assert not runner.extend
         return
     adapters: list[str | None] = [None, *fam.adapter_dirs]

@@ -35,14 +35,14 @@ from safetensors.numpy import save_file  # noqa: E402
 from computed.model import lora  # noqa: E402
 from computed.backend import NativeBackend, XlaBackend, native, select  # noqa: E402
 from computed.backend.native import attention_kernel, dense_matmuls, lora_sgmv  # noqa: E402
-from computed.model.config import LlamaConfig  # noqa: E402
+from computed.model.config import DecoderConfig  # noqa: E402
 from computed.model.kv_cache import KV_BLOCK, KVCache  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
-from computed.model.params import LlamaParams, PackedWeight, pack, unpack  # noqa: E402
-from computed.model.runner import (LlamaRunner, decode, forward_full, init_cache, prefill,  # noqa: E402
+from computed.model.params import DecoderParams, PackedWeight, pack, unpack  # noqa: E402
+from computed.model.runner import (Runner, decode, forward_full, init_cache, prefill,  # noqa: E402
                                    prefill_batch)
 from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402
-from shared.llama import ATTN_MODULES, MODULES  # noqa: E402
+from shared.projections import ATTN_MODULES, MODULES  # noqa: E402
 from statesvc.tools.example import (  # noqa: E402
     AdapterSpec,
     ExampleAssets,
@@ -134,14 +134,14 @@ class Reference:
 @dataclass
 class Setup:
     assets: ExampleAssets
-    config: LlamaConfig
-    params: LlamaParams
+    config: DecoderConfig
+    params: DecoderParams
     pool: MemoryPool
     slots: dict[str, int]            # adapter name -> pool slot
     ref: Reference
-    xla_params: LlamaParams | None = None
+    xla_params: DecoderParams | None = None
 
-    def unpacked(self) -> LlamaParams:
+    def unpacked(self) -> DecoderParams:
         """The parameters as a replica without the native kernels holds them: [in, out], for XLA."""
         if self.xla_params is None:
             self.xla_params = with_layout(self.params, XlaBackend())
@@ -151,7 +151,7 @@ class Setup:
         return lora.BASE if adapter is None else self.slots[adapter]
 
 
-def fill_pool(assets: ExampleAssets, config: LlamaConfig, dtype: str = "float32") -> tuple[MemoryPool, dict[str, int]]:
+def fill_pool(assets: ExampleAssets, config: DecoderConfig, dtype: str = "float32") -> tuple[MemoryPool, dict[str, int]]:
     """A pool with every adapter of `assets`, written as a replica writes them."""
     spec = PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims,
                     slots=len(assets.adapters) + 2, max_rank=32, dtype=dtype)
@@ -312,7 +312,7 @@ def test_batched_prefill_of_mixed_adapters_lengths_and_base(setup: Setup, impl: 
     """One prefill forward holds prompts of different adapters, lengths and the base model, each
     into its own cache row (out of order, the forward padded with copies); every row's first
     logits, and the greedy continuation decoded from the cache it wrote, equal PEFT's. "runner":
-    the engine's `LlamaRunner.prefill`, which groups prompts by length bucket and, here, splits a
+    the engine's `Runner.prefill`, which groups prompts by length bucket and, here, splits a
     group over forwards of at most 64 tokens."""
     names = [a.name for a in setup.assets.adapters]
     adapters: list[str | None] = [names[0], None, names[-1], names[0], None, names[1 % len(names)]]
@@ -323,7 +323,7 @@ def test_batched_prefill_of_mixed_adapters_lengths_and_base(setup: Setup, impl: 
     params = setup.params if impl != "xla" else setup.unpacked()
     cache = init_cache(setup.config, MAX_BATCH, MAX_LEN, blocked=impl != "xla")
     if impl == "runner":
-        runner = LlamaRunner(setup.config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, prefill_tokens=64)
+        runner = Runner(setup.config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, prefill_tokens=64)
         assert runner.prefill_shapes == ((1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 64))
         first, cache = runner.prefill(setup.pool.arrays, cache, prompts, rows, slots)
     else:
@@ -424,7 +424,7 @@ def test_a_step_of_few_rows_computes_only_them(example_setup: Setup) -> None:
     the step over every row, and its inactive rows' logits are zero."""
     s = example_setup
     rows = 8  # the smallest batch the native backend splits into quarters
-    runner = LlamaRunner(s.config, s.params, max_batch=rows, max_len=MAX_LEN)
+    runner = Runner(s.config, s.params, max_batch=rows, max_len=MAX_LEN)
     if runner.decode_rows == (rows,):
         pytest.skip("this backend computes every row of every step (decode_rows)")
     assert runner.decode_rows[0] < 3
@@ -699,7 +699,7 @@ def test_a_float32_model_packs_its_weights_where_the_kernel_runs(example_setup: 
 
 @pytest.mark.parametrize("shape", [ModelShape(), OTHER_SHAPE], ids=["example", "tied-llama3-mha"])
 def test_config_reads_transformers_4_and_5_forms(shape: ModelShape) -> None:
-    forms = {style: LlamaConfig.from_hf(model_config(shape, style=style)) for style in ("v4", "v5", "both")}
+    forms = {style: DecoderConfig.from_hf(model_config(shape, style=style)) for style in ("v4", "v5", "both")}
     assert forms["v4"] == forms["v5"] == forms["both"]
     config = forms["both"]
     assert (config.head_dim, config.num_kv_heads, config.tie_word_embeddings) == (

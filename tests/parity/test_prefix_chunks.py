@@ -10,7 +10,7 @@ from tests.parity.test_model_parity import (MAX_LEN, NEW_TOKENS, Setup, close, m
                                             one_torch_thread, prompt_of)
 
 from computed.model import lora  # noqa: E402
-from computed.model.runner import LlamaRunner, decode, init_cache  # noqa: E402
+from computed.model.runner import Runner, decode, init_cache  # noqa: E402
 from statesvc.tools.example import ExampleAssets  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -23,12 +23,12 @@ def chunk_setup(example: ExampleAssets) -> Setup:
     return make_setup(example)
 
 
-def runner_of(setup: Setup, impl: str) -> LlamaRunner:
+def runner_of(setup: Setup, impl: str) -> Runner:
     params = setup.params if impl == "kernels" else setup.unpacked()
-    return LlamaRunner(setup.config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, extend=True)
+    return Runner(setup.config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, extend=True)
 
 
-def greedy_from(setup: Setup, runner: LlamaRunner, cache, first: np.ndarray, rows: list[int],
+def greedy_from(setup: Setup, runner: Runner, cache, first: np.ndarray, rows: list[int],
                 lengths: list[int], slots: list[int]) -> list[list[int]]:
     """NEW_TOKENS greedy tokens per row, decoded through the cache from each row's first logits."""
     out = [[int(np.argmax(first[i]))] for i in range(len(rows))]

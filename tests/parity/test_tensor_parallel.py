@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 from computed.cli import main as computed_main
 from computed.model import sharding
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 from statesvc.tools.example import ExampleAssets, make_example
 from testkit.fleet import wait_for
 from tests.helpers import Fleet
@@ -189,7 +189,7 @@ def test_serve_refuses_a_degree_the_model_or_machine_cannot_take(example: Exampl
     assert res.exit_code == 2 and "does not divide the model's 4 KV heads" in res.output
     res = serve(assets.model_dir, 2)  # this process sees one device
     assert res.exit_code == 2 and "needs 2 devices and JAX sees 1" in res.output
-    config = LlamaConfig.from_hf(json.loads((assets.model_dir / "config.json").read_text()))
+    config = DecoderConfig.from_hf(json.loads((assets.model_dir / "config.json").read_text()))
     with pytest.raises(sharding.TensorParallelError, match="does not divide the model's intermediate_size 90"):
         sharding.check(dataclasses.replace(config, intermediate_size=90), 4, devices=4)
 

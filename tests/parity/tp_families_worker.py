@@ -24,7 +24,7 @@ from computed.model import lora
 from computed.backend import XlaBackend
 from computed.model import sharding
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner, forward_full
+from computed.model.runner import Runner, forward_full
 from computed.residency.pool import MemoryPool, PoolSpec
 from tests.helpers import adapter_weights
 from tests.parity.tp_worker import MAX_BATCH, NEW_TOKENS, greedy, shard_report
@@ -62,7 +62,7 @@ def outputs(model_dir: Path, adapter_dirs: list[Path], n: int) -> tuple[dict[str
     slots = [slot_of[a] for a in mixed]
     # one sequence on every row: the rows differ only by their adapters
     tokens = np.tile(np.random.default_rng(7).integers(0, config.vocab_size, (1, 11)), (len(mixed), 1))
-    runner = LlamaRunner(config, params, max_batch=MAX_BATCH, max_len=MAX_LEN)
+    runner = Runner(config, params, max_batch=MAX_BATCH, max_len=MAX_LEN)
     batch = prompts(config.vocab_size)[:len(mixed)]
     mixed_tokens, mixed_logits = greedy(runner, pool, batch, slots)
     singles = [greedy(runner, pool, [batch[i]], [s]) for i, s in enumerate(slots)]

@@ -19,7 +19,7 @@ from computed.model import lora
 from computed.backend import XlaBackend
 from computed.model import sharding
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner, forward_full
+from computed.model.runner import Runner, forward_full
 from computed.residency.pool import MemoryPool, PoolSpec
 from testkit.jaxcount import counting_compiles
 from tests.helpers import adapter_weights
@@ -34,7 +34,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in (5, 9, 17, 3)]
 
 
-def greedy(runner: LlamaRunner, pool: MemoryPool, batch: list[list[int]], slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def greedy(runner: Runner, pool: MemoryPool, batch: list[list[int]], slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Every prompt prefilled at once, then NEW_TOKENS - 1 decode steps together: tokens
     [NEW_TOKENS, n] and the logits [NEW_TOKENS, n, vocab] each was chosen from."""
     n = len(batch)
@@ -55,7 +55,7 @@ def greedy(runner: LlamaRunner, pool: MemoryPool, batch: list[list[int]], slots:
     return np.stack(toks), np.stack(steps)
 
 
-def greedy_in_chunks(runner: LlamaRunner, pool: MemoryPool, batch: list[list[int]], slots: list[int],
+def greedy_in_chunks(runner: Runner, pool: MemoryPool, batch: list[list[int]], slots: list[int],
                      store: Any) -> tuple[np.ndarray, Any]:
     """`greedy`'s tokens with every prompt prefilled 16 tokens at a time (the later chunks
     continuing their rows), then the longest prompt once more from its first block copied
@@ -134,7 +134,7 @@ def main(n: int, root: Path, out: Path) -> None:
     # chunks and the prefix cache's store on N = 2 (their compiles double the worker's time;
     # N = 4 runs the same code on a wider mesh)
     chunks = n == 2
-    runner = LlamaRunner(config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, extend=chunks)
+    runner = Runner(config, params, max_batch=MAX_BATCH, max_len=MAX_LEN, extend=chunks)
     batch = prompts(config.vocab_size)[:len(mixed)]
     store = runner.new_blocks(4) if chunks else None
     runner.warmup(pool.shapes(), runner.new_cache(), store=store)  # as a replica does before it serves

@@ -62,7 +62,7 @@ from shared.config import (ADAPTER_NAME_RE, MAX_BLOB_CHUNK, MAX_EVENTS_PER_PAGE,
                            MAX_FRAME_BYTES, MAX_WIRE_BYTES)
 from shared.events import AdapterLoaded, EventError, PoolConfigured
 from shared.fingerprint import read_model
-from shared.llama import MODULES
+from shared.projections import MODULES
 from shared.protocol import (COMMANDS, PUBLISHED_HEARTBEAT, WRITE_COMMANDS, ProtocolError, Request,
                              error_reply, ok_reply, pack, request_id_of, unpack, validate)
 from shared.reducer import ReducerError, State, apply, body_of_diff, logical_digest

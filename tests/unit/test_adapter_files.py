@@ -21,7 +21,7 @@ import zmq
 from safetensors.numpy import load_file, save_file
 
 from shared.client import ControlClient, RemoteError, new_event_id
-from shared.llama import MODULE_PARENT
+from shared.projections import MODULE_PARENT
 from statesvc.tools.example import (AdapterSpec, ExampleAssets, ModelShape, adapter_config,
                               adapter_tensor_names, model_config, model_tensor_names)
 from statesvc.service import StateService

@@ -125,13 +125,13 @@ from computed.backend import native
 from testkit.jaxcount import counting_compiles
 from computed.model.loader import load_model
 from computed.model.params import PackedWeight
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
 
 config, params = load_model(sys.argv[1])
 pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=4, max_rank=8,
                            dtype="float32"))
-runner = LlamaRunner(config, params, max_batch=4, max_len=64)
+runner = Runner(config, params, max_batch=4, max_len=64)
 cache = runner.new_cache()
 runner.warmup(pool.arrays, cache)
 rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ import pytest
 
 from computed.serving.engine import Engine
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from statesvc.tools.example import ExampleAssets
 from testkit.jaxcount import buffer_pointers, counting_compiles
 from tests.helpers import live_replica
@@ -21,7 +21,7 @@ def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path, exa
     saves, evictions from an 8-block store) and chunk the longer ones while others decode."""
     with live_replica(tmp_path, example, max_loras=4) as (cmd, replica):
         config, params = load_model(example.model_dir)
-        engine = Engine(LlamaRunner(config, params, max_batch=4, max_len=64, extend=prefix), replica,
+        engine = Engine(Runner(config, params, max_batch=4, max_len=64, extend=prefix), replica,
                         prefill_chunk=16 if prefix else 0, prefix_blocks=8 if prefix else 0)
         assert replica.pool is not None
         # warm-up compiles from the pool's shapes, so it never waits for the pool: a replica

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from computed.model.loader import load_model
-from computed.model.runner import LlamaRunner
+from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
 from statesvc.tools.example import ExampleAssets
 from testkit.jaxcount import counting_compiles
@@ -18,7 +18,7 @@ def test_ready_comes_before_the_forwards_of_several_prompts(example: ExampleAsse
     config, params = load_model(example.model_dir)
     pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=2,
                                max_rank=8, dtype="float32"))
-    runner = LlamaRunner(config, params, max_batch=8, max_len=32, extend=True, piece=16)
+    runner = Runner(config, params, max_batch=8, max_len=32, extend=True, piece=16)
     rows, slots = list(range(len(PROMPTS))), [-1] * len(PROMPTS)
     early: dict[str, object] = {}
 

@@ -1,4 +1,4 @@
-"""Facts of the Llama architecture that every side agrees on: the projections LoRA may
+"""Facts of the decoder's projections that every side agrees on: the projections LoRA may
 target, the submodule that holds each one, and each one's (in, out) features.
 
 `pool init` (shared/fingerprint.py via shared/modelconfig.py), the PEFT name and
@@ -7,7 +7,7 @@ the replica's model all read them here. No jax or numpy: statesvc imports this.
 """
 from __future__ import annotations
 
-# LoRA target modules of the Llama architecture, in canonical order, with the
+# LoRA target modules of every served family's decoder layer, in canonical order, with the
 # submodule that holds each one.
 MODULE_PARENT: dict[str, str] = {
     "q_proj": "self_attn",

@@ -1,6 +1,7 @@
-"""Llama as Hugging Face's `LlamaForCausalLM` defines it, in JAX, with multi-LoRA and a KV cache.
+"""The decoder every served family is, in JAX, with multi-LoRA and a KV cache: Hugging Face's
+`LlamaForCausalLM` with what each family's config changes (shared/modelconfig.py `DecoderConfig`).
 
-The model is pure functions over a parameter pytree (`LlamaParams`, whose static `LlamaConfig`
+The model is pure functions over a parameter pytree (`DecoderParams`, whose static `DecoderConfig`
 and backend ride along as pytree metadata, so every entry point takes just `params`). What it
 reproduces of transformers 5.24's `modeling_llama.py`:
 
@@ -52,13 +53,13 @@ import numpy as np
 from computed.backend.base import Backend
 from computed.model import attention, kv_cache, moe
 from computed.model import rope as rope_lib
-from computed.model.config import LlamaConfig
+from computed.model.config import DecoderConfig
 from computed.model.kv_cache import KVCache
-from computed.model.params import LayerParams, LlamaParams, PackedWeight
+from computed.model.params import LayerParams, DecoderParams, PackedWeight
 from computed.residency.pool import LoraPool
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, config: LlamaConfig) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, config: DecoderConfig) -> jax.Array:
     """RMSNorm as the family computes it: Llama casts back before the weight multiplies; Gemma
     and OLMo multiply in float32 and cast once (a Gemma weight is stored as 1 + w in float32,
     computed/model/loader.py)."""
@@ -72,7 +73,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, config: LlamaConfig) -
 RopeTables = tuple[tuple[jax.Array, jax.Array], ...]  # (cos, sin) for each of the config's `ropes`
 
 
-def rope_tables(positions: Any, config: LlamaConfig, seq_lens: Any = None) -> RopeTables:
+def rope_tables(positions: Any, config: DecoderConfig, seq_lens: Any = None) -> RopeTables:
     """cos and sin `[..., 1, head_dim // 2]` float32 for `positions [...]`, one pair per distinct
     RoPE of the layers (`config.ropes`): in the graph for a traced array, on the host for a numpy
     one. Decode passes host tables in: computed in the graph, XLA fused cos and sin into every
@@ -107,7 +108,7 @@ class _Projections:
 
 
 def _qkv(x: jax.Array, tables: RopeTables, layer: LayerParams, index: int, project: _Projections,
-         config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+         config: DecoderConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., kv_heads, group, head_dim], k and v [..., kv_heads, head_dim], q/k norms and RoPE applied."""
     lead, hd, kvh, eps = x.shape[:-1], config.head_dim, config.num_kv_heads, config.rms_norm_eps
     q, k, v = project(x, layer, index, ("q_proj", "k_proj", "v_proj"))
@@ -133,7 +134,7 @@ def gelu_tanh_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype) * up
 
 
-def _mlp(x: jax.Array, layer: LayerParams, index: int, project: _Projections, config: LlamaConfig) -> jax.Array:
+def _mlp(x: jax.Array, layer: LayerParams, index: int, project: _Projections, config: DecoderConfig) -> jax.Array:
     act = silu_mul if config.act == "silu" else gelu_tanh_mul
     if layer.experts is not None:  # a sparse layer: no LoRA on the experts (docs/adapters.md)
         return moe.moe(x, layer.experts, config, act)
@@ -146,7 +147,7 @@ def _scaled(x: jax.Array, factor: float) -> jax.Array:
     return x if factor == 1.0 else (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
-def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
+def _embed(params: DecoderParams, tokens: jax.Array) -> jax.Array:
     """The embeddings of `tokens`: rows of `embed`, or for a tied packed model columns of its
     lm_head; times the family's embedding multiplier."""
     config = params.config
@@ -160,7 +161,7 @@ def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
     return _scaled(h, config.embed_multiplier)
 
 
-def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
+def _logits(params: DecoderParams, h: jax.Array) -> jax.Array:
     config = params.config
     if params.lm_head is None:
         logits = jnp.einsum("...h,vh->...v", h, params.embed)
@@ -177,12 +178,12 @@ def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def attention_options(config: LlamaConfig, layer: int) -> dict[str, Any]:
+def attention_options(config: DecoderConfig, layer: int) -> dict[str, Any]:
     """The keyword options of layer `layer`'s attention (computed/model/attention.py)."""
     return dict(scale=config.query_scale, window=config.window(layer), softcap=config.attn_softcap)
 
 
-def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, project: _Projections,
+def _decoder(params: DecoderParams, tokens: jax.Array, positions: jax.Array, project: _Projections,
              attend: Attend, tables: RopeTables | None = None, seq_lens: Any = None) -> jax.Array:
     """Embed, run every decoder layer, apply the final norm; `attend(layer, q, k, v)` is the
     attention; RoPE by `tables` (else computed from `positions`)."""
@@ -215,7 +216,7 @@ def _decoder(params: LlamaParams, tokens: jax.Array, positions: jax.Array, proje
     return rms_norm(h, params.norm, eps, config)
 
 
-def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+def _prefill(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
              lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, KVCache]:
     n, p = tokens.shape
 
@@ -235,7 +236,7 @@ def _prefill(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, to
     return _logits(params, last), params.backend.shard_cache(cache)
 
 
-def _extend(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+def _extend(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
             starts: jax.Array, lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, KVCache]:
     """Prompt chunks that continue rows already holding KV: chunk i (`tokens [n, C]`, its first
     `lengths[i]` real) goes to positions [starts[i], starts[i] + C) of row rows[i] and attends
@@ -260,7 +261,7 @@ def _extend(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
     return _logits(params, last), params.backend.shard_cache(cache)
 
 
-def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
+def _decode(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
             positions: jax.Array, slots: jax.Array, active: jax.Array, tables: RopeTables, attend_len: int,
             window: int | None, rows: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """One decode step. `attend_len` (static) bounds the positions a bucket attention reads (one
@@ -288,7 +289,7 @@ def _decode(params: LlamaParams, lora_pool: LoraPool | None, cache: KVCache, tok
     return _logits(params, h), backend.shard_cache(cache)
 
 
-def _forward_full(params: LlamaParams, lora_pool: LoraPool | None, tokens: jax.Array,
+def _forward_full(params: DecoderParams, lora_pool: LoraPool | None, tokens: jax.Array,
                   slots: jax.Array) -> jax.Array:
     n_rows, t = tokens.shape
     token_slots = jnp.broadcast_to(slots[:, None], (n_rows, t)).reshape(-1)
