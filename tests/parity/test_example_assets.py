@@ -189,7 +189,7 @@ def _load(path: Path, **kw: Any) -> tuple[Any, dict[str, Any]]:
 @pytest.mark.parametrize("tie,rope_scaling", [(False, None), (True, LLAMA3_SCALING)])
 def test_transformers_loads_checkpoint(hf: Any, tmp_path: Path, style: str, tie: bool,
                                        rope_scaling: dict[str, Any] | None) -> None:
-    from transformers import DecoderConfig
+    from transformers import LlamaConfig
     torch = hf
     shape = ModelShape(tie_word_embeddings=tie, rope_scaling=rope_scaling, rms_norm_eps=1e-6)
     d = write_model(tmp_path, shape, seed=5, config_style=style)  # type: ignore[arg-type]
@@ -197,7 +197,7 @@ def test_transformers_loads_checkpoint(hf: Any, tmp_path: Path, style: str, tie:
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert not info["error_msgs"]
 
-    cfg = DecoderConfig.from_pretrained(d)
+    cfg = LlamaConfig.from_pretrained(d)
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings",
               "rms_norm_eps"):
@@ -218,7 +218,7 @@ def test_transformers_loads_checkpoint(hf: Any, tmp_path: Path, style: str, tie:
         resaved = (tmp_path / "resaved" / "config.json").read_text()
         assert installed in resaved
         assert resaved.replace(installed, ours) == (d / "config.json").read_text()
-    again = DecoderConfig.from_pretrained(tmp_path / "resaved").to_dict()
+    again = LlamaConfig.from_pretrained(tmp_path / "resaved").to_dict()
     first = cfg.to_dict()
     again.pop("_name_or_path", None)
     first.pop("_name_or_path", None)

@@ -66,7 +66,7 @@ def _hf_rotary(params: dict[str, Any], head_dim: int, max_pos: int) -> Any:
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    config = transformers.DecoderConfig(
+    config = transformers.LlamaConfig(
         vocab_size=16, hidden_size=2 * head_dim, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=2, head_dim=head_dim,
         max_position_embeddings=max_pos, rope_parameters=copy.deepcopy(params))
