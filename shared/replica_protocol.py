@@ -9,7 +9,7 @@ clients build their requests with `generate_args` and `slot_args`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, TypedDict
+from typing import Any, Callable, Required, TypedDict
 
 from shared.config import MAX_SEED, MAX_SEQ, PROTOCOL_VERSION
 from shared.protocol import COMMANDS as CONTROL_COMMANDS
@@ -30,7 +30,14 @@ BLOB_ARGS: Schema = CONTROL_COMMANDS["blob"]
 GENERATE_DEFAULTS: dict[str, Any] = {
     "adapter": None, "max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0,
     "stop_token_ids": [], "min_seq": 0, "stream": False,
+    # the sampling parameters of computed/serving/sampling.py, each off by default
+    "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "logit_bias": [], "min_tokens": 0,
+    # choices: `n` returned, of `best_of` generated (None: n), ranked by cumulative logprob
+    "n": 1, "best_of": None,
 }
+MAX_LOGIT_BIAS = 1024  # (token, bias) pairs per request
+MAX_CHOICES = 256  # n and best_of (each choice also needs a batch row: --max-batch)
 
 
 def _token_list(limit: int) -> Callable[[Any], str | None]:
@@ -60,6 +67,22 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
         problem = _token_list(MAX_STOP_TOKENS)(v)
         return problem or (None if all(0 <= t < vocab_size for t in v) else in_vocab)
 
+    def biases(v: Any) -> str | None:
+        if not isinstance(v, list) or len(v) > MAX_LOGIT_BIAS:
+            return f"must be a list of at most {MAX_LOGIT_BIAS} [token id, bias] pairs"
+        for pair in v:
+            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+                    and type(pair[1]) in (int, float)):
+                return "must be a list of [token id, bias] pairs"
+            if not 0 <= pair[0] < vocab_size:
+                return in_vocab
+            if not -100.0 <= pair[1] <= 100.0:
+                return "biases must be between -100 and 100"
+        return None
+
+    def between(lo: float, hi: float) -> Callable[[float], str | None]:
+        return lambda v: None if lo <= v <= hi else f"must be between {lo:g} and {hi:g}"
+
     return {
         "adapter": Field(str, required=False, check=str_len(64)),
         "input_ids": Field(list, check=tokens),
@@ -75,6 +98,21 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
         "min_seq": Field(int, required=False, default=d["min_seq"],
                          check=int_range(0, MAX_SEQ)),
         "stream": Field(bool, required=False, default=d["stream"]),
+        "top_k": Field(int, required=False, default=d["top_k"], check=int_range(0, vocab_size)),
+        "min_p": Field(float, required=False, default=d["min_p"], check=between(0.0, 1.0)),
+        "presence_penalty": Field(float, required=False, default=d["presence_penalty"],
+                                  check=between(-2.0, 2.0)),
+        "frequency_penalty": Field(float, required=False, default=d["frequency_penalty"],
+                                   check=between(-2.0, 2.0)),
+        "repetition_penalty": Field(float, required=False, default=d["repetition_penalty"],
+                                    check=lambda v: None if 0.0 < v <= 10.0 else
+                                    "must be in (0, 10]"),
+        "logit_bias": Field(list, required=False, default=d["logit_bias"], check=biases),
+        "min_tokens": Field(int, required=False, default=d["min_tokens"],
+                            check=int_range(0, max_len)),
+        "n": Field(int, required=False, default=d["n"], check=int_range(1, MAX_CHOICES)),
+        "best_of": Field(int, required=False, default=d["best_of"],
+                         check=int_range(1, MAX_CHOICES)),
     }
 
 
@@ -91,14 +129,22 @@ class AdapterVersion(TypedDict):
     version: int
 
 
-class GenerateResult(TypedDict):
-    """`generate`'s result."""
+class Choice(TypedDict):
+    """One of the choices of a `generate` with n or best_of above 1."""
 
-    id: str
     output_ids: list[int]
-    adapter: AdapterVersion | None  # None: the base model
-    seq: int  # the replica's applied seq when the request was admitted
-    timings: Timings
+    cumulative_logprob: float | None  # of its sampled tokens (the model's own); null unless best_of > n
+
+
+class GenerateResult(TypedDict, total=False):
+    """`generate`'s result (`choices` only when n or best_of is above 1)."""
+
+    id: Required[str]
+    output_ids: Required[list[int]]  # with choices: the first choice's
+    adapter: Required[AdapterVersion | None]  # None: the base model
+    seq: Required[int]  # the replica's applied seq when the request was admitted
+    timings: Required[Timings]
+    choices: list[Choice]
 
 
 class InferenceStatus(TypedDict):
@@ -136,22 +182,31 @@ def generate_args(input_ids: Sequence[int], *, adapter: str | None = None,
                   seed: int = GENERATE_DEFAULTS["seed"],
                   stop_token_ids: Sequence[int] = (),
                   min_seq: int = GENERATE_DEFAULTS["min_seq"],
-                  stream: bool = False) -> dict[str, Any]:
-    """The args of a `generate` request, as a client sends them (`stream` only when set, so
-    replicas that predate it keep accepting what old clients send)."""
+                  stream: bool = False, **sampling: Any) -> dict[str, Any]:
+    """The args of a `generate` request, as a client sends them (`stream`, and each of
+    `sampling`, the other args of `generate_schema`, only when set off its default, so replicas
+    that predate them keep accepting what old clients send)."""
     args = {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "seed": seed,
             "stop_token_ids": list(stop_token_ids), "min_seq": min_seq}
     if stream:
         args["stream"] = True
+    for name, value in sampling.items():
+        if name not in GENERATE_DEFAULTS or name in args:
+            raise TypeError(f"generate_args() got an unknown argument {name!r}")
+        if value != GENERATE_DEFAULTS[name]:
+            args[name] = value
     return args
 
 
-def token_frame(req_id: str | None, index: int, token: int) -> dict[str, Any]:
+def token_frame(req_id: str | None, index: int, token: int, choice: int = 0) -> dict[str, Any]:
     """One streamed token of a `generate` with `stream: true` (docs/protocol.md §13b): `ok`
-    with `token` instead of `result`; the final frame is the usual reply."""
-    return {"v": PROTOCOL_VERSION, "id": req_id, "ok": True,
-            "token": {"index": index, "id": token}}
+    with `token` instead of `result`; the final frame is the usual reply. With n above 1 each
+    token names its `choice`, and `index` counts that choice's tokens."""
+    token_of: dict[str, int] = {"index": index, "id": token}
+    if choice:
+        token_of["choice"] = choice
+    return {"v": PROTOCOL_VERSION, "id": req_id, "ok": True, "token": token_of}
 
 
 def slot_args(slot: int) -> dict[str, Any]:

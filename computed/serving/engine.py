@@ -29,6 +29,7 @@ from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, 
                                 NotReady, SlotDraining)
 from computed.serving.prefill import Prefills
 from computed.serving.prefix_cache import Hit
+from computed.serving.sampling import Shaping
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
@@ -89,7 +90,8 @@ class Done:
 NUCLEUS_CANDIDATES = 256  # the first candidate set of top-p sampling (grown 8x while too small)
 
 
-def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator,
+           shaping: Shaping | None = None) -> int:
     """Greedy at temperature 0; else temperature, then nucleus (top-p) sampling: the smallest
     prefix of the tokens by descending probability (ties in id order) whose mass reaches top_p,
     drawn from renormalised. At top_p 1 every token is kept and the draw is over them in id order.
@@ -98,10 +100,18 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     second a step); the nucleus is found among the largest probabilities instead: the tokens at
     or above the k-th largest (all its ties) are sorted, and where their mass reaches top_p the
     nucleus is exactly the one a sort of every token gives, drawn the same way (the same
-    probabilities in the same order). Otherwise k grows, up to every token."""
+    probabilities in the same order). Otherwise k grows, up to every token.
+
+    A row's `shaping` (computed/serving/sampling.py: logit_bias, min_tokens and the penalties
+    before greedy; top_k and min_p after the temperature) is None for a row that sends none of
+    those parameters, and this is then what it always was."""
+    if shaping is not None:
+        logits = shaping.logits(logits)
     if temperature == 0.0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / temperature
+    if shaping is not None and shaping.truncates:
+        z = shaping.truncate(z)
     p = np.exp(z - z.max())
     p /= p.sum()
     if top_p >= 1.0:  # by the inverse of the cumulative distribution (rng.choice checks p first: 1.5 ms)
