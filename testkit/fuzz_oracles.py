@@ -162,7 +162,7 @@ class SchemaOnlyModel:
     def prefill(self, *_: Any, **__: Any) -> Any:
         raise AssertionError("a fuzzed request reached the model")
 
-    decode = warmup = prefill
+    decode = warmup = copy_row = prefill
 
 
 class NoReplica:

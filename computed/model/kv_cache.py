@@ -120,3 +120,15 @@ def read(cache: KVCache, layer: int, attend_len: int, rows: jax.Array | None = N
         keys = jax.lax.slice_in_dim(k, 0, attend_len, axis=3)  # [B, kv, d, L]
     values = jax.lax.slice_in_dim(v, 0, attend_len, axis=2)  # [B, kv, L, d]
     return keys, values
+
+
+def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Row `src`'s K and V, every position of every layer, into row `dst`."""
+    def copy(a: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=1), dst, axis=1)
+    return KVCache(copy(cache.k), copy(cache.v))
+
+
+# the KV fork of a request's choices (n > 1): its prompt prefilled once, into its first row, then
+# copied into the others (computed/serving/prefill.py); one compile, whatever the rows
+copy_row = jax.jit(_copy_row, donate_argnames="cache")

@@ -416,6 +416,13 @@ class Runner:
                                            self._padded(dst, store.size))
         return out
 
+    def copy_row(self, cache: KVCache, src: int, dst: int) -> KVCache:
+        """Row `src`'s KV into row `dst` (a request's choices share its prefill); `cache` is donated."""
+        if not (0 <= src < self.max_batch and 0 <= dst < self.max_batch) or src == dst:
+            raise ValueError(f"copy_row takes two distinct rows in [0, {self.max_batch}); got {src} and {dst}")
+        out: KVCache = kv_cache.copy_row(cache, np.int32(src), np.int32(dst))
+        return out
+
     def decode(self, pool: LoraPool, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, KVCache]:
         """One step of the active rows; arguments `[max_batch]`, logits `[max_batch, vocab]` (an

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from computed.model import kv_blocks
+from computed.model import kv_blocks, kv_cache
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
 from computed.model.decoder import decode_jit, extend_jit, prefill_jit, rope_tables
@@ -34,7 +34,8 @@ def compile_serving(params: DecoderParams, lora_pool: LoraPool | None, cache: KV
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
     one per prefill shape (prompts, prompt length) and per chunk shape (`extend_shapes`), one per
     attention length (only one with the attention kernel) and LoRA window of the backend, and
-    the block store's two copies per block count (with a `store`). Only the shapes and dtypes
+    the block store's two copies per block count (with a `store`), and the copy of a row into
+    another that forks a request's choices (`kv_cache.copy_row`, one shape). Only the shapes and dtypes
     of `lora_pool`, `cache` and `store` are used
     (nothing is read or donated), so a replica can warm up while diffs keep writing its pool.
     `stop()` is asked before each compile: a replica that stops while it warms up waits for one
@@ -68,8 +69,10 @@ def compile_serving(params: DecoderParams, lora_pool: LoraPool | None, cache: KV
                                                      rope_tables(z, params.config), attend_len=a, window=w,
                                                      rows=None if len(z) == cache.max_batch else z).compile(),
                     zeros, attend_len, window)))
+    row = np.int32(0)
+    jobs.append(("fork", 1, 0, lambda: kv_cache.copy_row.lower(cache_s, row, row).compile()))  # n > 1
     if store is not None:
-        store_s, row = shapes(store), np.int32(0)
+        store_s = shapes(store)
         for m in block_counts:  # as `Runner.load_blocks` and `save_blocks` call them
             ids = np.zeros(m, np.int32)
             jobs.append(("blocks", m, 0, functools.partial(

@@ -44,6 +44,8 @@ class Model(Protocol):
     def prefill(self, pool: LoraPool, cache: Any, prompts: list[list[int]], rows: list[int],
                 slots: list[int]) -> tuple[np.ndarray, Any]: ...
 
+    def copy_row(self, cache: Any, src: int, dst: int) -> Any: ...
+
     def decode(self, pool: LoraPool, cache: Any, tokens: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
@@ -77,6 +79,14 @@ class Running:
     hit: Hit | None = None  # its prompt's prefix-cache lookup, until its blocks are saved
     prefill_s: float = 0.0
     residency_s: float = 0.0  # from first having a row to holding its slot (Request.eligible)
+    shaping: Shaping | None = None  # its sampling parameters' state; None: plain sampling
+    live: bool = False  # its prompt's KV is in its row: it decodes
+    # a request of best_of > 1 choices has a row per choice: `choice` its index, `group` all of
+    # them (the first, choice 0, is prefilled and forked: computed/serving/prefill.py)
+    choice: int = 0
+    group: list[Running] | None = None
+    finished: bool = False
+    logprob: float | None = None  # its sampled tokens' cumulative logprob, where best_of > n ranks
 
 
 @dataclass(frozen=True)
@@ -159,9 +169,9 @@ class Engine:
         # step's time (`_admit`; 0: never)
         self.fetch_wait, self.decode_s = fetch_wait, 0.0
         self._fetch: Fetching | None = None  # a request of this pass waits for its fetch
-        # called with (request, index, token) for each token of a request that asked for
-        # `stream` (the daemon sends it on at once); the final reply is the usual Done
-        self.on_token: Callable[[Request, int, int], None] | None = None
+        # called with (request, index, token, choice) for each token of a request that asked
+        # for `stream` (the daemon sends it on at once); the final reply is the usual Done
+        self.on_token: Callable[[Request, int, int, int], None] | None = None
 
     def warmup(self, *, stop: Callable[[], bool] = lambda: False,
                pause: Callable[[Callable[[], bool]], None] | None = None,
@@ -205,12 +215,17 @@ class Engine:
                 "prompt_too_long", f"{prompt} prompt tokens + max_new_tokens "
                 f"{args['max_new_tokens']} exceed this replica's context of {self.model.max_len} "
                 "tokens; shorten the prompt or ask for fewer tokens", "args.input_ids"))
-        mine = sum(r.client == client for r in self.waiting) + sum(
+        if (problem := self._choices(args)) is not None:
+            return Done(reply_to, req_id, error=problem)
+        rows = args["best_of"]  # a request of best_of choices needs that many batch rows
+        mine = sum(r.args["best_of"] for r in self.waiting if r.client == client) + sum(
             r is not None and r.req.client == client for r in self.rows)
-        if mine >= self.client_limit:
+        if mine + rows > self.client_limit:
+            held = f"already has {mine} requests waiting or running" if rows == 1 else \
+                f"has {mine} batch rows waiting or running and asks for {rows} (one per choice)"
             return Done(reply_to, req_id, error=GenerateError(
-                "overloaded", f"this client already has {mine} requests waiting or running "
-                f"(the per-client limit is {self.client_limit}); wait for replies first"))
+                "overloaded", f"this client {held} (the per-client limit is {self.client_limit}); "
+                "wait for replies first"))
         if len(self.waiting) >= self.queue_limit:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "
@@ -218,6 +233,26 @@ class Engine:
         self.tickets += 1
         self.waiting.append(Request(req_id, args, reply_to, client, self.tickets))
         self.replica.want(args["adapter"])  # a missing adapter's fetch starts now, not at admit
+        return None
+
+    def _choices(self, args: dict[str, Any]) -> GenerateError | None:
+        """Fills in `best_of` (n by default); the error when n, best_of, min_tokens and stream
+        do not go together or the choices need more rows than the batch has."""
+        n = args["n"]
+        best_of = args["best_of"] = n if args["best_of"] is None else args["best_of"]
+        if best_of < n:
+            return GenerateError("bad_request", f"best_of {best_of} is below n {n}: best_of "
+                                 "choices are generated and the n best returned", "args.best_of")
+        if best_of > self.model.max_batch:
+            return GenerateError("bad_request", f"{best_of} choices need {best_of} batch rows; this "
+                                 f"replica has {self.model.max_batch} (--max-batch)",
+                                 "args.best_of" if best_of > n else "args.n")
+        if best_of > n and args["stream"]:
+            return GenerateError("bad_request", "best_of above n cannot stream: the n best are known "
+                                 "only at the end", "args.best_of")
+        if args["min_tokens"] > args["max_new_tokens"]:
+            return GenerateError("bad_request", f"min_tokens {args['min_tokens']} is above "
+                                 f"max_new_tokens {args['max_new_tokens']}", "args.min_tokens")
         return None
 
     def cancel(self, req_id: str, client: Hashable) -> Done | None:
@@ -233,12 +268,18 @@ class Engine:
                 return Done(req.reply_to, req_id, error=gone)
         for r in self.rows:
             if r is not None and r.req.req_id == req_id and r.req.client == client:
-                self.prefills.drop(r)
-                self.rows[r.row] = None
-                r.grant.release()
+                self._free(r)
                 self.cancelled += 1
                 return Done(r.req.reply_to, req_id, error=gone)
         return None
+
+    def _free(self, r: Running) -> None:
+        """Every row of `r`'s request (each choice's) and its slot lease, at once."""
+        for c in r.group or [r]:
+            self.prefills.drop(c)
+            if self.rows[c.row] is c:
+                self.rows[c.row] = None
+        r.grant.release()
 
     @property
     def busy(self) -> bool:
@@ -278,11 +319,11 @@ class Engine:
         waiting = self.prefills.waiting
         # prefill runs whole prompts unless rows are decoding, which it would stall
         self._budget = self.prefills.chunk or None if any(
-            r is not None and r not in waiting for r in self.rows) else None
+            r is not None and r.live for r in self.rows) else None
         self._admit(done, intake)
         if waiting:  # prompts still waiting: earlier steps' chunks, in what the budget leaves
             self._prefill([], done)
-        active = [r for r in self.rows if r is not None and r not in waiting]
+        active = [r for r in self.rows if r is not None and r.live]
         if not active:
             return done
         m = self.model
@@ -306,18 +347,29 @@ class Engine:
     def _emit(self, r: Running, logits: np.ndarray, done: list[Done]) -> None:
         """Record the token sampled from `logits`; finish the request when it is done."""
         a = r.req.args
-        token = sample(logits, a["temperature"], a["top_p"], r.rng)
+        token = sample(logits, a["temperature"], a["top_p"], r.rng, r.shaping)
+        if r.shaping is not None:
+            r.shaping.push(token)
+        if r.logprob is not None:  # the model's own log-probability of the token
+            top = float(logits.max())
+            r.logprob += float(logits[token]) - top - float(np.log(np.exp(
+                logits.astype(np.float64) - top).sum()))
         r.output.append(token)
         r.next_token = token
         if a["stream"] and self.on_token is not None:
-            self.on_token(r.req, len(r.output) - 1, token)
+            self.on_token(r.req, len(r.output) - 1, token, r.choice)
         if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
                 or r.position >= self.model.max_len):
             self._finish(r, done)
 
     def _finish(self, r: Running, done: list[Done]) -> None:
+        """`r`'s row is free; its request is done when every choice of it is."""
         self.rows[r.row] = None
+        r.finished = True
+        if r.group is not None and not all(c.finished for c in r.group):
+            return
         r.grant.release()
+        r = r if r.group is None else r.group[0]  # the times are the request's
         now = time.perf_counter()
         g = r.grant
         result: GenerateResult = {
@@ -329,6 +381,13 @@ class Engine:
                         "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
                         "total_ms": (now - r.req.arrived) * 1e3,
                         "residency_ms": r.residency_s * 1e3}}
+        if r.group is not None:
+            a = r.req.args
+            # best_of > n: the n of the highest cumulative logprob (ties: the lower choice first)
+            best = sorted(r.group, key=lambda c: -(c.logprob or 0.0))[:a["n"]]
+            result["choices"] = [{"output_ids": c.output, "cumulative_logprob": c.logprob}
+                                 for c in best]
+            result["output_ids"] = best[0].output
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
@@ -375,14 +434,16 @@ class Engine:
                 i += 1
                 continue
             del self.waiting[i]
-            self.rows[run.row] = run
+            for c in run.group or [run]:
+                self.rows[c.row] = c
             admitted.append(run)
         return admitted
 
     def _try_admit(self, req: Request) -> Running | None:
         """Admit `req` into a free row (not yet prefilled); None to keep it waiting."""
         a = req.args
-        row = next((i for i, r in enumerate(self.rows) if r is None), None)
+        free = [i for i, r in enumerate(self.rows) if r is None][:a["best_of"]]
+        row = free[0] if len(free) == a["best_of"] else None  # a row for each choice, or none
         tried = time.perf_counter()
         try:
             # without a free row only the wait for min_seq can end now: ask as for the base
@@ -405,7 +466,16 @@ class Engine:
         if row is None:
             return None
         granted = time.perf_counter()
-        run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
+        run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0,
+                      shaping=Shaping.of(a))
+        if a["best_of"] > 1:  # choice c draws from its own stream: the seed and c
+            run.group = [run] + [Running(req, at, grant, np.random.default_rng([a["seed"], c]),
+                                         run.position, 0, choice=c,
+                                         shaping=None if run.shaping is None else run.shaping.fork())
+                                 for c, at in enumerate(free[1:], 1)]
+            for c in run.group:
+                c.group = run.group
+                c.logprob = 0.0 if a["best_of"] > a["n"] else None
         run.admitted = time.perf_counter()
         # what residency added: the wait since it first had a row, or this admission's own
         # slot write (a host-tier hit), or next to nothing (resident); to the grant (making
@@ -426,13 +496,15 @@ class Engine:
                 finished, self.cache, spent = prefills.run(arrays, self.cache, self._budget)
         except BaseException:
             for r in list(prefills.waiting) + [r for r in runs if r not in prefills.waiting]:
-                prefills.drop(r)
-                self.rows[r.row] = None
-                r.grant.release()
+                self._free(r)
             raise
         if self._budget is not None:
             self._budget -= spent
         now = time.perf_counter()
         for r, row_logits in finished:
             r.prefill_s = now - r.admitted
-            self._emit(r, np.asarray(row_logits), done)
+            if r.group is not None:  # the other choices' rows get its KV
+                self.cache = prefills.fork(r, self.cache)
+            for c in r.group or [r]:
+                c.live = True
+                self._emit(c, np.asarray(row_logits), done)

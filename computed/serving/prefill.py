@@ -58,6 +58,16 @@ class Prefills:
         self.waiting.append(run)
         return kv
 
+    def fork(self, run: Running, kv: Any) -> Any:
+        """`run`'s prompt, now whole in its row, shared with the other choices of its request (n or
+        best_of above 1): its row's KV copied into each of theirs, one jitted copy of a whole row
+        each (`Model.copy_row`, compiled at warm-up). The prefix cache is not used for it: it is
+        off on some replicas, and a copy costs what a hit of the whole prompt would."""
+        for other in (run.group or [run])[1:]:
+            kv = self.model.copy_row(kv, run.row, other.row)
+            other.prefilled = run.prefilled
+        return kv
+
     def drop(self, run: Running) -> None:
         """`run` leaves (cancelled, failed) before its prompt was in its row."""
         if run in self.waiting:
