@@ -189,13 +189,17 @@ class Endpoints:
             self.record(label, endpoint, started, error)
             return error_response(error)
         self.record(label, endpoint, started, out)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
+        choices: list[dict[str, Any]] = []
+        for index, one in enumerate(out.choices):
+            choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                      "finish_reason": one.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": one.text}
+            else:
+                choice["text"] = one.text
+            choices.append(choice)
         body = {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": [choice], "usage": usage(out)}
+                "choices": choices, "usage": usage(out)}
         if out.timings is not None:
             body["timings"] = out.timings
         return JSONResponse(body)
@@ -209,8 +213,8 @@ class Endpoints:
         gw, metrics, pending = self.gw, self.metrics, self.pending
         queue = Inbox(self.gate)
 
-        def token(t: int) -> None:
-            queue.put(("token", t))
+        def token(choice: int, t: int) -> None:
+            queue.put(("token", (choice, t) if choice else t))  # n > 1: the others' name it
 
         def output(out: Output) -> None:
             """The output, in the turn of the loop that read it with the last tokens: the
@@ -247,9 +251,9 @@ class Endpoints:
             raise
         if first[0] == "error":
             return error_response(first[1])
-        text = StreamText(gw.codec, stop_ids, req.sampling.stop)
+        texts = [StreamText(gw.codec, stop_ids, req.sampling.stop) for _ in range(req.sampling.n)]
         chunks = Chunks(head, chat, req.sampling.include_usage)
-        return EventStream(events(text, queue, first, chunks, task))
+        return EventStream(events(texts[0], queue, first, chunks, task, texts[1:]))
 
     def record(self, label: str, endpoint: str, started: float,
                out: Output | ApiError) -> None:
@@ -259,7 +263,7 @@ class Endpoints:
             return
         metrics.requests.labels(label, endpoint, "200").inc()
         metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
-        metrics.generation_tokens.labels(label).inc(out.completion_tokens)
+        metrics.generation_tokens.labels(label).inc(out.all_completion_tokens)
         metrics.latency.labels(label).observe(time.perf_counter() - started)
 
     # ---- the other endpoints (through `answering`) --------------------------------------

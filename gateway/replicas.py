@@ -45,9 +45,10 @@ class _Link:
         connect(self.sock, address)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.req_id = ""
-        self.on_token: Callable[[int], None] | None = None
+        self.on_token: Callable[[int, int], None] | None = None  # (choice, token)
         self.on_result: Callable[[dict[str, Any]], None] | None = None
-        self.streamed = 0
+        self.streamed = 0  # choice 0's tokens so far
+        self.streamed_by: dict[int, int] = {}  # the other choices' (n > 1)
         self.done: asyncio.Future[dict[str, Any]] | None = None
         self.writable: asyncio.Future[None] | None = None
 
@@ -55,10 +56,11 @@ class _Link:
         """The connection dropped since the link was last used."""
         return bool(self.monitor.poll(0))
 
-    def start(self, req_id: str, on_token: Callable[[int], None] | None,
+    def start(self, req_id: str, on_token: Callable[[int, int], None] | None,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.req_id, self.on_token, self.on_result, self.streamed = req_id, on_token, on_result, 0
+        self.streamed_by = {}
         self.done = self.loop.create_future()
         self.loop.add_reader(self.sock.fd, self._events)
         self.loop.add_reader(self.monitor.fd, self._monitor)
@@ -114,10 +116,18 @@ class _Link:
                 continue
             token = reply.get("token")
             if isinstance(token, dict):
-                if reply.get("ok") is True and token.get("index") == self.streamed \
-                        and type(token.get("id")) is int and self.on_token is not None:
-                    self.streamed += 1
-                    self.on_token(token["id"])
+                if reply.get("ok") is not True or type(token.get("id")) is not int \
+                        or self.on_token is None:
+                    continue
+                choice = token.get("choice")
+                if choice is None:
+                    if token.get("index") == self.streamed:
+                        self.streamed += 1
+                        self.on_token(0, token["id"])
+                elif type(choice) is int and 0 < choice and \
+                        token.get("index") == self.streamed_by.get(choice, 0):
+                    self.streamed_by[choice] = token["index"] + 1
+                    self.on_token(choice, token["id"])
                 continue
             try:
                 reply = unpack(raw, max_bytes=MAX_WIRE_BYTES)
@@ -181,7 +191,7 @@ class ReplicaLinks:
             link.close()
 
     async def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
-                       timeout_s: float, on_token: Callable[[int], None] | None = None,
+                       timeout_s: float, on_token: Callable[[int, int], None] | None = None,
                        on_result: Callable[[dict[str, Any]], None] | None = None
                        ) -> dict[str, Any]:
         """The replica's result; RemoteError for its refusal, Unavailable when it cannot be

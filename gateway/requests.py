@@ -1,11 +1,14 @@
 """OpenAI request bodies, checked: every field's type and range, with the limits of
 docs/security.md; anything else is an ApiError in OpenAI's error shape, before any replica
-or token is touched."""
+or token is touched. A field the endpoint does not take (`FIELDS`) is refused with a 400
+naming it, never ignored."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from shared.replica_protocol import MAX_CHOICES
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused unread (413)
 MAX_STOP = 16  # stop strings (or stop token ids) per request
@@ -13,6 +16,60 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_MESSAGES = 512
 MAX_PROMPT_CHARS = 256 * 1024
 MAX_MODEL_CHARS = 200
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's own limit)
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+BOTH = frozenset({COMPLETIONS, CHAT})
+# Every body field a generation endpoint takes, and which endpoints take it: anything else is a
+# 400 naming it. Adding a field is one line here (and its parsing below).
+FIELDS: dict[str, frozenset[str]] = {
+    "model": BOTH,
+    "prompt": frozenset({COMPLETIONS}),
+    "messages": frozenset({CHAT}),
+    "max_tokens": BOTH,
+    "max_completion_tokens": BOTH,
+    "temperature": BOTH,
+    "top_p": BOTH,
+    "n": BOTH,
+    "best_of": frozenset({COMPLETIONS}),
+    "stop": BOTH,
+    "stream": BOTH,
+    "stream_options": BOTH,
+    "seed": BOTH,
+    "user": BOTH,  # an end user's id for the caller's own tracking: nothing to generate with
+    "presence_penalty": BOTH,
+    "frequency_penalty": BOTH,
+    "logit_bias": BOTH,
+    # vLLM's extra sampling parameters (the openai client's extra_body)
+    "top_k": BOTH,
+    "min_p": BOTH,
+    "repetition_penalty": BOTH,
+    "min_tokens": BOTH,
+    "stop_token_ids": BOTH,
+    "ignore_eos": BOTH,
+    # issue 49's other parts: listed, and refused while they are in NOT_YET
+    "logprobs": BOTH,
+    "echo": frozenset({COMPLETIONS}),
+    "top_logprobs": frozenset({CHAT}),
+    "response_format": BOTH,
+    "structured_outputs": BOTH,
+    "guided_json": BOTH,
+    "guided_regex": BOTH,
+    "guided_choice": BOTH,
+    "guided_grammar": BOTH,
+    "tools": frozenset({CHAT}),
+    "tool_choice": frozenset({CHAT}),
+    "parallel_tool_calls": frozenset({CHAT}),
+}
+# Fields of FIELDS this gateway does not implement yet: refused (400 naming them) unless null or
+# the value that asks for nothing (NEUTRAL). The change that implements one deletes it here.
+NOT_YET = {"logprobs", "echo", "top_logprobs", "response_format", "structured_outputs",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+           "tool_choice", "parallel_tool_calls"}
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,), "echo": (False,), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none",),
+}
 
 
 class ApiError(Exception):
@@ -50,6 +107,30 @@ class Sampling:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    n: int = 1
+    best_of: int | None = None  # completions: choices generated, the n best returned
+    top_k: int = 0  # 0: off (vLLM's -1 too)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+
+    @property
+    def rows(self) -> int:
+        """The replica batch rows the request takes: one per choice generated."""
+        return self.best_of or self.n
+
+    def replica_args(self) -> dict[str, Any]:
+        """The `generate` args of these parameters (shared/replica_protocol.py `generate_args`
+        leaves out those at their defaults)."""
+        return {"n": self.n, "best_of": self.best_of if self.best_of != self.n else None,
+                "top_k": self.top_k, "min_p": self.min_p,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty,
+                "logit_bias": [list(p) for p in self.logit_bias], "min_tokens": self.min_tokens}
 
 
 @dataclass(frozen=True)
@@ -143,10 +224,51 @@ def _token_ids(v: Any, name: str) -> list[int]:
     return list(v)
 
 
+def check_fields(body: dict[str, Any], endpoint: str) -> None:
+    """A 400 naming the first field of `body` that `endpoint` does not take (FIELDS), or that it
+    does not implement yet (NOT_YET) with a value that asks for something."""
+    for name, value in body.items():
+        shown = name if len(name) <= 64 else name[:61] + "..."
+        if endpoint not in FIELDS.get(name, ()):
+            raise ApiError(400, f"{shown!r} is not a field this gateway supports on {endpoint}; "
+                           "remove it (docs/gateway.md lists the fields it takes)", param=shown,
+                           code="unsupported_parameter")
+        if name in NOT_YET and value is not None and not any(
+                value == v and type(value) is type(v) for v in NEUTRAL.get(name, ())):
+            raise ApiError(400, f"{name} is not supported yet by this gateway (issue 49); "
+                           "remove it", param=name, code="unsupported_parameter")
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as "
+                  "strings) to biases in [-100, 100]", "logit_bias")
+    out = []
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise bad(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad(f"logit_bias[{key}] must be a number in [-100, 100]", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def _choices(body: dict[str, Any], stream: bool) -> tuple[int, int | None]:
+    """(n, best_of): best_of choices generated (None: n) and the n best returned."""
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    best_of = _int(body, "best_of", 1, MAX_CHOICES)
+    if best_of is not None and best_of < n:
+        raise bad(f"best_of is {best_of}; it must be at least n ({n})", "best_of")
+    if best_of is not None and best_of > n and stream:
+        raise bad("best_of above n cannot be used with stream: the n best are known only when "
+                  "every choice has ended", "best_of")
+    return n, best_of
+
+
 def _sampling(body: dict[str, Any]) -> Sampling:
-    n = _int(body, "n", 1, 1 << 30)
-    if n not in (None, 1):
-        raise bad("n must be 1: this gateway returns one choice per request", "n")
     max_tokens = _int(body, "max_completion_tokens", 1, 1 << 20)
     max_tokens = _int(body, "max_tokens", 1, 1 << 20) or max_tokens
     stop = body.get("stop")
@@ -177,12 +299,25 @@ def _sampling(body: dict[str, Any]) -> Sampling:
         raise bad("stream_options.include_usage must be true or false",
                   "stream_options.include_usage")
     seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    n, best_of = _choices(body, bool(stream))
+    top_k = _int(body, "top_k", -1, 1 << 30) or 0
+    min_tokens = _int(body, "min_tokens", 0, 1 << 20) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(f"min_tokens is {min_tokens}; it must be at most max_tokens ({max_tokens})",
+                  "min_tokens")
     return Sampling(max_tokens=max_tokens,
                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                     seed=0 if seed is None else seed % (2**63),
                     stop=stops, stop_token_ids=ids, ignore_eos=bool(ignore_eos),
-                    stream=bool(stream), include_usage=bool(include_usage))
+                    stream=bool(stream), include_usage=bool(include_usage),
+                    n=n, best_of=best_of, top_k=max(top_k, 0),
+                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+                    presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                    repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0,
+                                               lo_open=True),
+                    logit_bias=_logit_bias(body), min_tokens=min_tokens)
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -195,6 +330,7 @@ def _model(body: dict[str, Any]) -> str:
 
 
 def parse_completion(body: dict[str, Any]) -> Completion:
+    check_fields(body, COMPLETIONS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -225,6 +361,7 @@ def _content(v: Any, where: str) -> str:
 
 
 def parse_chat(body: dict[str, Any]) -> Chat:
+    check_fields(body, CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise bad(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")

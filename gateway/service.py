@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -58,6 +58,17 @@ class Output:
     finish_reason: str  # "stop" or "length"
     replica: str
     timings: dict[str, float] | None = None  # passed_on(): None when ended early (a stop string)
+    others: list[Output] = field(default_factory=list)  # choices 1 .. n-1 (n > 1)
+
+    @property
+    def choices(self) -> list[Output]:
+        """Every choice, in index order: this one first."""
+        return [self, *self.others]
+
+    @property
+    def all_completion_tokens(self) -> int:
+        """Usage's completion_tokens: every returned choice's."""
+        return self.completion_tokens + sum(o.completion_tokens for o in self.others)
 
 
 def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | None:
@@ -200,10 +211,10 @@ class Gateway:
         return req.prompt
 
     async def run(self, req: Completion | Chat,
-                  on_token: Callable[[int], None] | None = None,
+                  on_token: Callable[[int, int], None] | None = None,
                   on_output: Callable[[Output], None] | None = None) -> Output:
         """On the event loop. With `on_token` the replica streams and each token is passed on
-        as it arrives; a replica that fails before its first token is replaced by the next
+        as it arrives, as (choice, token); a replica that fails before its first token is replaced by the next
         candidate, one that fails after it raises MidStream. Without stop strings, the output
         (its upstream_ms included) is made in the turn of the loop that reads the replica's
         result, streamed or not, and handed to `on_output` then, with its last tokens (this
@@ -219,6 +230,10 @@ class Gateway:
             raise bad("the prompt has no tokens", "prompt")
         s = req.sampling
         stop_ids = self.stop_ids(s)
+        self.check_vocab(s)
+        # n > 1: each choice's stop strings are cut from its whole output (`_finish`), as the
+        # request runs on for its other choices; n = 1 is cancelled at its stop string
+        stops = s.stop if s.rows == 1 else ()
         tried: set[str] = set()
         last: ApiError | None = None
         deadline = time.monotonic() + self.request_timeout_s  # waits for a warming replica end here
@@ -240,7 +255,11 @@ class Gateway:
                                        "agreeing with the log); see GET /health",
                                        code="not_ready")
             if self.one_client:
-                with_room = [r for r in candidates if self._has_room(r)]
+                if all(r.client_limit is not None and r.client_limit < s.rows for r in candidates):
+                    raise bad(f"{s.rows} choices need {s.rows} of a replica's requests at once, above "
+                              "every replica's --client-queue-limit; ask for fewer",
+                              "best_of" if s.rows > s.n else "n")
+                with_room = [r for r in candidates if self._has_room(r, s.rows)]
                 if not with_room:
                     room_by = room_by or time.monotonic() + self.request_timeout_s
                     await self._room(candidates, room_by)
@@ -251,13 +270,14 @@ class Gateway:
             max_new = self._max_new(s, len(ids), replica.max_len, isinstance(req, Chat))
             args = generate_args(ids, adapter=target.adapter, max_new_tokens=max_new,
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                                 stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
-            self.router.sent(replica.address, target.adapter, 1)
+                                 stop_token_ids=sorted(stop_ids), min_seq=target.min_seq,
+                                 **s.replica_args())
+            self.router.sent(replica.address, target.adapter, s.rows)
             streamed = 0  # tokens the client has seen
-            watch = StopWatch(self.codec, s.stop) if s.stop else None
+            watch = StopWatch(self.codec, stops) if stops else None
             seen: list[int] = []  # the replica's tokens, to the one that completed a stop string
 
-            def relay(token: int) -> None:
+            def relay(choice: int, token: int) -> None:
                 nonlocal streamed
                 if not 0 <= token < self.vocab_size:
                     return  # a faulty replica's frame; its result is then a 502 (output_ids_of)
@@ -268,12 +288,16 @@ class Gateway:
                     watch.push(token)
                 if on_token is not None:
                     streamed += 1
-                    on_token(token)
+                    on_token(choice, token)
 
             def finish(res: dict[str, Any]) -> Output:
                 out = output_ids_of(res, self.vocab_size, replica.id)
-                return self._finish(ids, out, stop_ids, s, replica.id,
-                                    passed_on(res, time.perf_counter() - sent))
+                first = self._finish(ids, out, stop_ids, s, replica.id,
+                                     passed_on(res, time.perf_counter() - sent))
+                if s.n > 1:
+                    first.others = [self._finish(ids, more, stop_ids, s, replica.id, None)
+                                    for more in self._choices(res, s.n, replica.id)[1:]]
+                return first
 
             made: list[Output] = []  # the output, made as the replica's result is read
 
@@ -309,15 +333,33 @@ class Gateway:
                 raise ApiError(status, str(exc), code=exc.code,
                                param="model" if exc.code == "unknown_adapter" else None)
             finally:
-                self.router.sent(replica.address, target.adapter, -1)
+                self.router.sent(replica.address, target.adapter, -s.rows)
                 self._room_freed()
             return made[0] if made else finish(res)
 
-    def _has_room(self, r: ReplicaView) -> bool:
-        """Whether `r` takes another of this gateway's requests: under its --client-queue-limit
-        (as its status reports it) with those this gateway has sent it and not had answered."""
+    def _choices(self, res: dict[str, Any], n: int, replica: str) -> list[list[int]]:
+        """The output ids of a result's n choices (docs/protocol.md `generate`, `choices`)."""
+        got = res.get("choices")
+        if not isinstance(got, list) or len(got) != n or not all(isinstance(c, dict) for c in got):
+            raise ApiError(502, f"replica {replica} answered a request of n={n} without its {n} "
+                           "choices; its operator should check its version against "
+                           "docs/protocol.md", code="bad_replica_reply")
+        return [output_ids_of(c, self.vocab_size, replica) for c in got]
+
+    def check_vocab(self, s: Sampling) -> None:
+        """A 400 for logit_bias token ids and a top_k beyond the vocabulary."""
+        if any(t >= self.vocab_size for t, _ in s.logit_bias):
+            raise bad(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
+        if s.top_k > self.vocab_size:
+            raise bad(f"top_k is {s.top_k}, above the model's {self.vocab_size} tokens; use -1 for "
+                      "every token", "top_k")
+
+    def _has_room(self, r: ReplicaView, rows: int = 1) -> bool:
+        """Whether `r` takes another of this gateway's requests of `rows` batch rows (choices):
+        within its --client-queue-limit (as its status reports it) with those this gateway has
+        sent it and not had answered."""
         return r.client_limit is None or \
-            sum(self.router.inflight(r.address).values()) < r.client_limit
+            sum(self.router.inflight(r.address).values()) + rows <= r.client_limit
 
     async def _room(self, candidates: list[ReplicaView], by: float) -> None:
         """Wait until a request to a replica ends (one of `candidates` may then have room), at
@@ -346,7 +388,7 @@ class Gateway:
                 w.set_result(None)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
-                        seen: list[int], relay: Callable[[int], None] | None,
+                        seen: list[int], relay: Callable[[int, int], None] | None,
                         on_result: Callable[[dict[str, Any]], None] | None
                         ) -> dict[str, Any]:
         """The replica's result; with `watch`, ended early (the request cancelled there) once
@@ -391,10 +433,20 @@ class Gateway:
                            f"the prompt has {prompt_len} and max_tokens asks for {want}: "
                            f"lower max_tokens to {room} or shorten the prompt",
                            param="max_tokens", code="context_length_exceeded")
+        if s.min_tokens > min(want, room):
+            raise bad(f"min_tokens is {s.min_tokens}, above the {min(want, room)} tokens this "
+                      "request may generate (max_tokens, or the context left)", "min_tokens")
         return min(want, room)
 
     def _finish(self, prompt: list[int], out: list[int], stop_ids: set[int], s: Sampling,
                 replica: str, timings: dict[str, float] | None) -> Output:
+        if s.stop and s.rows > 1:  # to the token that completed its first stop string
+            watch = StopWatch(self.codec, s.stop)
+            for token in out:
+                watch.push(token)
+                if watch.hit is not None:
+                    out = out[:watch.hit]
+                    break
         ids, finish = out, "length"
         if out and out[-1] in stop_ids:
             ids, finish = out[:-1], "stop"

@@ -18,8 +18,8 @@ from gateway.requests import ApiError
 from gateway.service import Output
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
-# what the request hands its event stream: ("token", id), ("done", Output) or
-# ("error", ApiError)
+# what the request hands its event stream: ("token", id) (choice 0's; another choice's:
+# ("token", (choice, id))), ("done", Output) or ("error", ApiError)
 Item = tuple[str, Any]
 
 
@@ -129,8 +129,10 @@ class StreamText:
 
 
 def usage(out: Output) -> dict[str, int]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+    """The prompt once, every choice's completion tokens."""
+    done = out.all_completion_tokens
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": done,
+            "total_tokens": out.prompt_tokens + done}
 
 
 class Chunks:
@@ -146,32 +148,33 @@ class Chunks:
         # a model name holding the hole's 32 random hex digits would need the slow way
         self.template = (parts[0], parts[1]) if len(parts) == 2 else None
 
-    def token(self, text: str) -> bytes:
-        if self.template is None:
-            return self._event(text, None, False)
+    def token(self, text: str, index: int = 0) -> bytes:
+        """Choice `index`'s piece of text (only choice 0's chunk comes from the template)."""
+        if self.template is None or index:
+            return self._event(text, None, False, index=index)
         return b"%s%s%s" % (self.template[0], json.dumps(text).encode(), self.template[1])
 
-    def first(self) -> bytes:
-        """A chat stream's opening chunk: the assistant's role."""
-        return self._event("", None, True)
+    def first(self, index: int = 0) -> bytes:
+        """A chat stream's opening chunk of a choice: the assistant's role."""
+        return self._event("", None, True, index=index)
 
-    def finish(self, text: str | None, out: Output) -> bytes:
-        """The chunk with `finish_reason`, and the replica's `timings` (as the final chunk of
-        llama.cpp's server carries its own) when it ran to its end."""
-        return self._event(text, out.finish_reason, False, out.timings)
+    def finish(self, text: str | None, out: Output, index: int = 0) -> bytes:
+        """A choice's chunk with `finish_reason`, and the replica's `timings` (as the final chunk
+        of llama.cpp's server carries its own; on choice 0's) when it ran to its end."""
+        return self._event(text, out.finish_reason, False, out.timings, index)
 
     def usage(self, out: Output) -> bytes:
         return _data({**self.head, "object": self.obj, "choices": [], "usage": usage(out)})
 
     def _event(self, text: str | None, finish: str | None, role: bool,
-               timings: dict[str, float] | None = None) -> bytes:
+               timings: dict[str, float] | None = None, index: int = 0) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice.update(logprobs=None, finish_reason=finish)
         body = {**self.head, "object": self.obj, "choices": [choice]}
         if self.include_usage:
@@ -239,15 +242,19 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def events(text: StreamText, queue: Inbox, first: Item,
-                 chunks: Chunks, task: asyncio.Task[None]) -> AsyncIterator[tuple[bytes, bool]]:
+async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
+                 task: asyncio.Task[None], others: Sequence[StreamText] = ()
+                 ) -> AsyncIterator[tuple[bytes, bool]]:
     """The SSE body, each chunk with whether it is the last: a chunk per token as tokens
     come (the chunks of tokens that queued meanwhile go out in one write), then the finish
     chunk, the usage chunk when asked and `[DONE]`; a replica that fails mid-stream ends it
     with an `error` event in OpenAI's shape. If the client goes away first (the body is
     cancelled), so does `task`, the request, which tells its replica to stop; the output can
-    come a turn before `task` ends (app.py), so `task` is left to end by itself once it has."""
-    out: list[bytes] = [chunks.first()] if chunks.chat else []
+    come a turn before `task` ends (app.py), so `task` is left to end by itself once it has.
+    With n > 1, `others` are the texts of choices 1 .. n-1: each choice's chunks carry its
+    `index`, each ends with its own finish chunk."""
+    texts = [text, *others]
+    out: list[bytes] = [chunks.first(i) for i in range(len(texts))] if chunks.chat else []
     item: Item | None = first
     ended = False  # the output or the error came: `task` ends by itself
     try:
@@ -255,12 +262,17 @@ async def events(text: StreamText, queue: Inbox, first: Item,
             while item is not None:
                 kind, value = item
                 if kind == "token":
-                    if value not in text.stop_ids:
+                    if type(value) is tuple:  # another choice's (n > 1)
+                        index, value = value
+                        if index < len(texts) and value not in texts[index].stop_ids:
+                            out.append(chunks.token(texts[index].push(value), index))
+                    elif value not in text.stop_ids:
                         out.append(chunks.token(text.push(value)))
                 elif kind == "done":
                     o: Output = value
-                    rest = text.rest(o.text)
-                    out.append(chunks.finish(rest or (None if chunks.chat else ""), o))
+                    for index, (t, one) in enumerate(zip(texts, o.choices)):
+                        rest = t.rest(one.text)
+                        out.append(chunks.finish(rest or (None if chunks.chat else ""), one, index))
                     if chunks.include_usage:
                         out.append(chunks.usage(o))
                     out.append(DONE)
