@@ -29,6 +29,7 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 WARMING_POLL_S = 0.2  # how often a request waiting for a warming replica looks again
 RETRY_ELSEWHERE = {"overloaded": 429, "not_ready": 503}
 REPLICA_ERRORS = {"bad_request": 400, "prompt_too_long": 400, "unknown_adapter": 404}
+REPLICA_FIELDS = {"args.n", "args.best_of", "args.min_tokens"}  # named as the body's fields
 INLINE_PROMPT_CHARS = 4096  # longer text prompts are tokenized on the tokenizer thread
 TOKENIZER_THREADS = 1  # long prompts tokenized at once: each takes a CPU from the event loop
 
@@ -330,8 +331,11 @@ class Gateway:
                                     f"{exc}", code=exc.code)
                     continue
                 status = REPLICA_ERRORS.get(exc.code, 500)
-                raise ApiError(status, str(exc), code=exc.code,
-                               param="model" if exc.code == "unknown_adapter" else None)
+                # a refused arg (args.n: more choices than the replica's batch rows) is the
+                # body field of the same name
+                param = "model" if exc.code == "unknown_adapter" else exc.field.removeprefix(
+                    "args.") if exc.code == "bad_request" and exc.field in REPLICA_FIELDS else None
+                raise ApiError(status, str(exc), code=exc.code, param=param)
             finally:
                 self.router.sent(replica.address, target.adapter, -s.rows)
                 self._room_freed()

@@ -1,4 +1,5 @@
-"""Serving compiles nothing after warm-up, whatever the prompts, adapters, loads and unloads."""
+"""Serving compiles nothing after warm-up, whatever the prompts, adapters, loads and unloads, and
+whatever the choices (n, best_of: the KV fork) and sampling parameters."""
 from __future__ import annotations
 
 import threading
@@ -58,6 +59,11 @@ def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path, exa
                         "adapter": adapter, "input_ids": [(7 * i + j) % 256
                                                           for j in range(length)],
                         "max_new_tokens": 64 - length if i == 5 else 3}, None) is None
+                # choices forked from one prefill (kv_cache.copy_row), sampled with parameters
+                assert engine.submit(f"{round_}-n", {
+                    "adapter": name, "input_ids": [3, 1, 4, 1, 5], "max_new_tokens": 3, "n": 2,
+                    "best_of": 3, "temperature": 0.8, "top_k": 8, "repetition_penalty": 1.3},
+                    None) is None
                 while engine.busy:
                     served += engine.step()
                 if len(replica.state.adapters) > 2:
@@ -65,7 +71,8 @@ def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path, exa
                     replica.catch_up()
         assert compiles == []
         assert buffer_pointers(replica.pool) == pointers
-        assert len(served) == 36 and all(d.error is None for d in served)
+        assert len(served) == 42 and all(d.error is None for d in served)
+        assert all(len(d.result.get("choices", ())) == 2 for d in served if d.req_id.endswith("-n"))
         assert {d.result["adapter"]["name"] for d in served if d.result["adapter"]} >= \
             {f"a{r}" for r in range(6)}
         if prefix:
