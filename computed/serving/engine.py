@@ -13,7 +13,13 @@ decodes together with every other running request. It leaves the batch when it h
 max_new_tokens, a stop token or the cache's end. Sampling happens on the host
 from each step's logits: greedy at temperature 0, else temperature and top-p
 with the request's own seeded generator, so a request's output does not depend
-on what else is in the batch.
+on what else is in the batch; the sampling parameters a request sends (top_k,
+min_p, penalties, logit_bias, min_tokens) shape its row's logits first
+(computed/serving/sampling.py), and a row without them pays nothing. A request
+of n (best_of) choices takes a row per choice: its prompt is prefilled once and
+forked into the other rows (computed/serving/prefill.py `Prefills.fork`), each
+choice sampling from its own generator, and it is answered when its last
+choice ends.
 """
 from __future__ import annotations
 

@@ -162,8 +162,9 @@ def test_errors_are_openai_shaped(setup: Setup) -> None:
     with pytest.raises(openai.BadRequestError) as long:
         c.completions.create(model=setup.base, prompt=[5] * 300, max_tokens=2)
     assert long.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError):
-        c.completions.create(model=setup.base, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError) as none:
+        c.completions.create(model=setup.base, prompt="hi", n=0)
+    assert none.value.param == "n"
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=setup.base, messages=[])
     for body in (b"{not json", b"\xff\xfe", b"[1]", b"[" * 100000):
