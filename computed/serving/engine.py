@@ -128,6 +128,14 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     z = logits.astype(np.float64) / temperature
     if shaping is not None and shaping.truncates:
         z = shaping.truncate(z)
+        kept = np.flatnonzero(z > -np.inf)  # top_k, min_p: the draw is among these alone (the
+        if len(kept) < len(z):  # dropped tokens' zeros would all tie at the nucleus's edge)
+            return int(kept[_draw(z[kept], top_p, rng)])
+    return _draw(z, top_p, rng)
+
+
+def _draw(z: np.ndarray, top_p: float, rng: np.random.Generator) -> int:
+    """The index drawn from tempered logits `z` with nucleus `top_p` (`sample`)."""
     p = np.exp(z - z.max())
     p /= p.sum()
     if top_p >= 1.0:  # by the inverse of the cumulative distribution (rng.choice checks p first: 1.5 ms)

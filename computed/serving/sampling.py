@@ -15,7 +15,9 @@ then greedy takes the argmax; else, after the temperature:
 
 5. `top_k` k: tokens below the k-th largest logit are dropped (every tie with it is kept);
 6. `min_p` m: tokens whose probability is below m x the largest probability are dropped;
-7. `top_p`, over what is left (renormalised), and the draw (engine.py `sample`).
+7. `top_p`, over what is left (renormalised), and the draw (engine.py `sample`), among the
+   tokens steps 5-6 kept alone: their dropped tokens' zero probabilities would all tie at the
+   nucleus's candidate threshold and send `sample` to a sort of the whole vocabulary.
 
 A row that sends none of them has no `Shaping` (None) and `sample` runs as before, bit for bit.
 The penalties' counts are kept incrementally: one token in per step (`push`), and a step costs
