@@ -121,7 +121,7 @@ from computed.serving.admission import AdmittedAdapter
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.serving.engine import Engine
 from computed.model.loader import load_model, with_layout
-from computed.model.params import pack
+from computed.model.packed import pack
 from computed.model.runner import Runner, decode
 from computed.residency.pool import LoraPool, MemoryPool, PoolSpec
 from computed.residency.blob_cache import slot_weights

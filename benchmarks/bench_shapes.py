@@ -57,7 +57,7 @@ import numpy as np
 from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
 from computed.backend import native
 from computed.model.loader import load_model
-from computed.model.params import PackedWeight
+from computed.model.packed import PackedWeight
 from computed.model.runner import Runner
 from computed.residency.blob_cache import slot_weights
 from computed.residency.pool import MemoryPool, PoolSpec

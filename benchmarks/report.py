@@ -1,8 +1,9 @@
-"""Where benchmark results go: a JSON file under benchmarks/results/ and a README section.
+"""Where benchmark results go: a JSON file under benchmarks/results/ and a section of the results page.
 
-A README section is the text between `<!-- bench:NAME:start -->` and
-`<!-- bench:NAME:end -->`; `update_readme("NAME", markdown)` replaces it and
-leaves the markers and everything else as they were.
+A section is the text between `<!-- bench:NAME:start -->` and `<!-- bench:NAME:end -->`, in
+docs/results-detail.md (each benchmark's own), docs/results.md (the table of every figure) or
+README.md (the headline); `update_readme("NAME", markdown)` replaces it wherever its markers
+are and leaves the markers and everything else as they were.
 """
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+RESULTS_DOC = REPO / "docs" / "results.md"  # the table of every figure (benchmarks/suite.py)
+DETAIL_DOC = REPO / "docs" / "results-detail.md"  # each benchmark's own section (`publish`)
 RESULTS_DIR = REPO / "benchmarks" / "results"
-# set by `python -m benchmarks --out DIR`: results and the README copy go to DIR instead
+# set by `python -m benchmarks --out DIR`: results and the copies of README.md and the two results
+# pages (as DIR/README.md, DIR/results.md, DIR/results-detail.md) go to DIR instead
 OUT_ENV = "LORAPLANE_BENCH_OUT"
 
 
@@ -33,6 +37,12 @@ def results_dir() -> Path:
 def readme_path() -> Path:
     out = os.environ.get(OUT_ENV)
     return Path(out) / "README.md" if out else README
+
+
+def results_doc_paths() -> list[Path]:
+    """docs/results-detail.md and docs/results.md, or their copies in the suite's --out dir."""
+    out = os.environ.get(OUT_ENV)
+    return [Path(out) / d.name for d in (DETAIL_DOC, RESULTS_DOC)] if out else [DETAIL_DOC, RESULTS_DOC]
 
 
 def may_write(quick: bool) -> bool:
@@ -123,18 +133,19 @@ def write_results(name: str, data: dict[str, Any]) -> Path:
 
 
 def update_readme(marker: str, markdown: str, *, readme: Path | None = None) -> bool:
-    """Replace the text between the `bench:MARKER` markers; False when the markers are absent."""
-    readme = readme or readme_path()
+    """Replace the text between the `bench:MARKER` markers, in `readme`, else in the first of
+    docs/results-detail.md, docs/results.md and README.md that has them; False when none has."""
     start, end = f"<!-- bench:{marker}:start -->", f"<!-- bench:{marker}:end -->"
-    if not readme.is_file():
-        return False
-    text = readme.read_text()
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
-    if not pattern.search(text):
-        return False
-    section = f"{start}\n{markdown.strip()}\n{end}"
-    readme.write_text(pattern.sub(lambda _: section, text, count=1))
-    return True
+    for doc in [readme] if readme else [*results_doc_paths(), readme_path()]:
+        if not doc.is_file():
+            continue
+        text = doc.read_text()
+        if pattern.search(text):
+            section = f"{start}\n{markdown.strip()}\n{end}"
+            doc.write_text(pattern.sub(lambda _: section, text, count=1))
+            return True
+    return False
 
 
 def decode_rates(cell: dict[str, Any], tokens: int) -> list[float]:
@@ -170,15 +181,15 @@ def target_lines(result: dict[str, Any]) -> list[str]:
 
 def publish(name: str, result: dict[str, Any], markdown: str, *, quick: bool, no_write: bool,
             say: Callable[[str], None]) -> None:
-    """Write NAME.json and the README's bench:NAME section, unless told not to or a quick
+    """Write NAME.json and the bench:NAME section of docs/results-detail.md, unless told not to or a quick
     run has nowhere but the repository to write (`may_write`)."""
     if no_write or not may_write(quick):
         return
     say(f"results written to {write_results(name, result)}")
     if update_readme(name, markdown):
-        say(f"README.md section bench:{name} updated")
+        say(f"section bench:{name} updated")
     else:
-        say(f"[dim]README.md has no bench:{name} markers; left alone[/dim]")
+        say(f"[dim]no results page has bench:{name} markers; left alone[/dim]")
 
 
 def output_flags(ap: argparse.ArgumentParser, name: str, quick_help: str) -> None:

@@ -1,8 +1,8 @@
-"""`make bench`: every benchmark, then one figures file, plots and the README's results table.
+"""`make bench`: every benchmark, then one figures file, plots, the table of figures and the README's headline.
 
 Runs each benchmark as its own process (so one's JAX threads, caches and
 memory never colour the next), in the order of BENCHES. Each writes its full
-results to `RESULTS/NAME.json` and its README section; this module then reads
+results to `RESULTS/NAME.json` and its section of docs/results-detail.md; this module then reads
 those files and writes
 
 * `RESULTS/latest.json`: `{machine, date, figures: [{name, value, unit,
@@ -10,10 +10,11 @@ those files and writes
   rate, each the median of the benchmark's repeated runs with `spread`
   = [min, max] over them (null where the benchmark ran it once);
 * `RESULTS/plots/*.png` (matplotlib);
-* the table between the README's `bench:summary` markers.
+* the table of every figure between docs/results.md's `bench:summary` markers, and a few of
+  them (`HEADLINE`: beside vLLM, llama.cpp and PEFT) between the README's `bench:headline` ones.
 
 `--quick` is a smoke run of the whole pipeline (tiny settings, one repeat); it
-writes into `--out` (default: a fresh temp dir) and a copy of the README there,
+writes into `--out` (default: a fresh temp dir) and copies of README.md and docs/results*.md there,
 never into the repository. `make test` runs it once so the suite cannot rot.
 
     .venv/bin/python -m benchmarks [--quick [--jobs 2]] [--only events,replay] [--skip vllm] [--out DIR]
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import plots
-from benchmarks.report import (OUT_ENV, README, RESULTS_DIR, decode_rates, forced_isa_env, machine_info,
-                               median, spread, update_readme)
+from benchmarks.report import (DETAIL_DOC, OUT_ENV, README, RESULTS_DIR, RESULTS_DOC, decode_rates,
+                               forced_isa_env, machine_info, median, spread, update_readme)
 
 Figure = dict[str, Any]
 
@@ -584,14 +585,48 @@ def summary_table(latest: dict[str, Any]) -> str:
               f"figures marked [{FORCED.upper()} build] come from `make bench ISA={FORCED}` "
               f"(kernels, XLA and torch capped at AVX2+FMA; detail in `benchmarks/results/{FORCED}/`), "
               "on the CPU their last column names: \"native\" where that CPU has no AVX-512; "
-              "the sections below give each benchmark's detail."]
+              "docs/results-detail.md gives each benchmark's detail."]
     if latest["plots"]:
-        lines += ["", " ".join(f"![{Path(p).stem}](benchmarks/results/plots/{Path(p).name})"
+        lines += ["", " ".join(f"![{Path(p).stem}](../benchmarks/results/plots/{Path(p).name})"
                                 for p in latest["plots"])]
     failed = [name for name, run in latest["runs"].items() if run["rc"] != 0]
     if failed:
         lines += ["", f"Failed in this run (no figures): {', '.join(failed)}."]
     return "\n".join(lines)
+
+
+# the README's few figures, by name (a name absent from a run is left out): ours beside the
+# peers a team would try, on the same machine and work (docs/results.md has every figure)
+HEADLINE = (
+    "tokens/s, burst of 32, 16 adapters: ours / vLLM",
+    "TTFT p99, burst of 32, 16 adapters: ours / vLLM",
+    "tokens/s, 32 streams closed loop, Zipf over 48 adapters: ours / vLLM",
+    "decode, 16 distinct adapters, float32: ours / llama.cpp",
+    "decode, base model, float32: ours / llama.cpp",
+    "served, 16 distinct adapters / PEFT mixed batch",
+    "decode, 16 distinct adapters / base model",
+)
+
+
+def headline_table(latest: dict[str, Any]) -> str:
+    """The README's block: the `HEADLINE` figures of `latest`, as summary_table shows them."""
+    by_name = {f["name"]: f for f in latest["figures"]}
+    chosen = [by_name[n] for n in HEADLINE if n in by_name]
+    if not chosen:
+        return "No headline figure in the last run: `make bench` writes them (docs/results.md)."
+    rows = summary_table({**latest, "figures": chosen, "plots": [], "runs": {}}).split("\n\n")[0]
+    missed = sum(f["meets"] is False for f in latest["figures"])
+    return (f"{rows}\n\nFrom `make bench` on {latest['machine'].get('nproc')} CPUs "
+            f"({latest['machine'].get('cpu', 'CPU model not recorded')}), {latest['date']}. "
+            f"Every figure ({len(latest['figures'])}, {missed} targets missed): "
+            "[docs/results.md](docs/results.md); each benchmark's detail: "
+            "[docs/results-detail.md](docs/results-detail.md).")
+
+
+def write_tables(latest: dict[str, Any], readme: Path, results_doc: Path) -> None:
+    """The table of every figure into `results_doc`, the headline block into `readme`."""
+    update_readme("summary", summary_table(latest), readme=results_doc)
+    update_readme("headline", headline_table(latest), readme=readme)
 
 
 # ---- running ----------------------------------------------------------------------------
@@ -669,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated benchmark names (default all)")
     ap.add_argument("--skip", default="", help="comma-separated benchmark names not to run (e.g. vllm)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="where results, plots and (for --quick) the README copy go")
+                    help="where results, plots and (for --quick) the copies of the README and docs/results*.md go")
     ap.add_argument("--collect-only", action="store_true",
                     help="run nothing: rebuild latest.json, plots and table from the results")
     ap.add_argument("--jobs", type=int, default=1,
@@ -696,12 +731,13 @@ def main(argv: list[str] | None = None) -> int:
         env["LORAPLANE_KERNEL_ISA"] = os.environ["LORAPLANE_KERNEL_ISA"] = a.isa  # also for built_isas() here
     if forced:  # XLA's own ops and PEFT's torch run AVX2 code too: an AVX2 machine, all through
         env = forced_isa_env(env)
-    readme = README
+    readme, results_doc = README, RESULTS_DOC
     if out.resolve() != RESULTS_DIR.resolve():
         env[OUT_ENV] = str(out)
-        readme = out / "README.md"
-        if not readme.exists():
-            shutil.copyfile(README, readme)
+        readme, results_doc = out / README.name, out / RESULTS_DOC.name
+        for source in (README, RESULTS_DOC, DETAIL_DOC):  # the benchmarks write their sections there
+            if not (out / source.name).exists():
+                shutil.copyfile(source, out / source.name)
     runs: dict[str, dict[str, Any]] = {}
     previous = out / "latest.json"
     if a.collect_only or a.only or a.skip:  # keep what this run does not redo
@@ -716,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     latest["quick"] = a.quick
     latest["plots"] = [str(p.relative_to(out)) for p in plots.draw(out, out / "plots")]
     previous.write_text(json.dumps(latest, indent=2) + "\n")
-    update_readme("summary", summary_table(latest), readme=readme)
+    write_tables(latest, readme, results_doc)
     if out.resolve() == (RESULTS_DIR / FORCED).resolve():  # the repository's table shows both runs
         main = json.loads((RESULTS_DIR / "latest.json").read_text()) \
             if (RESULTS_DIR / "latest.json").is_file() else {}
@@ -726,12 +762,12 @@ def main(argv: list[str] | None = None) -> int:
         both["quick"], both["plots"] = False, [str(p.relative_to(RESULTS_DIR)) for p in
                                                sorted((RESULTS_DIR / "plots").glob("*.png"))]
         (RESULTS_DIR / "latest.json").write_text(json.dumps(both, indent=2) + "\n")
-        update_readme("summary", summary_table(both), readme=README)
+        write_tables(both, README, RESULTS_DOC)
     for f in latest["figures"]:
         mark = verdict(f) or "-"
         print(f"{mark:>5.4}  {f['name']}: {_num(f['value'])} {f['unit']}"
               + (f" (target {f['target']})" if f["target"] else ""))
-    print(f"wrote {previous}, {len(latest['plots'])} plots and the table in {readme}")
+    print(f"wrote {previous}, {len(latest['plots'])} plots, the table in {results_doc} and the headline in {readme}")
     failed = [n for n, r in runs.items() if r["rc"] != 0]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -30,14 +30,14 @@ import numpy as np
 if TYPE_CHECKING:
     from computed.model.kv_blocks import KVBlocks
     from computed.model.kv_cache import KVCache
-    from computed.model.params import PackedWeight
+    from computed.model.packed import PackedWeight
     from computed.residency.pool import LoraPool
 
 
 class Backend(ABC):
     """The seam between the model's architecture and the code that computes it."""
 
-    # output columns per panel of packed weights (computed/model/params.py), or 0: the
+    # output columns per panel of packed weights (computed/model/packed.py), or 0: the
     # projections stay [in, out] for XLA's dot
     panel: int = 0
 

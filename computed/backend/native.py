@@ -5,7 +5,7 @@
   window loop copies them out of the pool for every window instead. Any mix of slots runs
   in one compile.
 - Dense products: `dense.cc` (`dense_matmuls`), on an AVX-512 or AVX2+FMA CPU, over weights packed
-  into column panels once at load (computed/model/params.py `PackedWeight`; float32, or a bfloat16
+  into column panels once at load (computed/model/packed.py `PackedWeight`; float32, or a bfloat16
   model's bits, widened in registers): the kernel streams each weight once per decode step, where
   XLA's dot repacks it on every call. Weights left [in, out] (neither AVX-512 nor AVX2+FMA) go to
   XLA's dot.
@@ -30,7 +30,7 @@ from computed.backend.base import Backend
 from computed.backend.xla import lora_gather
 from computed.model import attention
 from computed.model.kv_cache import KVCache
-from computed.model.params import PackedWeight
+from computed.model.packed import PackedWeight
 from computed.residency.pool import LoraPool
 
 LORA_IMPLS = ("sgmv", "gather")

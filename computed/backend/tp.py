@@ -38,7 +38,7 @@ from computed.backend.xla import XlaBackend
 from computed.model import sharding
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
-from computed.model.params import PackedWeight
+from computed.model.packed import PackedWeight
 from computed.residency.pool import LoraPool
 
 

@@ -20,7 +20,7 @@ from computed.model import lora
 from computed.backend.base import Backend
 from computed.model import attention
 from computed.model.kv_cache import KVCache
-from computed.model.params import PackedWeight
+from computed.model.packed import PackedWeight
 from computed.residency.pool import LoraPool
 
 LORA_IMPLS = ("segmented", "gather")

@@ -55,7 +55,8 @@ from computed.model import attention, kv_cache, moe
 from computed.model import rope as rope_lib
 from computed.model.config import DecoderConfig
 from computed.model.kv_cache import KVCache
-from computed.model.params import LayerParams, DecoderParams, PackedWeight
+from computed.model.packed import PackedWeight
+from computed.model.params import LayerParams, DecoderParams
 from computed.residency.pool import LoraPool
 
 

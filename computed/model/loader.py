@@ -23,7 +23,8 @@ import numpy as np
 from computed.backend import Backend, TensorParallelBackend, select
 from computed.model import moe, sharding
 from computed.model.config import DTYPES, DecoderConfig, ModelLoadError
-from computed.model.params import Experts, LayerParams, DecoderParams, PackedWeight, pack, pack_rows, unpack
+from computed.model.packed import PackedWeight, pack, pack_rows, unpack
+from computed.model.params import Experts, LayerParams, DecoderParams
 from shared.checkpoint import shard_paths
 from shared.projections import MODULE_PARENT, MODULES
 from shared.modelconfig import ModelConfigError, check_tensors
@@ -181,7 +182,7 @@ def with_layout(params: DecoderParams, backend: Backend) -> DecoderParams:
     (`backend.panel_for` its dtype), or unpacked to [in, out] for XLA where it has none; host work,
     once per model. A tied model keeps one copy: packed, its lm_head is the embedding's transpose and
     `embed` is None (lookups read the lm_head's columns). A bfloat16 model packs its weights'
-    bits (computed/model/params.py `pack`)."""
+    bits (computed/model/packed.py `pack`)."""
     panel = backend.panel_for(params.dtype)
 
     def convert(w: jax.Array | PackedWeight) -> jax.Array | PackedWeight:

@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from computed.model.config import DecoderConfig
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
-from computed.model.params import LayerParams, DecoderParams, PackedWeight
+from computed.model.packed import PackedWeight
+from computed.model.params import LayerParams, DecoderParams
 from computed.residency.pool import LoraPool, PoolSpec
 
 AXIS = "tp"

@@ -1,13 +1,13 @@
 """The example's PEFT LoRA adapters: what each is (`AdapterSpec`), the sets make_example writes
 (`example_adapters`), and the writer: adapter_config.json and adapter_model.safetensors as
 PEFT 0.21 (``LoraConfig.save_pretrained``) writes them, over a checkpoint's `ModelShape`
-(statesvc/tools/example.py)."""
+(statesvc/tools/model_shape.py)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -16,9 +16,7 @@ from shared.events import lora_scaling
 from shared.projections import ATTN_MODULES, MLP_MODULES, MODULE_PARENT, MODULES
 from shared.modelconfig import MOE_FAMILIES
 from statesvc.tools.example_files import DTYPES, normal, save_tensors, write_json
-
-if TYPE_CHECKING:
-    from statesvc.tools.example import ModelShape
+from statesvc.tools.model_shape import ModelShape
 
 __all__ = ["EXAMPLE_ADAPTERS", "MOE_EXAMPLE_ADAPTERS", "PEFT_VERSION", "AdapterSpec",
            "adapter_config", "adapter_tensor_names", "example_adapters", "lora_targets",

@@ -22,13 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shared.projections import MODULE_PARENT, MODULES
+from statesvc.tools.model_shape import ModelShape
 from statesvc.tools.tokenizer import TOKENIZERS, TokenizerSpec
-
-if TYPE_CHECKING:
-    from statesvc.tools.example import ModelShape
 
 __all__ = ["FAMILIES", "INITS", "Family", "LayerTensors", "family", "llama_layer"]
 

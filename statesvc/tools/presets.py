@@ -15,7 +15,7 @@ from typing import Any
 
 from shared.projections import MODULES
 from statesvc.tools.adapter_writer import AdapterSpec
-from statesvc.tools.example import ModelShape
+from statesvc.tools.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import RESULTS_DIR
-from benchmarks.suite import BENCHES, figure, shortfall, verdict
+from benchmarks.report import DETAIL_DOC, RESULTS_DIR
+from benchmarks.suite import BENCHES, HEADLINE, figure, shortfall, verdict
 from testkit.pg import PgServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_suite_writes_figures_plots_and_the_readme_table(tmp_path: Path) -> None:
+def test_quick_suite_writes_figures_plots_and_the_results_tables(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     committed = _snapshot(RESULTS_DIR)
     # two benchmarks at a time: most of a smoke run is compiling and waiting on processes
@@ -72,10 +72,20 @@ def test_quick_suite_writes_figures_plots_and_the_readme_table(tmp_path: Path) -
     for plot in latest["plots"]:
         assert (out / plot).read_bytes().startswith(PNG_MAGIC), plot
 
-    readme = (out / "README.md").read_text()
-    table = readme.split("<!-- bench:summary:start -->")[1].split("<!-- bench:summary:end -->")[0]
+    # every figure in the results page's copy, the headline's in the README's, each benchmark's
+    # section in the detail page's
+    results = (out / "results.md").read_text()
+    table = results.split("<!-- bench:summary:start -->")[1].split("<!-- bench:summary:end -->")[0]
     for f in latest["figures"]:
         assert f"| {f['name']} |" in table, f["name"]
+    readme = (out / "README.md").read_text()
+    headline = readme.split("<!-- bench:headline:start -->")[1].split("<!-- bench:headline:end -->")[0]
+    for name in HEADLINE:
+        assert (f"| {name} |" in headline) == (name in {f["name"] for f in latest["figures"]}), name
+    def events_section(page: Path) -> str:
+        return page.read_text().split("<!-- bench:events:start -->")[1].split("<!-- bench:events:end -->")[0]
+
+    assert events_section(out / "results-detail.md") != events_section(DETAIL_DOC)  # this run's
     # a smoke run never writes over the repository's figures
     assert _snapshot(RESULTS_DIR) == committed
 

@@ -46,7 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 from computed.model import lora  # noqa: E402
 from computed.backend import XlaBackend, native  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
-from computed.model.params import DecoderParams, PackedWeight  # noqa: E402
+from computed.model.packed import PackedWeight  # noqa: E402
+from computed.model.params import DecoderParams  # noqa: E402
 from computed.model.runner import decode, forward_full, init_cache, prefill  # noqa: E402
 from statesvc.tools.example import ExampleAssets, make_example  # noqa: E402
 

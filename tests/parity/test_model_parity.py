@@ -38,7 +38,8 @@ from computed.backend.native import attention_kernel, dense_matmuls, lora_sgmv  
 from computed.model.config import DecoderConfig  # noqa: E402
 from computed.model.kv_cache import KV_BLOCK, KVCache  # noqa: E402
 from computed.model.loader import load_model, with_layout  # noqa: E402
-from computed.model.params import DecoderParams, PackedWeight, pack, unpack  # noqa: E402
+from computed.model.packed import PackedWeight, pack, unpack  # noqa: E402
+from computed.model.params import DecoderParams  # noqa: E402
 from computed.model.runner import (Runner, decode, forward_full, init_cache, prefill,  # noqa: E402
                                    prefill_batch)
 from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights  # noqa: E402

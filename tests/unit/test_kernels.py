@@ -124,7 +124,7 @@ from computed.model import lora
 from computed.backend import native
 from testkit.jaxcount import counting_compiles
 from computed.model.loader import load_model
-from computed.model.params import PackedWeight
+from computed.model.packed import PackedWeight
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
 

@@ -7,7 +7,7 @@
   dispatch. The kernel groups the rows by slot and reads each slot's weights
   once, from the pool's own buffers.
 - `dense.cc`: the model's products x W on AVX-512 and AVX2+FMA CPUs, over weights packed into
-  column panels when the model loads (computed/model/params.py; a bfloat16 model's as bfloat16
+  column panels when the model loads (computed/model/packed.py; a bfloat16 model's as bfloat16
   bits, multiplied by VDPBF16PS where the CPU has AVX512-BF16); XLA's
   dot repacks W on every call and ran a decode step's products markedly slower.
 - `attention.cc`: decode attention over the KV cache in place
@@ -202,7 +202,7 @@ def available() -> bool:
 
 
 def dense_panel(bfloat16: bool = False) -> int:
-    """Output columns per panel of the dense kernel's packed weights (computed/model/params.py), or 0 where it
+    """Output columns per panel of the dense kernel's packed weights (computed/model/packed.py), or 0 where it
     cannot run: the kernels are unavailable, or built with neither AVX-512 (panels of 12) nor AVX2+FMA
     (panels of 6, blocked for its 16 vector registers; a bfloat16 weight's panels of 16 there, which
     AVX2 multiplies vectorised over columns, dense.cc `columns_bf16`)."""

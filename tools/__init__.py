@@ -1,0 +1,1 @@
+"""Developer tools that read the code: `cli_docs` (docs/cli.md)."""
