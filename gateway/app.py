@@ -26,6 +26,7 @@ from gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion, parse_
                               parse_completion, parse_json)
 from gateway.service import Gateway, Output
 from gateway.streaming import Chunks, EventStream, Inbox, StreamText, TokenGate, events, usage
+from gateway.tools import ToolStream
 from shared.config import GATEWAY_BODY_TIMEOUT_S
 from shared.keys import ClientKeys
 
@@ -192,6 +193,8 @@ class Endpoints:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
+            if out.tool_calls:
+                choice["message"].update(content=out.text or None, tool_calls=out.tool_calls)
         else:
             choice["text"] = out.text
         body = {**head, "object": "chat.completion" if chat else "text_completion",
@@ -249,7 +252,10 @@ class Endpoints:
             return error_response(first[1])
         text = StreamText(gw.codec, stop_ids, req.sampling.stop)
         chunks = Chunks(head, chat, req.sampling.include_usage)
-        return EventStream(events(text, queue, first, chunks, task))
+        tools = gw.tools_of(req)
+        calls = None if tools is None or gw.tool_format is None else \
+            ToolStream(gw.tool_format, tools.forced)
+        return EventStream(events(text, queue, first, chunks, task, calls))
 
     def record(self, label: str, endpoint: str, started: float,
                out: Output | ApiError) -> None:

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.requests import ApiError
 from gateway.service import Output
+from gateway.tools import ToolStream
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
 # what the request hands its event stream: ("token", id), ("done", Output) or
@@ -157,18 +158,26 @@ class Chunks:
 
     def finish(self, text: str | None, out: Output) -> bytes:
         """The chunk with `finish_reason`, and the replica's `timings` (as the final chunk of
-        llama.cpp's server carries its own) when it ran to its end."""
-        return self._event(text, out.finish_reason, False, out.timings)
+        llama.cpp's server carries its own) when it ran to its end; after a chunk of the
+        answer's tool calls (OpenAI's deltas, each call whole) when it has them."""
+        if not out.tool_calls:
+            return self._event(text, out.finish_reason, False, out.timings)
+        calls = [{"index": i, **c} for i, c in enumerate(out.tool_calls)]
+        return self._event(text, None, False, tool_calls=calls) + \
+            self._event(None, out.finish_reason, False, out.timings)
 
     def usage(self, out: Output) -> bytes:
         return _data({**self.head, "object": self.obj, "choices": [], "usage": usage(out)})
 
     def _event(self, text: str | None, finish: str | None, role: bool,
-               timings: dict[str, float] | None = None) -> bytes:
+               timings: dict[str, float] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
@@ -239,14 +248,17 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def events(text: StreamText, queue: Inbox, first: Item,
-                 chunks: Chunks, task: asyncio.Task[None]) -> AsyncIterator[tuple[bytes, bool]]:
+async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
+                 task: asyncio.Task[None], calls: ToolStream | None = None
+                 ) -> AsyncIterator[tuple[bytes, bool]]:
     """The SSE body, each chunk with whether it is the last: a chunk per token as tokens
     come (the chunks of tokens that queued meanwhile go out in one write), then the finish
     chunk, the usage chunk when asked and `[DONE]`; a replica that fails mid-stream ends it
     with an `error` event in OpenAI's shape. If the client goes away first (the body is
     cancelled), so does `task`, the request, which tells its replica to stop; the output can
-    come a turn before `task` ends (app.py), so `task` is left to end by itself once it has."""
+    come a turn before `task` ends (app.py), so `task` is left to end by itself once it has.
+    With `calls` (tools the model may call), content is held back from where a call may begin,
+    and the calls come whole before the finish chunk."""
     out: list[bytes] = [chunks.first()] if chunks.chat else []
     item: Item | None = first
     ended = False  # the output or the error came: `task` ends by itself
@@ -256,10 +268,14 @@ async def events(text: StreamText, queue: Inbox, first: Item,
                 kind, value = item
                 if kind == "token":
                     if value not in text.stop_ids:
-                        out.append(chunks.token(text.push(value)))
+                        piece = text.push(value)
+                        if calls is not None:
+                            piece = calls.push(piece)
+                        if piece or calls is None:
+                            out.append(chunks.token(piece))
                 elif kind == "done":
                     o: Output = value
-                    rest = text.rest(o.text)
+                    rest = text.rest(o.text) if calls is None else o.text[calls.released:]
                     out.append(chunks.finish(rest or (None if chunks.chat else ""), o))
                     if chunks.include_usage:
                         out.append(chunks.usage(o))

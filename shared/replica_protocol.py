@@ -9,8 +9,9 @@ clients build their requests with `generate_args` and `slot_args`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, TypedDict
+from typing import Any, Callable, NotRequired, TypedDict
 
+from shared.grammar import check_wire
 from shared.config import MAX_SEED, MAX_SEQ, PROTOCOL_VERSION
 from shared.protocol import COMMANDS as CONTROL_COMMANDS
 from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, str_len,
@@ -29,7 +30,7 @@ BLOB_ARGS: Schema = CONTROL_COMMANDS["blob"]
 # `generate`'s optional args as a replica fills them in (loractl's defaults too)
 GENERATE_DEFAULTS: dict[str, Any] = {
     "adapter": None, "max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0,
-    "stop_token_ids": [], "min_seq": 0, "stream": False,
+    "stop_token_ids": [], "min_seq": 0, "stream": False, "grammar": None,
 }
 
 
@@ -75,6 +76,8 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
         "min_seq": Field(int, required=False, default=d["min_seq"],
                          check=int_range(0, MAX_SEQ)),
         "stream": Field(bool, required=False, default=d["stream"]),
+        # the output constrained to a grammar (shared/grammar.py): {kind, spec}
+        "grammar": Field(dict, required=False, default=d["grammar"], check=check_wire),
     }
 
 
@@ -99,6 +102,7 @@ class GenerateResult(TypedDict):
     adapter: AdapterVersion | None  # None: the base model
     seq: int  # the replica's applied seq when the request was admitted
     timings: Timings
+    finish: NotRequired[str]  # "grammar": its grammar was done (no eos token ends it)
 
 
 class InferenceStatus(TypedDict):
@@ -136,14 +140,17 @@ def generate_args(input_ids: Sequence[int], *, adapter: str | None = None,
                   seed: int = GENERATE_DEFAULTS["seed"],
                   stop_token_ids: Sequence[int] = (),
                   min_seq: int = GENERATE_DEFAULTS["min_seq"],
-                  stream: bool = False) -> dict[str, Any]:
+                  stream: bool = False,
+                  grammar: dict[str, str] | None = None) -> dict[str, Any]:
     """The args of a `generate` request, as a client sends them (`stream` only when set, so
     replicas that predate it keep accepting what old clients send)."""
-    args = {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
+    args: dict[str, Any] = {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "seed": seed,
             "stop_token_ids": list(stop_token_ids), "min_seq": min_seq}
     if stream:
         args["stream"] = True
+    if grammar is not None:
+        args["grammar"] = grammar
     return args
 
 

@@ -13,13 +13,17 @@ decodes together with every other running request. It leaves the batch when it h
 max_new_tokens, a stop token or the cache's end. Sampling happens on the host
 from each step's logits: greedy at temperature 0, else temperature and top-p
 with the request's own seeded generator, so a request's output does not depend
-on what else is in the batch.
+on what else is in the batch. A request with a grammar (structured outputs, forced tool
+calls) waits in the queue until its grammar is compiled, off the loop; its row's logits are
+masked to what the grammar allows before sampling, and it ends when the grammar is done
+(computed/serving/grammar.py).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,8 +31,11 @@ import numpy as np
 
 from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
+from computed.serving import grammar
+from computed.serving.grammar import Grammars
 from computed.serving.prefill import Prefills
 from computed.serving.prefix_cache import Hit
+from shared.grammar import Grammar
 from shared.protocol import ProtocolError, validate
 from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
 
@@ -60,6 +67,7 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     # when it first had a row but not its adapter's slot (a fill, a full set of slots)
     eligible: float | None = None
+    grammar: Future[Any] | None = None  # its grammar's compile (computed/serving/grammar.py)
 
 
 @dataclass(eq=False)  # compared by identity: the engine finds a request in its lists
@@ -76,6 +84,8 @@ class Running:
     hit: Hit | None = None  # its prompt's prefix-cache lookup, until its blocks are saved
     prefill_s: float = 0.0
     residency_s: float = 0.0  # from first having a row to holding its slot (Request.eligible)
+    matcher: Any = None  # its grammar's state (llguidance), None without a grammar
+    grammar_done: bool = False  # the grammar ended it
 
 
 @dataclass(frozen=True)
@@ -127,8 +137,10 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 class Engine:
     def __init__(self, model: Model, replica: AdmissionPort, *, queue_limit: int = 256,
                  min_seq_wait_s: float = 10.0, client_limit: int = 64,
-                 fetch_wait: float = 0.5, prefill_chunk: int = 0, prefix_blocks: int = 0) -> None:
+                 fetch_wait: float = 0.5, prefill_chunk: int = 0, prefix_blocks: int = 0,
+                 grammars: Grammars | None = None) -> None:
         self.model = model
+        self.grammars = grammars  # None: requests with a grammar are refused
         self.replica = replica
         self.queue_limit = queue_limit
         self.client_limit = client_limit
@@ -205,8 +217,17 @@ class Engine:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "
                 f"{self.queue_limit}); retry later or send to another replica"))
+        compiling: Future[Any] | None = None
+        if args["grammar"] is not None:
+            if self.grammars is None:
+                return Done(reply_to, req_id, error=GenerateError(
+                    "bad_request", "this replica's model has no tokenizer.json, which a grammar "
+                    "is compiled against; send the request without args.grammar",
+                    "args.grammar"))
+            compiling = self.grammars.compile(Grammar(**args["grammar"]))
         self.tickets += 1
-        self.waiting.append(Request(req_id, args, reply_to, client, self.tickets))
+        self.waiting.append(Request(req_id, args, reply_to, client, self.tickets,
+                                    grammar=compiling))
         self.replica.want(args["adapter"])  # a missing adapter's fetch starts now, not at admit
         return None
 
@@ -296,13 +317,17 @@ class Engine:
     def _emit(self, r: Running, logits: np.ndarray, done: list[Done]) -> None:
         """Record the token sampled from `logits`; finish the request when it is done."""
         a = r.req.args
+        if r.matcher is not None:
+            logits = grammar.mask(r.matcher, logits)
         token = sample(logits, a["temperature"], a["top_p"], r.rng)
         r.output.append(token)
         r.next_token = token
+        if r.matcher is not None:
+            r.grammar_done = grammar.advance(r.matcher, token)
         if a["stream"] and self.on_token is not None:
             self.on_token(r.req, len(r.output) - 1, token)
         if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
-                or r.position >= self.model.max_len):
+                or r.position >= self.model.max_len or r.grammar_done):
             self._finish(r, done)
 
     def _finish(self, r: Running, done: list[Done]) -> None:
@@ -319,6 +344,8 @@ class Engine:
                         "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
                         "total_ms": (now - r.req.arrived) * 1e3,
                         "residency_ms": r.residency_s * 1e3}}
+        if r.grammar_done:
+            result["finish"] = "grammar"
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
@@ -372,6 +399,13 @@ class Engine:
     def _try_admit(self, req: Request) -> Running | None:
         """Admit `req` into a free row (not yet prefilled); None to keep it waiting."""
         a = req.args
+        if req.grammar is not None:  # its compile first: it holds no row or slot meanwhile
+            if not req.grammar.done():
+                return None
+            problem = req.grammar.exception()
+            if problem is not None:
+                raise GenerateError("bad_request", f"args.grammar does not compile against "
+                                    f"this model's tokenizer: {problem}", "args.grammar")
         row = next((i for i, r in enumerate(self.rows) if r is None), None)
         tried = time.perf_counter()
         try:
@@ -396,6 +430,8 @@ class Engine:
             return None
         granted = time.perf_counter()
         run = Running(req, row, grant, np.random.default_rng(a["seed"]), len(a["input_ids"]), 0)
+        if req.grammar is not None:
+            run.matcher = grammar.start(req.grammar.result())
         run.admitted = time.perf_counter()
         # what residency added: the wait since it first had a row, or this admission's own
         # slot write (a host-tier hit), or next to nothing (resident); to the grant (making
