@@ -20,14 +20,13 @@ Prints the figures as JSON (nothing is written under benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,36 +34,16 @@ from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
 from benchmarks.report import machine_info, median, percentile
 from computed.model.loader import load_model
 from computed.model.runner import Runner
-from computed.serving.admission import AdmittedAdapter
 from computed.serving.engine import Engine
 from computed.serving.grammar import Grammars
 from shared.grammar import json_schema
 from shared.replica_protocol import generate_args
 from statesvc.tools.example import write_model
 from statesvc.tools.tokenizer import write_tokenizer
+from testkit.ports import BaseOnly
 
 BATCH, CONSTRAINED, PROMPT, NEW = 32, 16, 16, 64
 TARGET = 0.85
-
-
-class BaseOnly:
-    """The admission port of a replica serving the base model alone: every request admitted."""
-
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
-        return AdmittedAdapter(-1, None, 0, 0, None)
-
-    def want(self, adapter: str | None) -> None:
-        pass
-
-    def withdraw(self, ticket: int) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        yield None
-
-    def pool_shapes(self) -> None:
-        return None
 
 
 def long_schema(rng: random.Random) -> dict[str, Any]:
@@ -122,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runner = Runner(config, params, max_batch=BATCH, max_len=PROMPT + NEW + 16)
         grammars = Grammars.load(model_dir, vocab_size=runner.vocab_size)
         assert grammars is not None
-        engine = Engine(runner, BaseOnly(), grammars=grammars)  # type: ignore[arg-type]
+        engine = Engine(runner, BaseOnly(), grammars=grammars)
         engine.warm = True
         prompts = np.random.default_rng(0).integers(3, shape.vocab_size, (BATCH, PROMPT))
         schemas = [json_schema(long_schema(rng)).wire() for _ in range(CONSTRAINED)]

@@ -52,27 +52,16 @@ LLAMA_TEMPLATE = """\
 {%- endif %}
 """
 
-# ChatML as Qwen2.5 writes it: a system turn always, the default one when the chat has none.
-QWEN2_TEMPLATE = """\
-{%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0]['role'] == 'system' %}
-{{- messages[0]['content'] + '\\n\\n' }}
-{%- else %}
-{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' + '\\n\\n' }}
-{%- endif %}
+# Qwen2.5's and Qwen3's tools (Hermes-style, as their templates write them): the signatures in
+# the system turn, each call in <tool_call> tags, the results in a user turn's <tool_response>s
+_HERMES_TOOLS = """\
 {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
 {%- for tool in tools %}
 {{- "\\n" + tool | tojson }}
 {%- endfor %}
 {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- elif messages[0]['role'] == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-{%- else %}
-{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message['role'] == 'system' and loop.first %}
+"""
+_HERMES_TURNS = """\
 {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
 {{- '<|im_start|>assistant' + ('\\n' + message['content'] if message['content'] else '') }}
 {%- for call in message['tool_calls'] %}
@@ -88,7 +77,25 @@ QWEN2_TEMPLATE = """\
 {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
 {{- '<|im_end|>\\n' }}
 {%- endif %}
+"""
+
+# ChatML as Qwen2.5 writes it: a system turn always, the default one when the chat has none.
+QWEN2_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] + '\\n\\n' }}
 {%- else %}
+{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' + '\\n\\n' }}
+{%- endif %}
+""" + _HERMES_TOOLS + """{%- elif messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first %}
+""" + _HERMES_TURNS + """{%- else %}
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
@@ -105,12 +112,7 @@ QWEN3_TEMPLATE = """\
 {%- if messages[0]['role'] == 'system' %}
 {{- messages[0]['content'] + '\\n\\n' }}
 {%- endif %}
-{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-{%- for tool in tools %}
-{{- "\\n" + tool | tojson }}
-{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- endif %}
+""" + _HERMES_TOOLS + """{%- endif %}
 {%- set ns = namespace(last_user=-1) %}
 {%- for message in messages %}
 {%- if message['role'] == 'user' %}
@@ -120,22 +122,7 @@ QWEN3_TEMPLATE = """\
 {%- for message in messages %}
 {%- set content = message['content'] %}
 {%- if message['role'] == 'system' and loop.first and tools %}
-{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
-{{- '<|im_start|>assistant' + ('\\n' + message['content'] if message['content'] else '') }}
-{%- for call in message['tool_calls'] %}
-{%- set call = call['function'] if call['function'] is defined else call %}
-{{- '\\n<tool_call>\\n{"name": "' + call['name'] + '", "arguments": ' + call['arguments'] | tojson + '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message['role'] == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
-{{- '<|im_start|>user' }}
-{%- endif %}
-{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
-{{- '<|im_end|>\\n' }}
-{%- endif %}
-{%- elif message['role'] == 'assistant' %}
+""" + _HERMES_TURNS + """{%- elif message['role'] == 'assistant' %}
 {%- set reasoning = '' %}
 {%- if '</think>' in content %}
 {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
