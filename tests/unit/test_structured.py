@@ -4,6 +4,7 @@ llguidance's reason when it does not compile (real llguidance, the example token
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,57 @@ def test_the_replica_compiles_once_per_grammar_and_refuses_what_fails(compiled: 
     assert not np.array_equal(np.isfinite(grammars.mask(a, ones)), allowed)  # b unmoved
     with pytest.raises(GrammarError, match="regex"):
         compiled.compile(Grammar("regex", "a(")).result(timeout=60)
+
+
+class UniformModel:
+    """The engine's `Model` as pure logic: every token equally likely, every step."""
+
+    vocab_size, max_len, max_batch = 512, 64, 2
+
+    def new_cache(self) -> Any:
+        return None
+
+    def prefill(self, pool: Any, cache: Any, prompts: list[list[int]], rows: list[int],
+                slots: list[int]) -> tuple[np.ndarray, Any]:
+        return np.zeros((len(prompts), self.vocab_size), np.float32), cache
+
+    def decode(self, pool: Any, cache: Any, tokens: np.ndarray, positions: np.ndarray,
+               slots: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, Any]:
+        return np.zeros((self.max_batch, self.vocab_size), np.float32), cache
+
+
+class HeldCompiles:
+    """The replica's grammars, each compile held until the test lets it finish."""
+
+    def __init__(self, real: Grammars) -> None:
+        self.real, self.held = real, Future[Any]()
+
+    def compile(self, g: Grammar) -> Future[Any]:
+        return self.held
+
+
+def test_a_request_waits_for_its_compile_without_a_row_and_ends_with_its_grammar(
+        compiled: Grammars) -> None:
+    from computed.serving.engine import Engine
+    from shared.replica_protocol import generate_args
+    from testkit.ports import BaseOnly
+
+    held = HeldCompiles(compiled)
+    engine = Engine(UniformModel(), BaseOnly(), grammars=held)  # type: ignore[arg-type]
+    g = Grammar("regex", "ab|cd")
+    assert engine.submit("g", generate_args([5], max_new_tokens=20, temperature=1.0,
+                                            grammar=g.wire()), None) is None
+    assert engine.submit("plain", generate_args([5], max_new_tokens=3), None) is None
+    engine.step()  # the plain request runs; the other waits for its compile, without a row
+    assert [r.req.req_id for r in engine.rows if r is not None] == ["plain"]
+    assert [r.req_id for r in engine.waiting] == ["g"]
+    held.held.set_result(compiled.compile(g).result(timeout=60))
+    done = []
+    while engine.busy:
+        done += engine.step()
+    result = next(d.result for d in done if d.req_id == "g")
+    assert result is not None and result["finish"] == "grammar"
+    text = compiled.tokenizer.decode_str(result["output_ids"])
+    assert text in ("ab", "cd")
+    plain = next(d.result for d in done if d.req_id == "plain")
+    assert plain is not None and len(plain["output_ids"]) == 3 and "finish" not in plain
