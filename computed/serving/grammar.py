@@ -100,9 +100,9 @@ def start(compiled: Any) -> Any:
 
 def mask(matcher: Any, logits: np.ndarray) -> np.ndarray:
     """`logits` with every token the grammar forbids next at -inf (a copy)."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
-    allowed = bits[:logits.shape[-1]].astype(bool)
-    return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                            bitorder="little", count=logits.shape[-1]).view(bool)
+    return np.where(allowed, logits, logits.dtype.type(-np.inf))
 
 
 def advance(matcher: Any, token: int) -> bool:
