@@ -221,8 +221,9 @@ class Engine:
         if args["grammar"] is not None:
             if self.grammars is None:
                 return Done(reply_to, req_id, error=GenerateError(
-                    "bad_request", "this replica's model has no tokenizer.json, which a grammar "
-                    "is compiled against; send the request without args.grammar",
+                    "bad_request", "this replica's model has no tokenizer.json that llguidance "
+                    "reads, which a grammar is compiled against; send the request without "
+                    "args.grammar",
                     "args.grammar"))
             compiling = self.grammars.compile(Grammar(**args["grammar"]))
         self.tickets += 1

@@ -50,7 +50,8 @@ class Grammars:
     @classmethod
     def load(cls, model_dir: Path, *, vocab_size: int) -> Grammars | None:
         """The grammars of the checkpoint in `model_dir`; None when it has no tokenizer.json
-        (a request with a grammar is then refused)."""
+        or llguidance cannot read it (a request with a grammar is then refused: the replica
+        serves everything else)."""
         from shared.text import NoTokenizer, TextCodec
 
         try:
@@ -58,8 +59,13 @@ class Grammars:
         except NoTokenizer:
             return None
         eos = sorted(t for t in codec.eos_token_ids if 0 <= t < vocab_size)
-        return cls((Path(model_dir) / "tokenizer.json").read_text(), vocab_size=vocab_size,
-                   eos_ids=eos)
+        try:
+            return cls((Path(model_dir) / "tokenizer.json").read_text(), vocab_size=vocab_size,
+                       eos_ids=eos)
+        except Exception as exc:  # llguidance's reason; the replica still serves
+            log.warning("no structured outputs: llguidance cannot read %s/tokenizer.json: %s",
+                        model_dir, exc)
+            return None
 
     def compile(self, g: Grammar) -> Future[Any]:
         with self._lock:
