@@ -77,7 +77,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     try:
         fleet.statesvc.start()
         fleet.init()
-        replica = fleet.replica("r1")
+        # warmed up before it serves (its compiles off the serving loop): compiled on the
+        # loop instead, a 1,200-token prompt's shapes held it past REPLICA_STALE_AFTER_S on a
+        # loaded machine, and the gateway saw no ACTIVE replica (503)
+        replica = fleet.replica("r1", args=("--max-len", "1536"))
         wait_for(lambda: fleet.converged(replica), what="replica at head")
         yield Setup(fleet, fleet.gateway("--request-timeout", "600"))
     finally:
