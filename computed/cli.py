@@ -190,9 +190,11 @@ def serve(model: Path, state: str, diffs: str, listen: str, replica_id: str | No
         if not runner.extend and (prefix_cache or prefill_chunk):
             log.info("dynamic RoPE: no prefix cache and whole-prompt prefill (docs/prefix-cache.md)")
             prefix_cache, prefill_chunk = False, 0
+        from computed.serving.grammar import Grammars
         engine = Engine(runner, replica, queue_limit=queue_limit, min_seq_wait_s=min_seq_timeout,
                         client_limit=client_queue_limit, prefill_chunk=prefill_chunk,
-                        prefix_blocks=_prefix_blocks(runner, kv_cache_mb, prefix_cache))
+                        prefix_blocks=_prefix_blocks(runner, kv_cache_mb, prefix_cache),
+                        grammars=Grammars.load(model, vocab_size=runner.vocab_size))
     try:
         daemon = Daemon(replica, replica_id=replica_id, listen=listen, state=state,
                         diffs=diffs, engine=engine, warmup=warmup, heartbeat=heartbeat,

@@ -26,6 +26,7 @@ from gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion, parse_
                               parse_completion, parse_json)
 from gateway.service import Gateway, Output
 from gateway.streaming import Chunks, EventStream, Inbox, StreamText, TokenGate, events, usage
+from gateway.tools import ToolStream
 from shared.config import GATEWAY_BODY_TIMEOUT_S
 from shared.keys import ClientKeys
 
@@ -195,6 +196,8 @@ class Endpoints:
                                       "finish_reason": one.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": one.text}
+                if one.tool_calls:
+                    choice["message"].update(content=one.text or None, tool_calls=one.tool_calls)
             else:
                 choice["text"] = one.text
             choices.append(choice)
@@ -253,7 +256,10 @@ class Endpoints:
             return error_response(first[1])
         texts = [StreamText(gw.codec, stop_ids, req.sampling.stop) for _ in range(req.sampling.n)]
         chunks = Chunks(head, chat, req.sampling.include_usage)
-        return EventStream(events(texts[0], queue, first, chunks, task, texts[1:]))
+        tools = gw.tools_of(req)
+        calls = [] if tools is None or gw.tool_format is None else \
+            [ToolStream(gw.tool_format, tools.forced) for _ in texts]
+        return EventStream(events(texts[0], queue, first, chunks, task, texts[1:], calls))
 
     def record(self, label: str, endpoint: str, started: float,
                out: Output | ApiError) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.tools import Tools
+    from shared.grammar import Grammar
 
 from shared.replica_protocol import MAX_CHOICES
 
@@ -63,12 +67,11 @@ FIELDS: dict[str, frozenset[str]] = {
 }
 # Fields of FIELDS this gateway does not implement yet: refused (400 naming them) unless null or
 # the value that asks for nothing (NEUTRAL). The change that implements one deletes it here.
-NOT_YET = {"logprobs", "echo", "top_logprobs", "response_format", "structured_outputs",
-           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
-           "tool_choice", "parallel_tool_calls"}
+NOT_YET = {"logprobs", "echo", "top_logprobs", "parallel_tool_calls"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,), "echo": (False,), "response_format": ({"type": "text"},),
-    "tools": ([],), "tool_choice": ("none",),
+    "logprobs": (False,), "echo": (False,),
+    # true is what the gateway does (a model may call several tools); false is refused
+    "parallel_tool_calls": (True,),
 }
 
 
@@ -138,13 +141,16 @@ class Completion:
     model: str
     prompt: str | list[int]  # text, or token ids
     sampling: Sampling
+    grammar: Grammar | None = None  # structured outputs (gateway/structured.py)
 
 
 @dataclass(frozen=True)
 class Chat:
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sampling: Sampling
+    grammar: Grammar | None = None  # structured outputs, or a forced tool call's
+    tools: Tools | None = None  # the functions it may call (gateway/tools.py)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -343,7 +349,10 @@ def parse_completion(body: dict[str, Any]) -> Completion:
     else:
         raise bad("prompt must be a non-empty string or a non-empty list of token ids "
                   "(one prompt per request)", "prompt")
-    return Completion(model=_model(body), prompt=parsed, sampling=_sampling(body))
+    from gateway.structured import parse_structured
+    structured = parse_structured(body)
+    return Completion(model=_model(body), prompt=parsed, sampling=_sampling(body),
+                      grammar=None if structured is None else structured[0])
 
 
 def _content(v: Any, where: str) -> str:
@@ -365,14 +374,24 @@ def parse_chat(body: dict[str, Any]) -> Chat:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise bad(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")
-    out: list[dict[str, str]] = []
+    from gateway.structured import parse_structured
+    from gateway.tools import message_fields, parse_tools
+    out: list[dict[str, Any]] = []
     total = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise bad(f"messages[{i}] must be an object with a role", f"messages[{i}]")
-        content = _content(m.get("content", ""), f"messages[{i}].content")
+        calls = message_fields(m, f"messages[{i}]")
+        # an assistant's tool calls may come with null content, as OpenAI's client sends them
+        raw = m.get("content")
+        content = _content("" if raw is None else raw, f"messages[{i}].content")
         total += len(content)
-        out.append({"role": m["role"][:64], "content": content})
+        out.append({"role": m["role"][:64], "content": content, **calls})
     if total > MAX_PROMPT_CHARS:
         raise bad(f"the messages hold {total} characters, above {MAX_PROMPT_CHARS}", "messages")
-    return Chat(model=_model(body), messages=out, sampling=_sampling(body))
+    structured, tools = parse_structured(body), parse_tools(body)
+    if structured is not None and tools is not None and tools.forced:
+        raise bad(f"{structured[1]} and a forced tool_choice each constrain the answer: send "
+                  "one of them", "tool_choice")
+    return Chat(model=_model(body), messages=out, sampling=_sampling(body),
+                grammar=None if structured is None else structured[0], tools=tools)

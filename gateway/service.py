@@ -17,7 +17,10 @@ import zmq
 from gateway.requests import ApiError, Chat, Completion, Sampling, bad
 from gateway.replicas import ReplicaLinks
 from gateway.routing import ReplicaView, Router
+from gateway.structured import grammar_problem
+from gateway.tools import Format, Tools, format_of
 from shared.client import RemoteError, Unavailable
+from shared.grammar import Grammar
 from shared.replica_protocol import MAX_STOP_TOKENS, Timings, generate_args
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 from shared.threadname import name_os_thread
@@ -56,7 +59,7 @@ class Output:
     ids: list[int]  # the tokens whose text is `text` (stop token and past a stop string cut)
     completion_tokens: int  # what the replica generated (a stop token counts)
     text: str
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "tool_calls"
     replica: str
     timings: dict[str, float] | None = None  # passed_on(): None when ended early (a stop string)
     others: list[Output] = field(default_factory=list)  # choices 1 .. n-1 (n > 1)
@@ -70,6 +73,8 @@ class Output:
     def all_completion_tokens(self) -> int:
         """Usage's completion_tokens: every returned choice's."""
         return self.completion_tokens + sum(o.completion_tokens for o in self.others)
+    # OpenAI's tool_calls parsed from the answer (`text` is then the content before them)
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | None:
@@ -155,6 +160,10 @@ class Gateway:
         max_pos = json.loads((model_dir / "config.json").read_text()).get(
             "max_position_embeddings")
         self.max_position = max_pos if type(max_pos) is int and max_pos > 0 else None
+        # the chat template's tool-call format (gateway/tools.py), and its marker's id when the
+        # marker is one special token (a grammar then names the token, not its text)
+        self.tool_format = format_of(self.codec.chat_template)
+        self.tool_marker_id = self._special_id(self.tool_format)
         self.tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
                                              initializer=name_os_thread)
         # under the replicas' --auth every request reaches a replica as the gateway's one
@@ -162,6 +171,37 @@ class Gateway:
         # the gateway keeps its requests within that, the rest wait here (`_room`)
         self.one_client = router.replica_keys is not None
         self._room_waiters: list[asyncio.Future[None]] = []
+
+    def _special_id(self, fmt: Format | None) -> int | None:
+        if fmt is None or fmt.name == "llama_json":
+            return None
+        added = self.codec.tokenizer.get_added_tokens_decoder()
+        return next((i for i, t in added.items() if t.content == fmt.marker and t.special), None)
+
+    def tools_of(self, req: Completion | Chat) -> Tools | None:
+        """The request's tools when the model may call them (a 400 when its template has no
+        tool format)."""
+        tools = req.tools if isinstance(req, Chat) else None
+        if tools is None or tools.choice == "none":
+            return None
+        if self.tool_format is None:
+            raise bad("this model's chat template has no tool-call format (Qwen's <tool_call>, "
+                      "Llama 3.1's JSON or Mistral's [TOOL_CALLS]); send the chat without tools",
+                      "tools")
+        return tools
+
+    def grammar_of(self, req: Completion | Chat) -> Grammar | None:
+        """What constrains the answer: the request's structured output, or the grammar of a
+        `required` or named tool call (its parameters' schemas checked here: a 400 naming
+        `tools` when one does not compile)."""
+        tools = self.tools_of(req)
+        if tools is None or not tools.forced or self.tool_format is None:
+            return req.grammar
+        grammar = self.tool_format.grammar(tools, self.tool_marker_id)
+        why = grammar_problem(grammar)
+        if why is not None:
+            raise bad(f"the tools' parameters do not compile to a grammar: {why}", "tools")
+        return grammar
 
     def resolve(self, model: str) -> Target:
         adapters = self.router.view.adapters
@@ -200,8 +240,10 @@ class Gateway:
 
     def prompt_ids(self, req: Completion | Chat, *, release_gil: bool = False) -> list[int]:
         if isinstance(req, Chat):
+            tools = None if req.tools is None or self.tool_format is None else \
+                list(req.tools.functions)
             try:
-                return self.codec.encode_chat(req.messages, release_gil=release_gil)
+                return self.codec.encode_chat(req.messages, release_gil=release_gil, tools=tools)
             except Exception as exc:  # the template's own raise_exception, or a bad template
                 raise bad(f"the chat template could not render these messages: {exc}",
                           "messages")
@@ -235,6 +277,7 @@ class Gateway:
         # n > 1: each choice's stop strings are cut from its whole output (`_finish`), as the
         # request runs on for its other choices; n = 1 is cancelled at its stop string
         stops = s.stop if s.rows == 1 else ()
+        grammar, tools = self.grammar_of(req), self.tools_of(req)
         tried: set[str] = set()
         last: ApiError | None = None
         deadline = time.monotonic() + self.request_timeout_s  # waits for a warming replica end here
@@ -272,6 +315,7 @@ class Gateway:
             args = generate_args(ids, adapter=target.adapter, max_new_tokens=max_new,
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                  stop_token_ids=sorted(stop_ids), min_seq=target.min_seq,
+                                 grammar=None if grammar is None else grammar.wire(),
                                  **s.replica_args())
             self.router.sent(replica.address, target.adapter, s.rows)
             streamed = 0  # tokens the client has seen
@@ -294,10 +338,12 @@ class Gateway:
             def finish(res: dict[str, Any]) -> Output:
                 out = output_ids_of(res, self.vocab_size, replica.id)
                 first = self._finish(ids, out, stop_ids, s, replica.id,
-                                     passed_on(res, time.perf_counter() - sent))
+                                     passed_on(res, time.perf_counter() - sent),
+                                     grammar_done=res.get("finish") == "grammar", tools=tools)
                 if s.n > 1:
-                    first.others = [self._finish(ids, more, stop_ids, s, replica.id, None)
-                                    for more in self._choices(res, s.n, replica.id)[1:]]
+                    first.others = [self._finish(ids, more, stop_ids, s, replica.id, None,
+                                                 grammar_done=ended, tools=tools)
+                                    for more, ended in self._choices(res, s.n, replica.id)[1:]]
                 return first
 
             made: list[Output] = []  # the output, made as the replica's result is read
@@ -341,14 +387,16 @@ class Gateway:
                 self._room_freed()
             return made[0] if made else finish(res)
 
-    def _choices(self, res: dict[str, Any], n: int, replica: str) -> list[list[int]]:
-        """The output ids of a result's n choices (docs/protocol.md `generate`, `choices`)."""
+    def _choices(self, res: dict[str, Any], n: int, replica: str) -> list[tuple[list[int], bool]]:
+        """The output ids of a result's n choices (docs/protocol.md `generate`, `choices`), each
+        with whether its grammar ended it."""
         got = res.get("choices")
         if not isinstance(got, list) or len(got) != n or not all(isinstance(c, dict) for c in got):
             raise ApiError(502, f"replica {replica} answered a request of n={n} without its {n} "
                            "choices; its operator should check its version against "
                            "docs/protocol.md", code="bad_replica_reply")
-        return [output_ids_of(c, self.vocab_size, replica) for c in got]
+        return [(output_ids_of(c, self.vocab_size, replica), c.get("finish") == "grammar")
+                for c in got]
 
     def check_vocab(self, s: Sampling) -> None:
         """A 400 for logit_bias token ids and a top_k beyond the vocabulary."""
@@ -443,7 +491,8 @@ class Gateway:
         return min(want, room)
 
     def _finish(self, prompt: list[int], out: list[int], stop_ids: set[int], s: Sampling,
-                replica: str, timings: dict[str, float] | None) -> Output:
+                replica: str, timings: dict[str, float] | None, *, grammar_done: bool = False,
+                tools: Tools | None = None) -> Output:
         if s.stop and s.rows > 1:  # to the token that completed its first stop string
             watch = StopWatch(self.codec, s.stop)
             for token in out:
@@ -451,12 +500,21 @@ class Gateway:
                 if watch.hit is not None:
                     out = out[:watch.hit]
                     break
-        ids, finish = out, "length"
+        ids, finish = out, "stop" if grammar_done else "length"
         if out and out[-1] in stop_ids:
             ids, finish = out[:-1], "stop"
         text = self.codec.decode(ids)
         end = StopStrings(s.stop).cut(text)
         if end < len(text):
             text, finish = text[:end], "stop"
+        calls = None
+        if tools is not None and self.tool_format is not None:
+            # a marker that is a special token is in the text only with special tokens kept
+            source = text if self.tool_marker_id is None else self.codec.decode_all(ids)
+            content, found = self.tool_format.parse(source)
+            if found:
+                text, calls, finish = content, found, "tool_calls"
         return Output(prompt_tokens=len(prompt), ids=ids, completion_tokens=len(out),
-                      text=text, finish_reason=finish, replica=replica, timings=timings)
+                      text=text, finish_reason=finish, replica=replica, timings=timings,
+                      tool_calls=calls)
+

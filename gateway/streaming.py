@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.requests import ApiError
 from gateway.service import Output
+from gateway.tools import ToolStream
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
 # what the request hands its event stream: ("token", id) (choice 0's; another choice's:
@@ -160,18 +161,26 @@ class Chunks:
 
     def finish(self, text: str | None, out: Output, index: int = 0) -> bytes:
         """A choice's chunk with `finish_reason`, and the replica's `timings` (as the final chunk
-        of llama.cpp's server carries its own; on choice 0's) when it ran to its end."""
-        return self._event(text, out.finish_reason, False, out.timings, index)
+        of llama.cpp's server carries its own; on choice 0's) when it ran to its end; after a
+        chunk of the choice's tool calls (OpenAI's deltas, each call whole) when it has them."""
+        if not out.tool_calls:
+            return self._event(text, out.finish_reason, False, out.timings, index)
+        calls = [{"index": i, **c} for i, c in enumerate(out.tool_calls)]
+        return self._event(text, None, False, index=index, tool_calls=calls) + \
+            self._event(None, out.finish_reason, False, out.timings, index)
 
     def usage(self, out: Output) -> bytes:
         return _data({**self.head, "object": self.obj, "choices": [], "usage": usage(out)})
 
     def _event(self, text: str | None, finish: str | None, role: bool,
-               timings: dict[str, float] | None = None, index: int = 0) -> bytes:
+               timings: dict[str, float] | None = None, index: int = 0,
+               tool_calls: list[dict[str, Any]] | None = None) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
@@ -243,7 +252,8 @@ class EventStream(StreamingResponse):
 
 
 async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
-                 task: asyncio.Task[None], others: Sequence[StreamText] = ()
+                 task: asyncio.Task[None], others: Sequence[StreamText] = (),
+                 calls: Sequence[ToolStream | None] = ()
                  ) -> AsyncIterator[tuple[bytes, bool]]:
     """The SSE body, each chunk with whether it is the last: a chunk per token as tokens
     come (the chunks of tokens that queued meanwhile go out in one write), then the finish
@@ -252,8 +262,11 @@ async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
     cancelled), so does `task`, the request, which tells its replica to stop; the output can
     come a turn before `task` ends (app.py), so `task` is left to end by itself once it has.
     With n > 1, `others` are the texts of choices 1 .. n-1: each choice's chunks carry its
-    `index`, each ends with its own finish chunk."""
+    `index`, each ends with its own finish chunk. With `calls` (each choice's, where the model
+    may call tools), content is held back from where a call may begin, and the calls come
+    whole before that choice's finish chunk."""
     texts = [text, *others]
+    tools = list(calls) or [None] * len(texts)
     out: list[bytes] = [chunks.first(i) for i in range(len(texts))] if chunks.chat else []
     item: Item | None = first
     ended = False  # the output or the error came: `task` ends by itself
@@ -262,16 +275,20 @@ async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
             while item is not None:
                 kind, value = item
                 if kind == "token":
+                    index = 0
                     if type(value) is tuple:  # another choice's (n > 1)
                         index, value = value
-                        if index < len(texts) and value not in texts[index].stop_ids:
-                            out.append(chunks.token(texts[index].push(value), index))
-                    elif value not in text.stop_ids:
-                        out.append(chunks.token(text.push(value)))
+                    if index < len(texts) and value not in texts[index].stop_ids:
+                        piece, calling = texts[index].push(value), tools[index]
+                        if calling is not None:
+                            piece = calling.push(piece)
+                        if piece or calling is None:
+                            out.append(chunks.token(piece, index))
                 elif kind == "done":
                     o: Output = value
                     for index, (t, one) in enumerate(zip(texts, o.choices)):
-                        rest = t.rest(one.text)
+                        calling = tools[index]
+                        rest = t.rest(one.text) if calling is None else one.text[calling.released:]
                         out.append(chunks.finish(rest or (None if chunks.chat else ""), one, index))
                     if chunks.include_usage:
                         out.append(chunks.usage(o))

@@ -9,8 +9,9 @@ clients build their requests with `generate_args` and `slot_args`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Required, TypedDict
+from typing import Any, Callable, NotRequired, Required, TypedDict
 
+from shared.grammar import check_wire
 from shared.config import MAX_SEED, MAX_SEQ, PROTOCOL_VERSION
 from shared.protocol import COMMANDS as CONTROL_COMMANDS
 from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, str_len,
@@ -35,6 +36,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0, "logit_bias": [], "min_tokens": 0,
     # choices: `n` returned, of `best_of` generated (None: n), ranked by cumulative logprob
     "n": 1, "best_of": None,
+    "grammar": None,  # the output constrained to a grammar (shared/grammar.py): {kind, spec}
 }
 MAX_LOGIT_BIAS = 1024  # (token, bias) pairs per request
 MAX_CHOICES = 256  # n and best_of (each choice also needs a batch row: --max-batch)
@@ -113,6 +115,8 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
         "n": Field(int, required=False, default=d["n"], check=int_range(1, MAX_CHOICES)),
         "best_of": Field(int, required=False, default=d["best_of"],
                          check=int_range(1, MAX_CHOICES)),
+        # the output constrained to a grammar (shared/grammar.py): {kind, spec}
+        "grammar": Field(dict, required=False, default=d["grammar"], check=check_wire),
     }
 
 
@@ -134,6 +138,7 @@ class Choice(TypedDict):
 
     output_ids: list[int]
     cumulative_logprob: float | None  # of its sampled tokens (the model's own); null unless best_of > n
+    finish: NotRequired[str]  # "grammar": its grammar was done (no eos token ends it)
 
 
 class GenerateResult(TypedDict, total=False):
@@ -145,6 +150,7 @@ class GenerateResult(TypedDict, total=False):
     seq: Required[int]  # the replica's applied seq when the request was admitted
     timings: Required[Timings]
     choices: list[Choice]
+    finish: str  # "grammar": its (first choice's) grammar was done (no eos token ends it)
 
 
 class InferenceStatus(TypedDict):

@@ -111,24 +111,30 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, Any]], *,
-                    add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of a chat, as apply_chat_template(tokenize=False) renders it."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json "
                              "chat_template); use /v1/completions with a prompt instead")
-        # what apply_chat_template passes: the named special tokens, no tools or documents,
-        # and each message without its None-valued keys
+        # what apply_chat_template passes: the named special tokens, the tools (OpenAI's
+        # {"type": "function", "function": ...} objects), no documents, and each message
+        # without its None-valued keys
         tokens = {**self.special_tokens, **{k: v for k, v in (("bos_token", self.bos_token),
                                                              ("eos_token", self.eos_token)) if v is not None}}
         return str(_compile(self.chat_template).render(
             messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
-            tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens))
+            tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt, **tokens))
 
-    def encode_chat(self, messages: list[dict[str, Any]], *,
-                    release_gil: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], *, release_gil: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a rendered chat; the template writes its own special tokens."""
-        return self._ids(self.render_chat(messages), special=False, release_gil=release_gil)
+        return self._ids(self.render_chat(messages, tools=tools), special=False,
+                         release_gil=release_gil)
+
+    def decode_all(self, ids: Sequence[int]) -> str:
+        """The text of `ids` with special tokens kept (a tool-call marker may be one)."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
 
 @lru_cache(maxsize=16)

@@ -19,13 +19,17 @@ min_p, penalties, logit_bias, min_tokens) shape its row's logits first
 of n (best_of) choices takes a row per choice: its prompt is prefilled once and
 forked into the other rows (computed/serving/prefill.py `Prefills.fork`), each
 choice sampling from its own generator, and it is answered when its last
-choice ends.
+choice ends. A request with a grammar (structured outputs, forced tool calls) waits
+in the queue until its grammar is compiled, off the loop; its row's logits are masked to
+what the grammar allows before sampling (each choice with its own matcher), and it ends
+when the grammar is done (computed/serving/grammar.py).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,11 +37,14 @@ import numpy as np
 
 from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
+from computed.serving import grammar
+from computed.serving.grammar import Grammars
 from computed.serving.prefill import Prefills
 from computed.serving.prefix_cache import Hit
 from computed.serving.sampling import Shaping
+from shared.grammar import Grammar
 from shared.protocol import ProtocolError, validate
-from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
+from shared.replica_protocol import Choice, GenerateResult, InferenceStatus, generate_schema
 
 
 class Model(Protocol):
@@ -69,6 +76,7 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     # when it first had a row but not its adapter's slot (a fill, a full set of slots)
     eligible: float | None = None
+    grammar: Future[Any] | None = None  # its grammar's compile (computed/serving/grammar.py)
 
 
 @dataclass(eq=False)  # compared by identity: the engine finds a request in its lists
@@ -93,6 +101,8 @@ class Running:
     group: list[Running] | None = None
     finished: bool = False
     logprob: float | None = None  # its sampled tokens' cumulative logprob, where best_of > n ranks
+    matcher: Any = None  # its grammar's state (llguidance), None without a grammar
+    grammar_done: bool = False  # the grammar ended it
 
 
 @dataclass(frozen=True)
@@ -161,8 +171,10 @@ def _draw(z: np.ndarray, top_p: float, rng: np.random.Generator) -> int:
 class Engine:
     def __init__(self, model: Model, replica: AdmissionPort, *, queue_limit: int = 256,
                  min_seq_wait_s: float = 10.0, client_limit: int = 64,
-                 fetch_wait: float = 0.5, prefill_chunk: int = 0, prefix_blocks: int = 0) -> None:
+                 fetch_wait: float = 0.5, prefill_chunk: int = 0, prefix_blocks: int = 0,
+                 grammars: Grammars | None = None) -> None:
         self.model = model
+        self.grammars = grammars  # None: requests with a grammar are refused
         self.replica = replica
         self.queue_limit = queue_limit
         self.client_limit = client_limit
@@ -244,8 +256,18 @@ class Engine:
             return Done(reply_to, req_id, error=GenerateError(
                 "overloaded", f"{len(self.waiting)} requests are already queued (the limit is "
                 f"{self.queue_limit}); retry later or send to another replica"))
+        compiling: Future[Any] | None = None
+        if args["grammar"] is not None:
+            if self.grammars is None:
+                return Done(reply_to, req_id, error=GenerateError(
+                    "bad_request", "this replica's model has no tokenizer.json that llguidance "
+                    "reads, which a grammar is compiled against; send the request without "
+                    "args.grammar",
+                    "args.grammar"))
+            compiling = self.grammars.compile(Grammar(**args["grammar"]))
         self.tickets += 1
-        self.waiting.append(Request(req_id, args, reply_to, client, self.tickets))
+        self.waiting.append(Request(req_id, args, reply_to, client, self.tickets,
+                                    grammar=compiling))
         self.replica.want(args["adapter"])  # a missing adapter's fetch starts now, not at admit
         return None
 
@@ -361,19 +383,22 @@ class Engine:
     def _emit(self, r: Running, logits: np.ndarray, done: list[Done]) -> None:
         """Record the token sampled from `logits`; finish the request when it is done."""
         a = r.req.args
-        token = sample(logits, a["temperature"], a["top_p"], r.rng, r.shaping)
+        masked = logits if r.matcher is None else grammar.mask(r.matcher, logits)
+        token = sample(masked, a["temperature"], a["top_p"], r.rng, r.shaping)
         if r.shaping is not None:
             r.shaping.push(token)
         if r.logprob is not None:  # the model's own log-probability of the token
-            top = float(logits.max())
+            top = float(logits.max())  # the raw logits: the model's own distribution
             r.logprob += float(logits[token]) - top - float(np.log(np.exp(
                 logits.astype(np.float64) - top).sum()))
         r.output.append(token)
         r.next_token = token
+        if r.matcher is not None:
+            r.grammar_done = grammar.advance(r.matcher, token)
         if a["stream"] and self.on_token is not None:
             self.on_token(r.req, len(r.output) - 1, token, r.choice)
         if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
-                or r.position >= self.model.max_len):
+                or r.position >= self.model.max_len or r.grammar_done):
             self._finish(r, done)
 
     def _finish(self, r: Running, done: list[Done]) -> None:
@@ -395,13 +420,21 @@ class Engine:
                         "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
                         "total_ms": (now - r.req.arrived) * 1e3,
                         "residency_ms": r.residency_s * 1e3}}
+        if r.group is None and r.grammar_done:
+            result["finish"] = "grammar"
         if r.group is not None:
             a = r.req.args
             # best_of > n: the n of the highest cumulative logprob (ties: the lower choice first)
             best = sorted(r.group, key=lambda c: -(c.logprob or 0.0))[:a["n"]]
-            result["choices"] = [{"output_ids": c.output, "cumulative_logprob": c.logprob}
-                                 for c in best]
+            result["choices"] = []
+            for c in best:
+                one: Choice = {"output_ids": c.output, "cumulative_logprob": c.logprob}
+                if c.grammar_done:
+                    one["finish"] = "grammar"
+                result["choices"].append(one)
             result["output_ids"] = best[0].output
+            if best[0].grammar_done:
+                result["finish"] = "grammar"
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
@@ -456,6 +489,13 @@ class Engine:
     def _try_admit(self, req: Request) -> Running | None:
         """Admit `req` into a free row (not yet prefilled); None to keep it waiting."""
         a = req.args
+        if req.grammar is not None:  # its compile first: it holds no row or slot meanwhile
+            if not req.grammar.done():
+                return None
+            problem = req.grammar.exception()
+            if problem is not None:
+                raise GenerateError("bad_request", f"args.grammar does not compile against "
+                                    f"this model's tokenizer: {problem}", "args.grammar")
         free = [i for i, r in enumerate(self.rows) if r is None][:a["best_of"]]
         row = free[0] if len(free) == a["best_of"] else None  # a row for each choice, or none
         tried = time.perf_counter()
@@ -490,6 +530,9 @@ class Engine:
             for c in run.group:
                 c.group = run.group
                 c.logprob = 0.0 if a["best_of"] > a["n"] else None
+        if req.grammar is not None:  # each choice its own matcher
+            for c in run.group or [run]:
+                c.matcher = grammar.start(req.grammar.result())
         run.admitted = time.perf_counter()
         # what residency added: the wait since it first had a row, or this admission's own
         # slot write (a host-tier hit), or next to nothing (resident); to the grant (making

@@ -85,8 +85,9 @@ class Prefills:
             if self.chunk and left > self.chunk:
                 left = self.chunk
             if budget is not None:
-                if left > budget:
-                    left = budget // BLOCK_TOKENS * BLOCK_TOKENS or (BLOCK_TOKENS if not out else 0)
+                if left > budget:  # whole blocks within it; the first piece at least one block
+                    left = min(left, budget // BLOCK_TOKENS * BLOCK_TOKENS
+                               or (BLOCK_TOKENS if not out else 0))
                 if not left:
                     break
                 budget -= left

@@ -8,7 +8,8 @@ order given, before the bytes), the roles they play (bos, eos, pad, unk), the to
 eos that end an answer (generation_config.json's eos_token_id list) and its chat template,
 written here in the form that family's tokenizer_config.json carries it (jinja2, rendered by
 transformers' apply_chat_template and by shared/text.py), reduced to what the gateway sends
-(each message's role and text content; no tools, no images). Llama's are <unk>, <s>, </s> at
+(each message's role and text content, tools and tool calls where the family has a tool
+format: Qwen's Hermes-style <tool_call>, Llama 3.1's JSON, Mistral's [TOOL_CALLS]; no images). Llama's are <unk>, <s>, </s> at
 ids 0, 1, 2, the example config's bos 1 and eos 2.
 """
 from __future__ import annotations
@@ -20,24 +21,81 @@ from typing import Any
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 
-# A chat template in the form transformers' apply_chat_template renders (jinja2, with
-# bos_token, eos_token, messages and add_generation_prompt).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+# Llama's: a header per role (<|user|>, ...) and eos after each turn, in the form
+# transformers' apply_chat_template renders (jinja2, with bos_token, eos_token, messages,
+# tools and add_generation_prompt); with Llama 3.1's tool calls (its JSON format): the tools go
+# in front of the first user turn, a call is {"name", "parameters"}, a result an `ipython` turn.
+LLAMA_TEMPLATE = """\
+{{- bos_token }}
+{%- set ns = namespace(told=false) %}
+{%- for message in messages %}
+{%- if message['role'] == 'user' and tools and not ns.told %}
+{%- set ns.told = true %}
+{{- '<|user|>\\nGiven the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\\n\\nRespond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\\n\\n' }}
+{%- for tool in tools %}
+{{- tool | tojson(indent=4) + '\\n\\n' }}
+{%- endfor %}
+{{- message['content'] + eos_token + '\\n' }}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{%- for call in message['tool_calls'] %}
+{%- set call = call['function'] if call['function'] is defined else call %}
+{{- '<|assistant|>\\n{"name": "' + call['name'] + '", "parameters": ' + call['arguments'] | tojson + '}' + eos_token + '\\n' }}
+{%- endfor %}
+{%- elif message['role'] == 'tool' %}
+{{- '<|ipython|>\\n' + (message['content'] if message['content'] is string else message['content'] | tojson) + eos_token + '\\n' }}
+{%- else %}
+{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|assistant|>\\n' }}
+{%- endif %}
+"""
+
+# Qwen2.5's and Qwen3's tools (Hermes-style, as their templates write them): the signatures in
+# the system turn, each call in <tool_call> tags, the results in a user turn's <tool_response>s
+_HERMES_TOOLS = """\
+{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+{%- for tool in tools %}
+{{- "\\n" + tool | tojson }}
+{%- endfor %}
+{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+"""
+_HERMES_TURNS = """\
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '<|im_start|>assistant' + ('\\n' + message['content'] if message['content'] else '') }}
+{%- for call in message['tool_calls'] %}
+{%- set call = call['function'] if call['function'] is defined else call %}
+{{- '\\n<tool_call>\\n{"name": "' + call['name'] + '", "arguments": ' + call['arguments'] | tojson + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+"""
 
 # ChatML as Qwen2.5 writes it: a system turn always, the default one when the chat has none.
 QWEN2_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
 {%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] + '\\n\\n' }}
+{%- else %}
+{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' + '\\n\\n' }}
+{%- endif %}
+""" + _HERMES_TOOLS + """{%- elif messages[0]['role'] == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
 {%- else %}
 {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
-{%- if message['role'] != 'system' or not loop.first %}
+{%- if message['role'] == 'system' and loop.first %}
+""" + _HERMES_TURNS + """{%- else %}
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
@@ -49,6 +107,12 @@ QWEN2_TEMPLATE = """\
 # ChatML as Qwen3 writes it: no default system turn; an assistant turn's <think> block is kept
 # only after the last user turn (earlier turns keep their answer alone).
 QWEN3_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] + '\\n\\n' }}
+{%- endif %}
+""" + _HERMES_TOOLS + """{%- endif %}
 {%- set ns = namespace(last_user=-1) %}
 {%- for message in messages %}
 {%- if message['role'] == 'user' %}
@@ -57,7 +121,8 @@ QWEN3_TEMPLATE = """\
 {%- endfor %}
 {%- for message in messages %}
 {%- set content = message['content'] %}
-{%- if message['role'] == 'assistant' %}
+{%- if message['role'] == 'system' and loop.first and tools %}
+""" + _HERMES_TURNS + """{%- elif message['role'] == 'assistant' %}
 {%- set reasoning = '' %}
 {%- if '</think>' in content %}
 {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
@@ -128,16 +193,37 @@ MISTRAL_TEMPLATE = """\
 {%- set turns = messages %}
 {%- endif %}
 {{- bos_token }}
+{%- set ns = namespace(turn=0, last_user=-1) %}
 {%- for message in turns %}
-{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+{%- if message['role'] == 'user' %}
+{%- set ns.last_user = loop.index0 %}
+{%- endif %}
+{%- endfor %}
+{%- for message in turns %}
+{%- if message['role'] == 'user' or (message['role'] == 'assistant' and not message['tool_calls']) %}
+{%- if (message['role'] == 'user') != (ns.turn % 2 == 0) %}
 {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
 {%- endif %}
+{%- set ns.turn = ns.turn + 1 %}
+{%- endif %}
 {%- if message['role'] == 'user' %}
+{%- if tools and loop.index0 == ns.last_user %}
+{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}
+{%- endif %}
 {%- if loop.last and system is not none %}
 {{- '[INST] ' + system + '\\n\\n' + message['content'] + ' [/INST]' }}
 {%- else %}
 {{- '[INST] ' + message['content'] + ' [/INST]' }}
 {%- endif %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '[TOOL_CALLS] [' }}
+{%- for call in message['tool_calls'] %}
+{%- set call = call['function'] if call['function'] is defined else call %}
+{{- '{"name": "' + call['name'] + '", "arguments": ' + call['arguments'] | tojson + '}' + ('' if loop.last else ', ') }}
+{%- endfor %}
+{{- ']' + eos_token }}
+{%- elif message['role'] == 'tool' %}
+{{- '[TOOL_RESULTS] {"content": ' + message['content'] | tojson + '}[/TOOL_RESULTS]' }}
 {%- elif message['role'] == 'assistant' %}
 {{- ' ' + message['content'] + eos_token }}
 {%- else %}
@@ -249,7 +335,7 @@ class TokenizerSpec:
         return [t for t in self.special_tokens if t not in named]
 
 
-LLAMA = TokenizerSpec(("<unk>", "<s>", "</s>"), CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>",
+LLAMA = TokenizerSpec(("<unk>", "<s>", "</s>"), LLAMA_TEMPLATE, bos_token="<s>", eos_token="</s>",
                       unk_token="<unk>")
 _CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _GEMMA = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")

@@ -174,7 +174,7 @@ ASKING = {"logprobs": 5, "echo": True, "top_logprobs": 3, "response_format": {"t
           "structured_outputs": {"json": {}}, "guided_json": {}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-          "parallel_tool_calls": True}
+          "parallel_tool_calls": False}
 
 
 @pytest.mark.parametrize("field", sorted(NOT_YET))

@@ -172,8 +172,8 @@ REFUSED = {
                "system, multi-turn": "System role not supported",
                "roles out of turn": "Conversation roles must alternate"},
     "gemma3_text": {"roles out of turn": "Conversation roles must alternate"},
-    "mistral": {"roles out of turn": "conversation roles must alternate",
-                "a tool turn": "Only user and assistant roles are supported"},
+    # a tool turn is Mistral's [TOOL_RESULTS] (docs/structured-outputs.md, "Tool calls")
+    "mistral": {"roles out of turn": "conversation roles must alternate"},
 }
 # what generation_config.json's eos_token_id lists after eos, as the family's checkpoints do
 # (Gemma 2 and 3: [1, 107] and [1, 106]; Qwen2.5, Qwen3 and Qwen3-MoE: [151645, 151643])

@@ -2,14 +2,13 @@
 it: the engine takes what arrived between prefills (`step(intake=...)`) into the same step."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
-from computed.serving.admission import AdmittedAdapter
 from computed.serving.engine import Done, Engine
 from shared.replica_protocol import generate_args
+from testkit.ports import BaseOnly
 
 
 class CountingModel:
@@ -38,25 +37,6 @@ class CountingModel:
 
     def warmup(self, pool: Any, cache: Any, *, stop: Any = None) -> None:
         pass
-
-
-class BaseOnly:
-    """An admission port that serves the base model only."""
-
-    def admit(self, adapter: str | None, min_seq: int, ticket: int = 0) -> AdmittedAdapter:
-        return AdmittedAdapter(-1, None, 0, 0, None)
-
-    def want(self, adapter: str | None) -> None:
-        pass
-
-    def withdraw(self, ticket: int) -> None:
-        pass
-
-    def reading(self) -> Any:
-        return nullcontext(None)
-
-    def pool_shapes(self) -> Any:
-        return None
 
 
 def submit(engine: Engine, i: int, new_tokens: int = 4) -> None:
