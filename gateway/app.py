@@ -18,14 +18,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import admin
+from gateway import admin, logprobs
 from gateway.auth import OPERATOR_KEY_WITHOUT_AUTH, Operator, may_change_log, operator_of
 from gateway.crosssite import SameOrigin
 from gateway.metrics import UNRESOLVED, Metrics
 from gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion, parse_chat,
                               parse_completion, parse_json)
 from gateway.service import Gateway, Output
-from gateway.streaming import Chunks, EventStream, Inbox, StreamText, TokenGate, events, usage
+from gateway.streaming import (Chunks, EventStream, Inbox, ScoredChunks, StreamText, TokenGate, events,
+                               usage)
 from shared.config import GATEWAY_BODY_TIMEOUT_S
 from shared.keys import ClientKeys
 
@@ -189,11 +190,13 @@ class Endpoints:
             self.record(label, endpoint, started, error)
             return error_response(error)
         self.record(label, endpoint, started, out)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        if chat:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs.choice(gw.codec, req, out),
+                                  "finish_reason": out.finish_reason}
+        if isinstance(req, Chat):
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice["text"] = out.text
+            echo = logprobs.echoed(gw.codec, req, out.prompt_ids or []) if req.logprobs.echo else ""
+            choice["text"] = echo + out.text
         body = {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": [choice], "usage": usage(out)}
         if out.timings is not None:
@@ -209,8 +212,8 @@ class Endpoints:
         gw, metrics, pending = self.gw, self.metrics, self.pending
         queue = Inbox(self.gate)
 
-        def token(t: int) -> None:
-            queue.put(("token", t))
+        def token(t: int, frame: dict[str, Any] | None) -> None:
+            queue.put(("token", t) if frame is None else ("scored", (t, frame)))
 
         def output(out: Output) -> None:
             """The output, in the turn of the loop that read it with the last tokens: the
@@ -248,7 +251,9 @@ class Endpoints:
         if first[0] == "error":
             return error_response(first[1])
         text = StreamText(gw.codec, stop_ids, req.sampling.stop)
-        chunks = Chunks(head, chat, req.sampling.include_usage)
+        chunks = Chunks(head, chat, req.sampling.include_usage,
+                        None if req.logprobs.top is None and not req.logprobs.echo else
+                        ScoredChunks(gw.codec, req, gw.vocab_size))
         return EventStream(events(text, queue, first, chunks, task))
 
     def record(self, label: str, endpoint: str, started: float,

@@ -45,7 +45,7 @@ class _Link:
         connect(self.sock, address)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.req_id = ""
-        self.on_token: Callable[[int], None] | None = None
+        self.on_token: Callable[[int, dict[str, Any]], None] | None = None
         self.on_result: Callable[[dict[str, Any]], None] | None = None
         self.streamed = 0
         self.done: asyncio.Future[dict[str, Any]] | None = None
@@ -55,7 +55,7 @@ class _Link:
         """The connection dropped since the link was last used."""
         return bool(self.monitor.poll(0))
 
-    def start(self, req_id: str, on_token: Callable[[int], None] | None,
+    def start(self, req_id: str, on_token: Callable[[int, dict[str, Any]], None] | None,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.req_id, self.on_token, self.on_result, self.streamed = req_id, on_token, on_result, 0
@@ -117,7 +117,7 @@ class _Link:
                 if reply.get("ok") is True and token.get("index") == self.streamed \
                         and type(token.get("id")) is int and self.on_token is not None:
                     self.streamed += 1
-                    self.on_token(token["id"])
+                    self.on_token(token["id"], token)
                 continue
             try:
                 reply = unpack(raw, max_bytes=MAX_WIRE_BYTES)
@@ -181,7 +181,7 @@ class ReplicaLinks:
             link.close()
 
     async def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
-                       timeout_s: float, on_token: Callable[[int], None] | None = None,
+                       timeout_s: float, on_token: Callable[[int, dict[str, Any]], None] | None = None,
                        on_result: Callable[[dict[str, Any]], None] | None = None
                        ) -> dict[str, Any]:
         """The replica's result; RemoteError for its refusal, Unavailable when it cannot be

@@ -52,11 +52,26 @@ class Sampling:
     include_usage: bool
 
 
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's API (shared/replica_protocol.py MAX_TOP)
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """What a request asks of logprobs (gateway/logprobs.py): `top` most likely tokens per
+    position (None: no logprobs), the prompt's text and logprobs first (`echo`, completions), and
+    whether to generate at all (False: max_tokens 0 with echo, the prompt alone)."""
+
+    top: int | None = None
+    echo: bool = False
+    generate: bool = True
+
+
 @dataclass(frozen=True)
 class Completion:
     model: str
     prompt: str | list[int]  # text, or token ids
     sampling: Sampling
+    logprobs: Logprobs = Logprobs()
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,31 @@ class Chat:
     model: str
     messages: list[dict[str, str]]
     sampling: Sampling
+    logprobs: Logprobs = Logprobs()
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> Logprobs:
+    """Completions' `logprobs` (0-20) and `echo`; chat's `logprobs` (true/false) and
+    `top_logprobs` (0-20, with `logprobs` true). Completions' `max_tokens` 0 asks for the
+    prompt alone, with `echo` only."""
+    def flag(name: str) -> bool:
+        v = body.get(name, False)
+        if not isinstance(v, bool) and v is not None:
+            raise bad(f"{name} must be true or false", name)
+        return bool(v)
+    if chat:
+        wanted = flag("logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not wanted:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return Logprobs(top=(top or 0) if wanted else None)
+    top = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    echo = flag("echo")
+    generate = body.get("max_tokens") != 0 or type(body.get("max_tokens")) is not int
+    if not generate and not echo:
+        raise bad("max_tokens must be at least 1 (0 asks for the prompt alone, with echo: true)",
+                  "max_tokens")
+    return Logprobs(top=top, echo=echo, generate=generate)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -207,7 +247,10 @@ def parse_completion(body: dict[str, Any]) -> Completion:
     else:
         raise bad("prompt must be a non-empty string or a non-empty list of token ids "
                   "(one prompt per request)", "prompt")
-    return Completion(model=_model(body), prompt=parsed, sampling=_sampling(body))
+    logprobs = _logprobs(body, chat=False)
+    # max_tokens 0 (the prompt alone): the replica generates one token, which is not answered
+    sampling = _sampling(body if logprobs.generate else {**body, "max_tokens": 1})
+    return Completion(model=_model(body), prompt=parsed, sampling=sampling, logprobs=logprobs)
 
 
 def _content(v: Any, where: str) -> str:
@@ -238,4 +281,5 @@ def parse_chat(body: dict[str, Any]) -> Chat:
         out.append({"role": m["role"][:64], "content": content})
     if total > MAX_PROMPT_CHARS:
         raise bad(f"the messages hold {total} characters, above {MAX_PROMPT_CHARS}", "messages")
-    return Chat(model=_model(body), messages=out, sampling=_sampling(body))
+    return Chat(model=_model(body), messages=out, sampling=_sampling(body),
+                logprobs=_logprobs(body, chat=True))

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from gateway import logprobs
 from gateway.requests import ApiError, Chat, Completion, Sampling, bad
 from gateway.replicas import ReplicaLinks
 from gateway.routing import ReplicaView, Router
@@ -58,6 +59,11 @@ class Output:
     finish_reason: str  # "stop" or "length"
     replica: str
     timings: dict[str, float] | None = None  # passed_on(): None when ended early (a stop string)
+    # where the request asked for logprobs (gateway/logprobs.py): the scores of `ids`, and with
+    # echo the prompt's tokens and theirs (the first None)
+    scores: list[dict[str, Any] | None] | None = None
+    prompt_ids: list[int] | None = None
+    prompt_scores: list[dict[str, Any] | None] | None = None
 
 
 def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | None:
@@ -200,14 +206,15 @@ class Gateway:
         return req.prompt
 
     async def run(self, req: Completion | Chat,
-                  on_token: Callable[[int], None] | None = None,
+                  on_token: Callable[[int, dict[str, Any] | None], None] | None = None,
                   on_output: Callable[[Output], None] | None = None) -> Output:
         """On the event loop. With `on_token` the replica streams and each token is passed on
         as it arrives; a replica that fails before its first token is replaced by the next
         candidate, one that fails after it raises MidStream. Without stop strings, the output
         (its upstream_ms included) is made in the turn of the loop that reads the replica's
         result, streamed or not, and handed to `on_output` then, with its last tokens (this
-        coroutine returns it a turn later)."""
+        coroutine returns it a turn later). `on_token` gets each token with what its frame
+        carries besides (its logprobs, where asked: docs/protocol.md §13b), else None."""
         target = self.resolve(req.model)
         self.check_prompt_chars(req)
         if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
@@ -249,15 +256,18 @@ class Gateway:
             replica = candidates[0]
             tried.add(replica.address)
             max_new = self._max_new(s, len(ids), replica.max_len, isinstance(req, Chat))
+            lp = req.logprobs
             args = generate_args(ids, adapter=target.adapter, max_new_tokens=max_new,
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                                 stop_token_ids=sorted(stop_ids), min_seq=target.min_seq)
+                                 stop_token_ids=sorted(stop_ids), min_seq=target.min_seq,
+                                 logprobs=lp.top, prompt_logprobs=lp.top if lp.echo else None)
+            frames: list[dict[str, Any]] = []  # the streamed tokens' frames, for a stop string's end
             self.router.sent(replica.address, target.adapter, 1)
             streamed = 0  # tokens the client has seen
             watch = StopWatch(self.codec, s.stop) if s.stop else None
             seen: list[int] = []  # the replica's tokens, to the one that completed a stop string
 
-            def relay(token: int) -> None:
+            def relay(token: int, frame: dict[str, Any]) -> None:
                 nonlocal streamed
                 if not 0 <= token < self.vocab_size:
                     return  # a faulty replica's frame; its result is then a 502 (output_ids_of)
@@ -266,14 +276,23 @@ class Gateway:
                         return  # past a stop string: the request is being cancelled
                     seen.append(token)
                     watch.push(token)
-                if on_token is not None:
+                if lp.top is not None or lp.echo:
+                    frames.append(frame)
+                if on_token is not None and lp.generate:
                     streamed += 1
-                    on_token(token)
+                    if lp.echo and streamed == 1:  # the stream's echo chunk comes first
+                        frame = {**frame, "prompt_ids": ids}
+                    on_token(token, frame if lp.top is not None or lp.echo else None)
 
             def finish(res: dict[str, Any]) -> Output:
                 out = output_ids_of(res, self.vocab_size, replica.id)
-                return self._finish(ids, out, stop_ids, s, replica.id,
+                made = self._finish(ids, out if lp.generate else [], stop_ids, s, replica.id,
                                     passed_on(res, time.perf_counter() - sent))
+                if lp.echo:
+                    made.prompt_ids = ids
+                if lp.top is not None:
+                    self._scored(made, res, replica.id)
+                return made
 
             made: list[Output] = []  # the output, made as the replica's result is read
 
@@ -311,7 +330,18 @@ class Gateway:
             finally:
                 self.router.sent(replica.address, target.adapter, -1)
                 self._room_freed()
-            return made[0] if made else finish(res)
+            if made:
+                return made[0]
+            if frames and "output_ids" in res and "logprobs" not in res:  # ended at a stop string
+                res = {**res, "logprobs": frames, "prompt_logprobs": frames[0].get("prompt_logprobs")}
+            return finish(res)
+
+    def _scored(self, out: Output, res: dict[str, Any], replica: str) -> None:
+        """The replica's logprobs of `out`'s tokens (and with echo of its prompt's), checked."""
+        out.scores = logprobs.scores_of(res, "logprobs", len(out.ids), self.vocab_size, replica)
+        if out.prompt_ids is not None:
+            out.prompt_scores = logprobs.scores_of(res, "prompt_logprobs", len(out.prompt_ids),
+                                                   self.vocab_size, replica)
 
     def _has_room(self, r: ReplicaView) -> bool:
         """Whether `r` takes another of this gateway's requests: under its --client-queue-limit
@@ -346,7 +376,7 @@ class Gateway:
                 w.set_result(None)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
-                        seen: list[int], relay: Callable[[int], None] | None,
+                        seen: list[int], relay: Callable[[int, dict[str, Any]], None] | None,
                         on_result: Callable[[dict[str, Any]], None] | None
                         ) -> dict[str, Any]:
         """The replica's result; with `watch`, ended early (the request cancelled there) once

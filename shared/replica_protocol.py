@@ -9,7 +9,7 @@ clients build their requests with `generate_args` and `slot_args`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, TypedDict
+from typing import Any, Callable, NotRequired, TypedDict
 
 from shared.config import MAX_SEED, MAX_SEQ, PROTOCOL_VERSION
 from shared.protocol import COMMANDS as CONTROL_COMMANDS
@@ -19,6 +19,7 @@ from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, s
 STATUS, SLOT, GENERATE, CANCEL, BLOB = "status", "slot", "generate", "cancel", "blob"
 COMMANDS = (STATUS, SLOT, GENERATE, CANCEL, BLOB)
 MAX_STOP_TOKENS = 64
+MAX_TOP = 20  # top logprobs a token carries at most (OpenAI's limit for `logprobs`/`top_logprobs`)
 
 SLOT_ARGS: Schema = {"slot": Field(int, check=int_range(0, 1 << 20))}
 # `cancel`: the id of a `generate` this client sent (docs/protocol.md §13b)
@@ -30,6 +31,8 @@ BLOB_ARGS: Schema = CONTROL_COMMANDS["blob"]
 GENERATE_DEFAULTS: dict[str, Any] = {
     "adapter": None, "max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0,
     "stop_token_ids": [], "min_seq": 0, "stream": False,
+    # logprobs (docs/protocol.md §13b): off unless sent; k top logprobs per token
+    "logprobs": None, "prompt_logprobs": None,
 }
 
 
@@ -75,6 +78,9 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
         "min_seq": Field(int, required=False, default=d["min_seq"],
                          check=int_range(0, MAX_SEQ)),
         "stream": Field(bool, required=False, default=d["stream"]),
+        "logprobs": Field(int, required=False, default=d["logprobs"], check=int_range(0, MAX_TOP)),
+        "prompt_logprobs": Field(int, required=False, default=d["prompt_logprobs"],
+                                 check=int_range(0, MAX_TOP)),
     }
 
 
@@ -91,6 +97,15 @@ class AdapterVersion(TypedDict):
     version: int
 
 
+class TokenScores(TypedDict):
+    """One token's logprob under the model's own distribution, and its position's k most likely
+    tokens (ids and logprobs, descending; k the request's `logprobs` or `prompt_logprobs`)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class GenerateResult(TypedDict):
     """`generate`'s result."""
 
@@ -99,6 +114,9 @@ class GenerateResult(TypedDict):
     adapter: AdapterVersion | None  # None: the base model
     seq: int  # the replica's applied seq when the request was admitted
     timings: Timings
+    # only where the request asked: each output token's scores; the prompt's (the first None)
+    logprobs: NotRequired[list[TokenScores]]
+    prompt_logprobs: NotRequired[list[TokenScores | None]]
 
 
 class InferenceStatus(TypedDict):
@@ -136,22 +154,31 @@ def generate_args(input_ids: Sequence[int], *, adapter: str | None = None,
                   seed: int = GENERATE_DEFAULTS["seed"],
                   stop_token_ids: Sequence[int] = (),
                   min_seq: int = GENERATE_DEFAULTS["min_seq"],
-                  stream: bool = False) -> dict[str, Any]:
-    """The args of a `generate` request, as a client sends them (`stream` only when set, so
-    replicas that predate it keep accepting what old clients send)."""
-    args = {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "top_p": top_p, "seed": seed,
-            "stop_token_ids": list(stop_token_ids), "min_seq": min_seq}
+                  stream: bool = False, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None) -> dict[str, Any]:
+    """The args of a `generate` request, as a client sends them (`stream`, `logprobs` and
+    `prompt_logprobs` only when set, so replicas that predate them keep accepting what old
+    clients send)."""
+    args: dict[str, Any] = {"adapter": adapter, "input_ids": list(input_ids), "max_new_tokens": max_new_tokens,
+                            "temperature": temperature, "top_p": top_p, "seed": seed,
+                            "stop_token_ids": list(stop_token_ids), "min_seq": min_seq}
     if stream:
         args["stream"] = True
+    if logprobs is not None:
+        args["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        args["prompt_logprobs"] = prompt_logprobs
     return args
 
 
-def token_frame(req_id: str | None, index: int, token: int) -> dict[str, Any]:
+def token_frame(req_id: str | None, index: int, token: int,
+                scores: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed token of a `generate` with `stream: true` (docs/protocol.md §13b): `ok`
-    with `token` instead of `result`; the final frame is the usual reply."""
+    with `token` instead of `result`; the final frame is the usual reply. `scores`: the
+    token's `TokenScores` fields where the request asked for logprobs, and on the first
+    token the prompt's `prompt_logprobs`."""
     return {"v": PROTOCOL_VERSION, "id": req_id, "ok": True,
-            "token": {"index": index, "id": token}}
+            "token": {"index": index, "id": token} if scores is None else {"index": index, "id": token, **scores}}
 
 
 def slot_args(slot: int) -> dict[str, Any]:

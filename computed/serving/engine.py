@@ -13,7 +13,9 @@ decodes together with every other running request. It leaves the batch when it h
 max_new_tokens, a stop token or the cache's end. Sampling happens on the host
 from each step's logits: greedy at temperature 0, else temperature and top-p
 with the request's own seeded generator, so a request's output does not depend
-on what else is in the batch.
+on what else is in the batch. A request that asks for `logprobs` gets each token's from the
+raw logits before sampling (computed/model/scores.py), and with `prompt_logprobs` its prompt's
+from prefill (computed/serving/prefill.py); the rows that did not ask pay nothing.
 """
 from __future__ import annotations
 
@@ -25,12 +27,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from computed.serving.logprobs import scored
 from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
 from computed.serving.prefill import Prefills
 from computed.serving.prefix_cache import Hit
 from shared.protocol import ProtocolError, validate
-from shared.replica_protocol import GenerateResult, InferenceStatus, generate_schema
+from shared.replica_protocol import GenerateResult, InferenceStatus, TokenScores, generate_schema
 
 
 class Model(Protocol):
@@ -76,6 +79,11 @@ class Running:
     hit: Hit | None = None  # its prompt's prefix-cache lookup, until its blocks are saved
     prefill_s: float = 0.0
     residency_s: float = 0.0  # from first having a row to holding its slot (Request.eligible)
+    # what a request that asked for logprobs gets (computed/model/scores.py): each output
+    # token's, and its prompt's (the first token's None) once prefilled
+    scores: list[TokenScores] = field(default_factory=list)
+    prompt_scores: list[TokenScores | None] | None = None
+    hidden: list[np.ndarray] = field(default_factory=list)  # its prompt's hidden states so far
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,8 @@ class Engine:
         self._fetch: Fetching | None = None  # a request of this pass waits for its fetch
         # called with (request, index, token) for each token of a request that asked for
         # `stream` (the daemon sends it on at once); the final reply is the usual Done
-        self.on_token: Callable[[Request, int, int], None] | None = None
+        # (and the token's scores where it asked for logprobs, the first with its prompt's too)
+        self.on_token: Callable[[Request, int, int, dict[str, Any] | None], None] | None = None
 
     def warmup(self, *, stop: Callable[[], bool] = lambda: False,
                pause: Callable[[Callable[[], bool]], None] | None = None,
@@ -296,14 +305,29 @@ class Engine:
     def _emit(self, r: Running, logits: np.ndarray, done: list[Done]) -> None:
         """Record the token sampled from `logits`; finish the request when it is done."""
         a = r.req.args
+        k = a["logprobs"]
+        raw = None if k is None else logits.copy()  # the model's own distribution, before sampling
         token = sample(logits, a["temperature"], a["top_p"], r.rng)
         r.output.append(token)
         r.next_token = token
+        if raw is not None:
+            r.scores.append(scored(raw, token, k))
         if a["stream"] and self.on_token is not None:
-            self.on_token(r.req, len(r.output) - 1, token)
+            self.on_token(r.req, len(r.output) - 1, token, self._token_scores(r))
         if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
                 or r.position >= self.model.max_len):
             self._finish(r, done)
+
+    @staticmethod
+    def _token_scores(r: Running) -> dict[str, Any] | None:
+        """What a streamed token frame carries besides the token (docs/protocol.md §13b): its
+        scores where the request asked for logprobs, and with the first its prompt's."""
+        out: dict[str, Any] = {}
+        if r.req.args["logprobs"] is not None:
+            out.update(r.scores[-1])
+        if len(r.output) == 1 and r.prompt_scores is not None:
+            out["prompt_logprobs"] = r.prompt_scores
+        return out or None
 
     def _finish(self, r: Running, done: list[Done]) -> None:
         self.rows[r.row] = None
@@ -319,6 +343,10 @@ class Engine:
                         "decode_ms": (now - r.admitted - r.prefill_s) * 1e3,
                         "total_ms": (now - r.req.arrived) * 1e3,
                         "residency_ms": r.residency_s * 1e3}}
+        if r.req.args["logprobs"] is not None:
+            result["logprobs"] = r.scores
+        if r.prompt_scores is not None:
+            result["prompt_logprobs"] = r.prompt_scores
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))
 
     def _admit(self, done: list[Done], intake: Callable[[], object] | None = None) -> None:
