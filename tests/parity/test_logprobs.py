@@ -170,6 +170,11 @@ def test_streamed_logprobs_equal_the_whole_answers(setup: Setup) -> None:
     assert np.allclose(got[1:], whole.token_logprobs[1:], atol=1e-6)
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == whole.tokens
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == whole.text_offset
+    # the prompt alone, streamed: one chunk with its text and logprobs, then the finish
+    alone = list(completion(setup, "chat", prompt, max_tokens=0, logprobs=2, echo=True, stream=True))
+    assert alone[0].choices[0].text == setup.tok.decode(prompt, skip_special_tokens=True)
+    assert alone[0].choices[0].logprobs.token_logprobs == whole.token_logprobs[:len(prompt)]
+    assert "".join(c.choices[0].text for c in alone if c.choices) == alone[0].choices[0].text
 
 
 @pytest.mark.parametrize("stream", [False, True])
