@@ -77,12 +77,14 @@ class Prefills:
         if budget is not None and budget <= 0:
             return out
         for run in self.waiting:
+            if budget is not None and budget <= 0:  # the first piece may overspend it
+                break
             left = len(run.req.args["input_ids"]) - run.prefilled
             if self.chunk and left > self.chunk:
                 left = self.chunk
             if budget is not None:
-                if left > budget:
-                    left = budget // BLOCK_TOKENS * BLOCK_TOKENS or (BLOCK_TOKENS if not out else 0)
+                if left > budget:  # never past the prompt's end (a rest under 16 tokens)
+                    left = min(left, budget // BLOCK_TOKENS * BLOCK_TOKENS or (BLOCK_TOKENS if not out else 0))
                 if not left:
                     break
                 budget -= left
