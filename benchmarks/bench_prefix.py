@@ -77,7 +77,7 @@ class Clock:
     sent: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, list[float]] = field(default_factory=dict)
 
-    def on_token(self, req: Request, index: int, token: int, choice: int = 0) -> None:
+    def on_token(self, req: Request, index: int, token: int, choice: int = 0, scores: Any = None) -> None:
         self.tokens.setdefault(req.req_id, []).append(time.perf_counter())
 
     def send(self, engine: Engine, req_id: str, args: dict[str, Any]) -> None:

@@ -224,9 +224,11 @@ class Daemon:
         while self.blob_server.replies.poll(0):
             self.replies.send(self.blob_server.replies.recv_multipart(copy=False))
 
-    def _token(self, req: Request, index: int, token: int, choice: int) -> None:
+    def _token(self, req: Request, index: int, token: int, choice: int,
+               scores: dict[str, Any] | None) -> None:
         """One token of a streaming `generate`, sent as soon as it is sampled."""
-        self.replies.send(req.reply_to + [pack(token_frame(req.req_id, index, token, choice))])
+        self.replies.send(req.reply_to + [pack(token_frame(req.req_id, index, token, choice,
+                                                           scores))])
 
     def _send(self, done: list[Done]) -> None:
         for d in done:

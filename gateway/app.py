@@ -18,14 +18,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import admin
+from gateway import admin, logprobs
 from gateway.auth import OPERATOR_KEY_WITHOUT_AUTH, Operator, may_change_log, operator_of
 from gateway.crosssite import SameOrigin
 from gateway.metrics import UNRESOLVED, Metrics
 from gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion, parse_chat,
                               parse_completion, parse_json)
 from gateway.service import Gateway, Output
-from gateway.streaming import Chunks, EventStream, Inbox, StreamText, TokenGate, events, usage
+from gateway.streaming import (Chunks, EventStream, Inbox, ScoredChunks, StreamText, TokenGate, events,
+                               usage)
 from gateway.tools import ToolStream
 from shared.config import GATEWAY_BODY_TIMEOUT_S
 from shared.keys import ClientKeys
@@ -192,14 +193,15 @@ class Endpoints:
         self.record(label, endpoint, started, out)
         choices: list[dict[str, Any]] = []
         for index, one in enumerate(out.choices):
-            choice: dict[str, Any] = {"index": index, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "logprobs": logprobs.choice(gw.codec, req, one),
                                       "finish_reason": one.finish_reason}
-            if chat:
+            if isinstance(req, Chat):
                 choice["message"] = {"role": "assistant", "content": one.text}
                 if one.tool_calls:
                     choice["message"].update(content=one.text or None, tool_calls=one.tool_calls)
             else:
-                choice["text"] = one.text
+                echo = logprobs.echoed(gw.codec, req, one.prompt_ids or []) if req.logprobs.echo else ""
+                choice["text"] = echo + one.text
             choices.append(choice)
         body = {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": choices, "usage": usage(out)}
@@ -216,8 +218,11 @@ class Endpoints:
         gw, metrics, pending = self.gw, self.metrics, self.pending
         queue = Inbox(self.gate)
 
-        def token(choice: int, t: int) -> None:
-            queue.put(("token", (choice, t) if choice else t))  # n > 1: the others' name it
+        def token(choice: int, t: int, frame: dict[str, Any] | None) -> None:
+            if frame is not None:  # logprobs: choice 0's (they do not stream with n > 1)
+                queue.put(("scored", (t, frame)))
+            else:  # n > 1: the other choices' name theirs
+                queue.put(("token", (choice, t) if choice else t))
 
         def output(out: Output) -> None:
             """The output, in the turn of the loop that read it with the last tokens: the
@@ -255,7 +260,9 @@ class Endpoints:
         if first[0] == "error":
             return error_response(first[1])
         texts = [StreamText(gw.codec, stop_ids, req.sampling.stop) for _ in range(req.sampling.n)]
-        chunks = Chunks(head, chat, req.sampling.include_usage)
+        chunks = Chunks(head, chat, req.sampling.include_usage,
+                        None if req.logprobs.top is None and not req.logprobs.echo else
+                        ScoredChunks(gw.codec, req, gw.vocab_size))
         tools = gw.tools_of(req)
         calls = [] if tools is None or gw.tool_format is None else \
             [ToolStream(gw.tool_format, tools.forced) for _ in texts]

@@ -45,7 +45,7 @@ class _Link:
         connect(self.sock, address)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.req_id = ""
-        self.on_token: Callable[[int, int], None] | None = None  # (choice, token)
+        self.on_token: Callable[[int, int, dict[str, Any]], None] | None = None  # (choice, token, frame)
         self.on_result: Callable[[dict[str, Any]], None] | None = None
         self.streamed = 0  # choice 0's tokens so far
         self.streamed_by: dict[int, int] = {}  # the other choices' (n > 1)
@@ -56,7 +56,7 @@ class _Link:
         """The connection dropped since the link was last used."""
         return bool(self.monitor.poll(0))
 
-    def start(self, req_id: str, on_token: Callable[[int, int], None] | None,
+    def start(self, req_id: str, on_token: Callable[[int, int, dict[str, Any]], None] | None,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.req_id, self.on_token, self.on_result, self.streamed = req_id, on_token, on_result, 0
@@ -123,11 +123,11 @@ class _Link:
                 if choice is None:
                     if token.get("index") == self.streamed:
                         self.streamed += 1
-                        self.on_token(0, token["id"])
+                        self.on_token(0, token["id"], token)
                 elif type(choice) is int and 0 < choice and \
                         token.get("index") == self.streamed_by.get(choice, 0):
                     self.streamed_by[choice] = token["index"] + 1
-                    self.on_token(choice, token["id"])
+                    self.on_token(choice, token["id"], token)
                 continue
             try:
                 reply = unpack(raw, max_bytes=MAX_WIRE_BYTES)
@@ -191,7 +191,8 @@ class ReplicaLinks:
             link.close()
 
     async def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
-                       timeout_s: float, on_token: Callable[[int, int], None] | None = None,
+                       timeout_s: float,
+                       on_token: Callable[[int, int, dict[str, Any]], None] | None = None,
                        on_result: Callable[[dict[str, Any]], None] | None = None
                        ) -> dict[str, Any]:
         """The replica's result; RemoteError for its refusal, Unavailable when it cannot be

@@ -67,9 +67,8 @@ FIELDS: dict[str, frozenset[str]] = {
 }
 # Fields of FIELDS this gateway does not implement yet: refused (400 naming them) unless null or
 # the value that asks for nothing (NEUTRAL). The change that implements one deletes it here.
-NOT_YET = {"logprobs", "echo", "top_logprobs", "parallel_tool_calls"}
+NOT_YET = {"parallel_tool_calls"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,), "echo": (False,),
     # true is what the gateway does (a model may call several tools); false is refused
     "parallel_tool_calls": (True,),
 }
@@ -136,12 +135,27 @@ class Sampling:
                 "logit_bias": [list(p) for p in self.logit_bias], "min_tokens": self.min_tokens}
 
 
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's API (shared/replica_protocol.py MAX_TOP)
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """What a request asks of logprobs (gateway/logprobs.py): `top` most likely tokens per
+    position (None: no logprobs), the prompt's text and logprobs first (`echo`, completions), and
+    whether to generate at all (False: max_tokens 0 with echo, the prompt alone)."""
+
+    top: int | None = None
+    echo: bool = False
+    generate: bool = True
+
+
 @dataclass(frozen=True)
 class Completion:
     model: str
     prompt: str | list[int]  # text, or token ids
     sampling: Sampling
     grammar: Grammar | None = None  # structured outputs (gateway/structured.py)
+    logprobs: Logprobs = Logprobs()
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,40 @@ class Chat:
     sampling: Sampling
     grammar: Grammar | None = None  # structured outputs, or a forced tool call's
     tools: Tools | None = None  # the functions it may call (gateway/tools.py)
+    logprobs: Logprobs = Logprobs()
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> Logprobs:
+    """Completions' `logprobs` (0-20) and `echo`; chat's `logprobs` (true/false) and
+    `top_logprobs` (0-20, with `logprobs` true). Completions' `max_tokens` 0 asks for the
+    prompt alone, with `echo` only."""
+    def flag(name: str) -> bool:
+        v = body.get(name, False)
+        if not isinstance(v, bool) and v is not None:
+            raise bad(f"{name} must be true or false", name)
+        return bool(v)
+    if chat:
+        wanted = flag("logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not wanted:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return Logprobs(top=(top or 0) if wanted else None)
+    top = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    echo = flag("echo")
+    generate = body.get("max_tokens") != 0 or type(body.get("max_tokens")) is not int
+    if not generate and not echo:
+        raise bad("max_tokens must be at least 1 (0 asks for the prompt alone, with echo: true)",
+                  "max_tokens")
+    return Logprobs(top=top, echo=echo, generate=generate)
+
+
+def _streamable(sampling: Sampling, logprobs: Logprobs, chat: bool) -> None:
+    """A 400 for logprobs or echo on a stream of several choices, which this gateway does not
+    stream (each choice's would need its own chunks); send stream: false or n: 1."""
+    if sampling.stream and sampling.n > 1 and (logprobs.top is not None or logprobs.echo):
+        name = "logprobs" if logprobs.top is not None else "echo"
+        raise bad(f"{name} with n > 1 does not stream here; send stream: false (or n: 1)",
+                  name if not chat else "logprobs")
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -351,7 +399,11 @@ def parse_completion(body: dict[str, Any]) -> Completion:
                   "(one prompt per request)", "prompt")
     from gateway.structured import parse_structured
     structured = parse_structured(body)
-    return Completion(model=_model(body), prompt=parsed, sampling=_sampling(body),
+    logprobs = _logprobs(body, chat=False)
+    # max_tokens 0 (the prompt alone): the replica generates one token, which is not answered
+    sampling = _sampling(body if logprobs.generate else {**body, "max_tokens": 1})
+    _streamable(sampling, logprobs, chat=False)
+    return Completion(model=_model(body), prompt=parsed, sampling=sampling, logprobs=logprobs,
                       grammar=None if structured is None else structured[0])
 
 
@@ -393,5 +445,8 @@ def parse_chat(body: dict[str, Any]) -> Chat:
     if structured is not None and tools is not None and tools.forced:
         raise bad(f"{structured[1]} and a forced tool_choice each constrain the answer: send "
                   "one of them", "tool_choice")
-    return Chat(model=_model(body), messages=out, sampling=_sampling(body),
-                grammar=None if structured is None else structured[0], tools=tools)
+    sampling, logprobs = _sampling(body), _logprobs(body, chat=True)
+    _streamable(sampling, logprobs, chat=True)
+    return Chat(model=_model(body), messages=out, sampling=sampling,
+                grammar=None if structured is None else structured[0], tools=tools,
+                logprobs=logprobs)

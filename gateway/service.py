@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from gateway import logprobs
 from gateway.requests import ApiError, Chat, Completion, Sampling, bad
 from gateway.replicas import ReplicaLinks
 from gateway.routing import ReplicaView, Router
@@ -63,6 +64,13 @@ class Output:
     replica: str
     timings: dict[str, float] | None = None  # passed_on(): None when ended early (a stop string)
     others: list[Output] = field(default_factory=list)  # choices 1 .. n-1 (n > 1)
+    # OpenAI's tool_calls parsed from the answer (`text` is then the content before them)
+    tool_calls: list[dict[str, Any]] | None = None
+    # where the request asked for logprobs (gateway/logprobs.py): the scores of `ids`, and with
+    # echo the prompt's tokens and theirs (the first None)
+    scores: list[dict[str, Any] | None] | None = None
+    prompt_ids: list[int] | None = None
+    prompt_scores: list[dict[str, Any] | None] | None = None
 
     @property
     def choices(self) -> list[Output]:
@@ -73,8 +81,6 @@ class Output:
     def all_completion_tokens(self) -> int:
         """Usage's completion_tokens: every returned choice's."""
         return self.completion_tokens + sum(o.completion_tokens for o in self.others)
-    # OpenAI's tool_calls parsed from the answer (`text` is then the content before them)
-    tool_calls: list[dict[str, Any]] | None = None
 
 
 def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | None:
@@ -254,14 +260,15 @@ class Gateway:
         return req.prompt
 
     async def run(self, req: Completion | Chat,
-                  on_token: Callable[[int, int], None] | None = None,
+                  on_token: Callable[[int, int, dict[str, Any] | None], None] | None = None,
                   on_output: Callable[[Output], None] | None = None) -> Output:
         """On the event loop. With `on_token` the replica streams and each token is passed on
         as it arrives, as (choice, token); a replica that fails before its first token is replaced by the next
         candidate, one that fails after it raises MidStream. Without stop strings, the output
         (its upstream_ms included) is made in the turn of the loop that reads the replica's
         result, streamed or not, and handed to `on_output` then, with its last tokens (this
-        coroutine returns it a turn later)."""
+        coroutine returns it a turn later). `on_token` gets each token with what its frame
+        carries besides (its logprobs, where asked: docs/protocol.md §13b), else None."""
         target = self.resolve(req.model)
         self.check_prompt_chars(req)
         if prompt_chars(req) > INLINE_PROMPT_CHARS:  # long text: tokenize off the loop
@@ -312,17 +319,20 @@ class Gateway:
             replica = candidates[0]
             tried.add(replica.address)
             max_new = self._max_new(s, len(ids), replica.max_len, isinstance(req, Chat))
+            lp = req.logprobs
             args = generate_args(ids, adapter=target.adapter, max_new_tokens=max_new,
                                  temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                  stop_token_ids=sorted(stop_ids), min_seq=target.min_seq,
                                  grammar=None if grammar is None else grammar.wire(),
+                                 logprobs=lp.top, prompt_logprobs=lp.top if lp.echo else None,
                                  **s.replica_args())
+            frames: list[dict[str, Any]] = []  # the streamed tokens' frames, for a stop string's end
             self.router.sent(replica.address, target.adapter, s.rows)
             streamed = 0  # tokens the client has seen
             watch = StopWatch(self.codec, stops) if stops else None
             seen: list[int] = []  # the replica's tokens, to the one that completed a stop string
 
-            def relay(choice: int, token: int) -> None:
+            def relay(choice: int, token: int, frame: dict[str, Any]) -> None:
                 nonlocal streamed
                 if not 0 <= token < self.vocab_size:
                     return  # a faulty replica's frame; its result is then a 502 (output_ids_of)
@@ -331,19 +341,33 @@ class Gateway:
                         return  # past a stop string: the request is being cancelled
                     seen.append(token)
                     watch.push(token)
-                if on_token is not None:
+                if (lp.top is not None or lp.echo) and not choice:
+                    frames.append(frame)
+                if on_token is not None and lp.generate:
                     streamed += 1
-                    on_token(choice, token)
+                    if lp.echo and not choice and frame.get("index") == 0:  # the echo chunk first
+                        frame = {**frame, "prompt_ids": ids}
+                    on_token(choice, token, frame if lp.top is not None or lp.echo else None)
 
             def finish(res: dict[str, Any]) -> Output:
                 out = output_ids_of(res, self.vocab_size, replica.id)
-                first = self._finish(ids, out, stop_ids, s, replica.id,
+                first = self._finish(ids, out if lp.generate else [], stop_ids, s, replica.id,
                                      passed_on(res, time.perf_counter() - sent),
                                      grammar_done=res.get("finish") == "grammar", tools=tools)
+                if lp.echo:
+                    first.prompt_ids = ids
+                if lp.top is not None:
+                    self._scored(first, res, replica.id)
                 if s.n > 1:
+                    got = self._choices(res, s.n, replica.id)
                     first.others = [self._finish(ids, more, stop_ids, s, replica.id, None,
                                                  grammar_done=ended, tools=tools)
-                                    for more, ended in self._choices(res, s.n, replica.id)[1:]]
+                                    for more, ended in got[1:]]
+                    for o, c in zip(first.others, res["choices"][1:]):
+                        if lp.top is not None:
+                            self._scored(o, c, replica.id)
+                        if lp.echo:  # every choice echoes the one prompt
+                            o.prompt_ids, o.prompt_scores = ids, first.prompt_scores
                 return first
 
             made: list[Output] = []  # the output, made as the replica's result is read
@@ -385,7 +409,18 @@ class Gateway:
             finally:
                 self.router.sent(replica.address, target.adapter, -s.rows)
                 self._room_freed()
-            return made[0] if made else finish(res)
+            if made:
+                return made[0]
+            if frames and "output_ids" in res and "logprobs" not in res:  # ended at a stop string
+                res = {**res, "logprobs": frames, "prompt_logprobs": frames[0].get("prompt_logprobs")}
+            return finish(res)
+
+    def _scored(self, out: Output, res: dict[str, Any], replica: str) -> None:
+        """The replica's logprobs of `out`'s tokens (and with echo of its prompt's), checked."""
+        out.scores = logprobs.scores_of(res, "logprobs", len(out.ids), self.vocab_size, replica)
+        if out.prompt_ids is not None:
+            out.prompt_scores = logprobs.scores_of(res, "prompt_logprobs", len(out.prompt_ids),
+                                                   self.vocab_size, replica)
 
     def _choices(self, res: dict[str, Any], n: int, replica: str) -> list[tuple[list[int], bool]]:
         """The output ids of a result's n choices (docs/protocol.md `generate`, `choices`), each
@@ -440,7 +475,7 @@ class Gateway:
                 w.set_result(None)
 
     async def _generate(self, address: str, args: dict[str, Any], watch: StopWatch | None,
-                        seen: list[int], relay: Callable[[int, int], None] | None,
+                        seen: list[int], relay: Callable[[int, int, dict[str, Any]], None] | None,
                         on_result: Callable[[dict[str, Any]], None] | None
                         ) -> dict[str, Any]:
         """The replica's result; with `watch`, ended early (the request cancelled there) once

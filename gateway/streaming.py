@@ -14,14 +14,17 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.requests import ApiError
+from gateway import logprobs
+from gateway.requests import ApiError, Chat, Completion
 from gateway.service import Output
 from gateway.tools import ToolStream
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
 # what the request hands its event stream: ("token", id) (choice 0's; another choice's:
-# ("token", (choice, id))), ("done", Output) or ("error", ApiError)
+# ("token", (choice, id))), ("scored", (id, its frame: with logprobs, docs/protocol.md §13b);
+# choice 0's: logprobs do not stream with n > 1), ("done", Output) or ("error", ApiError)
 Item = tuple[str, Any]
+TOKENS = ("token", "scored")
 
 
 class Inbox:
@@ -45,7 +48,7 @@ class Inbox:
         self.items.append(item)
         if self.waiter is None:
             return
-        if item[0] == "token":
+        if item[0] in TOKENS:
             self.gate.later(self)
         else:
             self.wake()
@@ -136,23 +139,65 @@ def usage(out: Output) -> dict[str, int]:
             "total_tokens": out.prompt_tokens + done}
 
 
+class ScoredChunks:
+    """The logprobs of a stream that asked for them (gateway/logprobs.py), chunk by chunk: each
+    token's with its chunk, and with `echo` a first chunk of the prompt's text and logprobs
+    (sent before the first token's, or before the finish where no token is answered)."""
+
+    def __init__(self, codec: TextCodec, req: Completion | Chat, vocab_size: int) -> None:
+        self.codec, self.req, self.vocab_size = codec, req, vocab_size
+        self.offset = 0  # text_offset of the next token
+        self.echoed = not req.logprobs.echo
+
+    def opening(self, prompt_ids: Sequence[int] | None,
+                prompt_scores: Sequence[dict[str, Any] | None] | None) -> tuple[str, dict[str, Any] | None] | None:
+        """The echo chunk's (text, logprobs), once; None when there is none (left)."""
+        if self.echoed or prompt_ids is None or not isinstance(self.req, Completion):
+            return None
+        self.echoed = True
+        text = logprobs.echoed(self.codec, self.req, prompt_ids)
+        if self.req.logprobs.top is None or prompt_scores is None:
+            self.offset = len(text)
+            return text, None
+        lp = logprobs.completion(self.codec, prompt_ids, prompt_scores, 0)
+        self.offset = sum(len(t) for t in lp["tokens"])
+        return text, lp
+
+    def token(self, token: int, frame: dict[str, Any]) -> dict[str, Any] | None:
+        """A token's chunk's logprobs, from its frame (None where not asked)."""
+        if self.req.logprobs.top is None or "logprob" not in frame:
+            return None
+        try:
+            scores = [logprobs.checked(frame, self.vocab_size, "")]
+        except ApiError:  # a faulty replica's frame: its result is then a 502
+            return None
+        if isinstance(self.req, Chat):
+            return {"content": logprobs.chat_entries(self.codec, [token], scores)}
+        lp = logprobs.completion(self.codec, [token], scores, self.offset)
+        self.offset += len(lp["tokens"][0])
+        return lp
+
+
 class Chunks:
     """The `data:` events of one stream, as bytes. A token's chunk differs from the next only
     by its text, so it is a template filled with the text's JSON string: one json.dumps of a
-    short string per token instead of a whole body (the bytes are the same)."""
+    short string per token instead of a whole body (the bytes are the same); a chunk with
+    logprobs (`scored`) is made whole."""
 
-    def __init__(self, head: dict[str, Any], chat: bool, include_usage: bool) -> None:
-        self.head, self.chat, self.include_usage = head, chat, include_usage
+    def __init__(self, head: dict[str, Any], chat: bool, include_usage: bool,
+                 scored: ScoredChunks | None = None) -> None:
+        self.head, self.chat, self.include_usage, self.scored = head, chat, include_usage, scored
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         hole = json.dumps(_HOLE)
         parts = self._event(_HOLE, None, False).split(hole.encode())
         # a model name holding the hole's 32 random hex digits would need the slow way
         self.template = (parts[0], parts[1]) if len(parts) == 2 else None
 
-    def token(self, text: str, index: int = 0) -> bytes:
-        """Choice `index`'s piece of text (only choice 0's chunk comes from the template)."""
-        if self.template is None or index:
-            return self._event(text, None, False, index=index)
+    def token(self, text: str, index: int = 0, lp: dict[str, Any] | None = None) -> bytes:
+        """Choice `index`'s piece of text (only choice 0's chunk without logprobs comes from the
+        template)."""
+        if self.template is None or index or lp is not None:
+            return self._event(text, None, False, index=index, logprobs=lp)
         return b"%s%s%s" % (self.template[0], json.dumps(text).encode(), self.template[1])
 
     def first(self, index: int = 0) -> bytes:
@@ -172,9 +217,16 @@ class Chunks:
     def usage(self, out: Output) -> bytes:
         return _data({**self.head, "object": self.obj, "choices": [], "usage": usage(out)})
 
+    def opening(self, prompt_ids: Sequence[int] | None,
+                prompt_scores: Sequence[dict[str, Any] | None] | None) -> list[bytes]:
+        """The echo chunk, where there is one still to send."""
+        got = None if self.scored is None else self.scored.opening(prompt_ids, prompt_scores)
+        return [] if got is None else [self._event(got[0], None, False, logprobs=got[1])]
+
     def _event(self, text: str | None, finish: str | None, role: bool,
                timings: dict[str, float] | None = None, index: int = 0,
-               tool_calls: list[dict[str, Any]] | None = None) -> bytes:
+               tool_calls: list[dict[str, Any]] | None = None,
+               logprobs: dict[str, Any] | None = None) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -184,7 +236,7 @@ class Chunks:
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         body = {**self.head, "object": self.obj, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
@@ -284,8 +336,19 @@ async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
                             piece = calling.push(piece)
                         if piece or calling is None:
                             out.append(chunks.token(piece, index))
+                elif kind == "scored":  # choice 0's (n is 1)
+                    t, frame = value
+                    out += chunks.opening(frame.get("prompt_ids"), frame.get("prompt_logprobs"))
+                    if t not in text.stop_ids:
+                        piece, calling = text.push(t), tools[0]
+                        if calling is not None:
+                            piece = calling.push(piece)
+                        lp = None if chunks.scored is None else chunks.scored.token(t, frame)
+                        if piece or calling is None or lp is not None:
+                            out.append(chunks.token(piece, 0, lp))
                 elif kind == "done":
                     o: Output = value
+                    out += chunks.opening(o.prompt_ids, o.prompt_scores)
                     for index, (t, one) in enumerate(zip(texts, o.choices)):
                         calling = tools[index]
                         rest = t.rest(one.text) if calling is None else one.text[calling.released:]
@@ -296,7 +359,7 @@ async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
                 else:
                     err: ApiError = value
                     out.append(_data(err.body()))
-                if kind != "token":
+                if kind not in TOKENS:
                     ended = True
                     yield b"".join(out), True
                     return

@@ -20,6 +20,7 @@ from shared.protocol import (REQUEST, Field, ProtocolError, Schema, int_range, s
 STATUS, SLOT, GENERATE, CANCEL, BLOB = "status", "slot", "generate", "cancel", "blob"
 COMMANDS = (STATUS, SLOT, GENERATE, CANCEL, BLOB)
 MAX_STOP_TOKENS = 64
+MAX_TOP = 20  # top logprobs a token carries at most (OpenAI's limit for `logprobs`/`top_logprobs`)
 
 SLOT_ARGS: Schema = {"slot": Field(int, check=int_range(0, 1 << 20))}
 # `cancel`: the id of a `generate` this client sent (docs/protocol.md §13b)
@@ -37,6 +38,8 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     # choices: `n` returned, of `best_of` generated (None: n), ranked by cumulative logprob
     "n": 1, "best_of": None,
     "grammar": None,  # the output constrained to a grammar (shared/grammar.py): {kind, spec}
+    # logprobs (docs/protocol.md §13b): off unless sent; k top logprobs per token
+    "logprobs": None, "prompt_logprobs": None,
 }
 MAX_LOGIT_BIAS = 1024  # (token, bias) pairs per request
 MAX_CHOICES = 256  # n and best_of (each choice also needs a batch row: --max-batch)
@@ -117,6 +120,9 @@ def generate_schema(vocab_size: int, max_len: int) -> dict[str, Field]:
                          check=int_range(1, MAX_CHOICES)),
         # the output constrained to a grammar (shared/grammar.py): {kind, spec}
         "grammar": Field(dict, required=False, default=d["grammar"], check=check_wire),
+        "logprobs": Field(int, required=False, default=d["logprobs"], check=int_range(0, MAX_TOP)),
+        "prompt_logprobs": Field(int, required=False, default=d["prompt_logprobs"],
+                                 check=int_range(0, MAX_TOP)),
     }
 
 
@@ -133,12 +139,22 @@ class AdapterVersion(TypedDict):
     version: int
 
 
+class TokenScores(TypedDict):
+    """One token's logprob under the model's own distribution, and its position's k most likely
+    tokens (ids and logprobs, descending; k the request's `logprobs` or `prompt_logprobs`)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class Choice(TypedDict):
     """One of the choices of a `generate` with n or best_of above 1."""
 
     output_ids: list[int]
     cumulative_logprob: float | None  # of its sampled tokens (the model's own); null unless best_of > n
     finish: NotRequired[str]  # "grammar": its grammar was done (no eos token ends it)
+    logprobs: NotRequired[list[TokenScores]]  # where the request asked: each output token's
 
 
 class GenerateResult(TypedDict, total=False):
@@ -151,6 +167,10 @@ class GenerateResult(TypedDict, total=False):
     timings: Required[Timings]
     choices: list[Choice]
     finish: str  # "grammar": its (first choice's) grammar was done (no eos token ends it)
+    # only where the request asked: each output token's scores (with choices: the first's); the
+    # prompt's (the first None)
+    logprobs: list[TokenScores]
+    prompt_logprobs: list[TokenScores | None]
 
 
 class InferenceStatus(TypedDict):
@@ -205,13 +225,18 @@ def generate_args(input_ids: Sequence[int], *, adapter: str | None = None,
     return args
 
 
-def token_frame(req_id: str | None, index: int, token: int, choice: int = 0) -> dict[str, Any]:
+def token_frame(req_id: str | None, index: int, token: int, choice: int = 0,
+                scores: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed token of a `generate` with `stream: true` (docs/protocol.md §13b): `ok`
     with `token` instead of `result`; the final frame is the usual reply. With n above 1 each
-    token names its `choice`, and `index` counts that choice's tokens."""
-    token_of: dict[str, int] = {"index": index, "id": token}
+    token names its `choice`, and `index` counts that choice's tokens. `scores`: the token's
+    `TokenScores` fields where the request asked for logprobs, and on the first token the
+    prompt's `prompt_logprobs`."""
+    token_of: dict[str, Any] = {"index": index, "id": token}
     if choice:
         token_of["choice"] = choice
+    if scores is not None:
+        token_of.update(scores)
     return {"v": PROTOCOL_VERSION, "id": req_id, "ok": True, "token": token_of}
 
 

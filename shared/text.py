@@ -111,6 +111,10 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, a special token's too (what logprobs name a token by)."""
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of a chat, as apply_chat_template(tokenize=False) renders it."""

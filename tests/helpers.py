@@ -235,6 +235,20 @@ class HFReference:
                     return self._loop(self.peft_model, ids, n)
             return self._loop(model, ids, n)
 
+    def log_softmax(self, adapter_dir: Path | None, ids: list[int]) -> Any:
+        """log_softmax of the logits after each of `ids` (numpy [len(ids), vocab] float32): what
+        the token after position i scores as row i."""
+        torch = self.torch
+        model = self._select(adapter_dir)
+        with torch.no_grad():
+            if model is None:
+                assert self.peft_model is not None
+                with self.peft_model.disable_adapter():
+                    logits = self.peft_model(torch.tensor([ids])).logits[0]  # type: ignore[operator]
+            else:
+                logits = model(torch.tensor([ids])).logits[0]  # type: ignore[operator]
+        return torch.log_softmax(logits.float(), dim=-1).numpy()
+
     def _loop(self, model: object, ids: list[int], n: int) -> list[int]:
         torch = self.torch
         out = []

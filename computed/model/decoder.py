@@ -26,7 +26,8 @@ donating the cache so it is updated in place:
   padded to one bucket length P, prompt i with LoRA slot `slots[i]`; writes K/V of positions
   [0, P) of cache row `rows[i]` (positions from `lengths[i]` on hold padding, overwritten by
   decode before they are ever read) and returns each prompt's logits after its token
-  `lengths[i] - 1`. The LoRA terms group the n * P tokens by slot, as a decode step's rows.
+  `lengths[i] - 1`, and the final normed hidden states of every position `[n, P, hidden]` (for
+  prompt logprobs, computed/model/scores.py; unread, they cost a buffer, not a transfer). The LoRA terms group the n * P tokens by slot, as a decode step's rows.
 - `extend_jit(params, lora_pool, cache, tokens[n, C], starts[n], lengths[n], rows[n], slots[n])`:
   chunks that continue rows from positions starts[i] (multiples of 16): after a prefix-cache hit,
   and for the second and later chunks of a long prompt (computed/serving/prefill.py).
@@ -163,6 +164,7 @@ def _embed(params: DecoderParams, tokens: jax.Array) -> jax.Array:
 
 
 def _logits(params: DecoderParams, h: jax.Array) -> jax.Array:
+    """The LM head over final normed hidden states `h [..., hidden]`: float32 logits [..., vocab]."""
     config = params.config
     if params.lm_head is None:
         logits = jnp.einsum("...h,vh->...v", h, params.embed)
@@ -218,7 +220,7 @@ def _decoder(params: DecoderParams, tokens: jax.Array, positions: jax.Array, pro
 
 
 def _prefill(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
-             lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, KVCache]:
+             lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
     n, p = tokens.shape
 
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -234,16 +236,17 @@ def _prefill(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, 
     h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend,
                  seq_lens=lengths)
     last = h[jnp.arange(n), lengths - 1]  # [n, hidden]
-    return _logits(params, last), params.backend.shard_cache(cache)
+    return _logits(params, last), h, params.backend.shard_cache(cache)
 
 
 def _extend(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
-            starts: jax.Array, lengths: jax.Array, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, KVCache]:
+            starts: jax.Array, lengths: jax.Array, rows: jax.Array, slots: jax.Array
+            ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Prompt chunks that continue rows already holding KV: chunk i (`tokens [n, C]`, its first
     `lengths[i]` real) goes to positions [starts[i], starts[i] + C) of row rows[i] and attends
     over the row's cache up to each token's position (the positions before starts[i] hold a
     prefix-cache hit or earlier chunks). The whole cache length is read (one compile per (n, C)).
-    Returns (logits [n, vocab] after each chunk's token lengths[i] - 1, the cache)."""
+    Returns (logits [n, vocab] after each chunk's token lengths[i] - 1, the hidden states, the cache)."""
     n, c = tokens.shape
     positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
 
@@ -259,7 +262,7 @@ def _extend(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, t
     h = _decoder(params, tokens, positions, _Projections(params.backend, lora_pool, batch), attend,
                  seq_lens=starts + lengths)
     last = h[jnp.arange(n), lengths - 1]
-    return _logits(params, last), params.backend.shard_cache(cache)
+    return _logits(params, last), h, params.backend.shard_cache(cache)
 
 
 def _decode(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: jax.Array,
@@ -306,3 +309,4 @@ prefill_jit = jax.jit(_prefill, donate_argnames="cache")
 extend_jit = jax.jit(_extend, donate_argnames="cache")
 decode_jit = jax.jit(_decode, donate_argnames="cache", static_argnames=("attend_len", "window"))
 forward_full_jit = jax.jit(_forward_full)
+logits_of = _logits  # the LM head, for prompt logprobs (computed/model/scores.py)

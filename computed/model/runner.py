@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from computed.backend import select
-from computed.model import kv_blocks, kv_cache, lora
+from computed.model import kv_blocks, kv_cache, lora, scores
 from computed.model.config import DecoderConfig
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KV_BLOCK, KVCache
@@ -28,6 +28,7 @@ from computed.model.decoder import (
     rope_tables,
 )
 from computed.model.params import DecoderParams
+from shared.replica_protocol import TokenScores
 from computed.model.warmup import compile_serving
 from computed.residency.pool import LoraPool
 
@@ -95,10 +96,20 @@ def prefill(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, t
 def prefill_batch(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, lengths: Any,
                   rows: Any, slots: Any, *, pad_to: int | None = None,
                   starts: Any = None) -> tuple[np.ndarray, KVCache]:
+    """`prefill_hidden` without the hidden states."""
+    logits, _, cache = prefill_hidden(params, lora_pool, cache, tokens, lengths, rows, slots, pad_to=pad_to,
+                                      starts=starts)
+    return logits, cache
+
+
+def prefill_hidden(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, lengths: Any,
+                   rows: Any, slots: Any, *, pad_to: int | None = None,
+                   starts: Any = None) -> tuple[np.ndarray, jax.Array, KVCache]:
     """Run n prompts (`tokens [n, P]`, prompt i's first `lengths[i]` real, the rest padding) at once,
     prompt i into cache row `rows[i]` (distinct rows) with LoRA slot `slots[i]` (-1: the base model).
 
     Returns (logits [n, vocab] float32 on the host, prompt i's after its token lengths[i] - 1,
+    the final normed hidden states [n', P, hidden] of every position (on the device, n' >= n),
     the updated cache); `cache` is donated. One compile per (n, P): bucket both. `pad_to` runs the forward over
     that many prompts (copies of prompt 0, which write what it writes), so that any n up to it
     shares one compile.
@@ -142,10 +153,10 @@ def prefill_batch(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCa
         if starts_ is not None:
             starts_ = np.concatenate([starts_, np.repeat(starts_[:1], extra)])
     if starts_ is not None:
-        logits, cache = extend_jit(params, lora_pool, cache, tokens, starts_, lengths_, rows_, slots_)
-        return np.asarray(logits)[:n], cache
-    logits, cache = prefill_jit(params, lora_pool, cache, tokens, lengths_, rows_, slots_)
-    return np.asarray(logits)[:n], cache  # sliced on the host: a slice of a jax.Array compiles
+        logits, hidden, cache = extend_jit(params, lora_pool, cache, tokens, starts_, lengths_, rows_, slots_)
+    else:
+        logits, hidden, cache = prefill_jit(params, lora_pool, cache, tokens, lengths_, rows_, slots_)
+    return np.asarray(logits)[:n], hidden, cache  # sliced on the host: a slice of a jax.Array compiles
 
 
 def decode(params: DecoderParams, lora_pool: LoraPool | None, cache: KVCache, tokens: Any, positions: Any,
@@ -309,7 +320,8 @@ class Runner:
 
     def prefill(self, pool: LoraPool | None, cache: KVCache, prompts: Sequence[Sequence[int] | np.ndarray],
                 rows: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
-                starts: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
+                starts: Sequence[int] | None = None,
+                hidden: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, KVCache]:
         """Prompt i into cache row rows[i] with LoRA slot slots[i] (-1: base), all at once as
         `prefill_shapes` allow. Returns (logits [n, vocab] float32, prompt i's after its last
         token, the updated cache); `cache` is donated.
@@ -318,7 +330,11 @@ class Runner:
         there already (a prefix-cache hit, earlier chunks), and only its tokens from there on
         are computed; `prompts[i]` still holds the whole prompt up to the chunk's end. A chunk
         whose bucket would run past max_len starts earlier instead (recomputing KV the row
-        holds)."""
+        holds).
+
+        `hidden`: for each prompt index it holds on the call, filled with the final normed hidden
+        states `[len(prompts[i]) - starts[i], hidden]` of the positions computed for it (for its
+        prompt logprobs, `score`); the prompts not in it cost nothing more."""
         if not len(prompts) == len(rows) == len(slots) == (len(prompts) if starts is None else len(starts)):
             raise ValueError(f"prefill takes one row, slot and start per prompt; got {len(prompts)} prompts, "
                              f"{len(rows)} rows and {len(slots)} slots")
@@ -344,13 +360,25 @@ class Runner:
                 at = 0
                 for size in self._counts(len(part), "extend" if later else "prefill", p):
                     chunk = part[at:at + size]
-                    logits, cache = prefill_batch(
+                    logits, states, cache = prefill_hidden(
                         self.params, pool, cache, tokens[at:at + size], [lengths[i] - firsts[i] for i in chunk],
                         [rows[i] for i in chunk], [slots[i] for i in chunk],
                         starts=[firsts[i] for i in chunk] if later else None)
                     out[chunk] = logits
+                    asked = [j for j, i in enumerate(chunk) if hidden is not None and i in hidden]
+                    if asked and hidden is not None:
+                        host = np.asarray(states)  # to the host only when a prompt asked
+                        for j in asked:
+                            i = chunk[j]
+                            begin = (0 if starts is None else starts[i]) - firsts[i]
+                            hidden[i] = host[j, begin:lengths[i] - firsts[i]]
                     at += size
         return out, cache
+
+    def score(self, hidden: np.ndarray, targets: Sequence[int], k: int) -> list[TokenScores]:
+        """The logprob of `targets[i]` after hidden state `hidden[i]` (from `prefill`'s `hidden`)
+        and its position's top `k` (computed/model/scores.py)."""
+        return scores.prompt_scores(self.params, hidden, np.asarray(targets, np.int32), k)
 
     def _counts(self, n: int, kind: str, p: int) -> list[int]:
         """The prompt counts of the forwards that run `n` prompts of bucket `p`: n itself where it

@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from computed.model import kv_blocks, kv_cache
+from computed.model import kv_blocks, kv_cache, scores
 from computed.model.kv_blocks import KVBlocks
 from computed.model.kv_cache import KVCache
 from computed.model.decoder import decode_jit, extend_jit, prefill_jit, rope_tables
@@ -34,8 +35,9 @@ def compile_serving(params: DecoderParams, lora_pool: LoraPool | None, cache: KV
     """Compile, ahead of time and into jit's caches, every prefill and decode that serving calls:
     one per prefill shape (prompts, prompt length) and per chunk shape (`extend_shapes`), one per
     attention length (only one with the attention kernel) and LoRA window of the backend, and
-    the block store's two copies per block count (with a `store`), and the copy of a row into
-    another that forks a request's choices (`kv_cache.copy_row`, one shape). Only the shapes and dtypes
+    the block store's two copies per block count (with a `store`), the copy of a row into
+    another that forks a request's choices (`kv_cache.copy_row`, one shape), and prompt
+    logprobs' one scoring function (computed/model/scores.py). Only the shapes and dtypes
     of `lora_pool`, `cache` and `store` are used
     (nothing is read or donated), so a replica can warm up while diffs keep writing its pool.
     `stop()` is asked before each compile: a replica that stops while it warms up waits for one
@@ -85,6 +87,9 @@ def compile_serving(params: DecoderParams, lora_pool: LoraPool | None, cache: KV
             jobs.append((kind, n, p, functools.partial(
                 lambda f, t, a: f.lower(params, pool_s, cache_s, t, *a).compile(), fn,
                 np.zeros((n, p), np.int32), args)))
+    # prompt logprobs' LM head over hidden states (computed/model/scores.py): one shape
+    jobs.append(("score", 1, 0, functools.partial(scores.lower_score, params, jnp.dtype(params.dtype))))
+
     def run(job: tuple[str, int, int, Callable[[], Any]]) -> None:
         if not stop():
             job[3]()
@@ -112,4 +117,6 @@ def essential(kind: str, n: int, max_batch: int, top_blocks: int) -> bool:
     them meanwhile: a copy of a whole row, about 2 ms at the 0.5B geometry)."""
     if kind == "blocks":
         return n == top_blocks
+    if kind == "score":
+        return True
     return n == max_batch if kind == "decode" else n == 1

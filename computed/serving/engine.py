@@ -22,7 +22,10 @@ choice sampling from its own generator, and it is answered when its last
 choice ends. A request with a grammar (structured outputs, forced tool calls) waits
 in the queue until its grammar is compiled, off the loop; its row's logits are masked to
 what the grammar allows before sampling (each choice with its own matcher), and it ends
-when the grammar is done (computed/serving/grammar.py).
+when the grammar is done (computed/serving/grammar.py). A request that asks for `logprobs`
+gets each token's from the raw logits, before the grammar, the sampling parameters and the
+temperature (computed/model/scores.py), and with `prompt_logprobs` its prompt's from
+prefill (computed/serving/prefill.py); the rows that did not ask pay nothing.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from computed.serving.logprobs import scored
 from computed.serving.admission import (AdmissionPort, Fetching, GenerateError, AdmittedAdapter, LoraPool,
                                 NotReady, SlotDraining)
 from computed.serving import grammar
@@ -44,7 +48,8 @@ from computed.serving.prefix_cache import Hit
 from computed.serving.sampling import Shaping
 from shared.grammar import Grammar
 from shared.protocol import ProtocolError, validate
-from shared.replica_protocol import Choice, GenerateResult, InferenceStatus, generate_schema
+from shared.replica_protocol import (Choice, GenerateResult, InferenceStatus, TokenScores,
+                                     generate_schema)
 
 
 class Model(Protocol):
@@ -103,6 +108,11 @@ class Running:
     logprob: float | None = None  # its sampled tokens' cumulative logprob, where best_of > n ranks
     matcher: Any = None  # its grammar's state (llguidance), None without a grammar
     grammar_done: bool = False  # the grammar ended it
+    # what a request that asked for logprobs gets (computed/model/scores.py): each output
+    # token's, and its prompt's (the first token's None) once prefilled
+    scores: list[TokenScores] = field(default_factory=list)
+    prompt_scores: list[TokenScores | None] | None = None
+    hidden: list[np.ndarray] = field(default_factory=list)  # its prompt's hidden states so far
 
 
 @dataclass(frozen=True)
@@ -195,9 +205,10 @@ class Engine:
         # step's time (`_admit`; 0: never)
         self.fetch_wait, self.decode_s = fetch_wait, 0.0
         self._fetch: Fetching | None = None  # a request of this pass waits for its fetch
-        # called with (request, index, token, choice) for each token of a request that asked
-        # for `stream` (the daemon sends it on at once); the final reply is the usual Done
-        self.on_token: Callable[[Request, int, int, int], None] | None = None
+        # called with (request, index, token, choice, scores) for each token of a request that
+        # asked for `stream` (the daemon sends it on at once); the final reply is the usual Done.
+        # `scores`: the token's where it asked for logprobs (the first with its prompt's too)
+        self.on_token: Callable[[Request, int, int, int, dict[str, Any] | None], None] | None = None
 
     def warmup(self, *, stop: Callable[[], bool] = lambda: False,
                pause: Callable[[Callable[[], bool]], None] | None = None,
@@ -391,15 +402,28 @@ class Engine:
             top = float(logits.max())  # the raw logits: the model's own distribution
             r.logprob += float(logits[token]) - top - float(np.log(np.exp(
                 logits.astype(np.float64) - top).sum()))
+        if a["logprobs"] is not None:  # the raw logits too (sample and mask never write them)
+            r.scores.append(scored(logits, token, a["logprobs"]))
         r.output.append(token)
         r.next_token = token
         if r.matcher is not None:
             r.grammar_done = grammar.advance(r.matcher, token)
         if a["stream"] and self.on_token is not None:
-            self.on_token(r.req, len(r.output) - 1, token, r.choice)
+            self.on_token(r.req, len(r.output) - 1, token, r.choice, self._token_scores(r))
         if (len(r.output) >= a["max_new_tokens"] or token in a["stop_token_ids"]
                 or r.position >= self.model.max_len or r.grammar_done):
             self._finish(r, done)
+
+    @staticmethod
+    def _token_scores(r: Running) -> dict[str, Any] | None:
+        """What a streamed token frame carries besides the token (docs/protocol.md §13b): its
+        scores where the request asked for logprobs, and with the first its prompt's."""
+        out: dict[str, Any] = {}
+        if r.req.args["logprobs"] is not None:
+            out.update(r.scores[-1])
+        if len(r.output) == 1 and r.prompt_scores is not None:
+            out["prompt_logprobs"] = r.prompt_scores
+        return out or None
 
     def _finish(self, r: Running, done: list[Done]) -> None:
         """`r`'s row is free; its request is done when every choice of it is."""
@@ -422,6 +446,10 @@ class Engine:
                         "residency_ms": r.residency_s * 1e3}}
         if r.group is None and r.grammar_done:
             result["finish"] = "grammar"
+        if r.req.args["logprobs"] is not None:
+            result["logprobs"] = r.scores
+        if r.prompt_scores is not None:
+            result["prompt_logprobs"] = r.prompt_scores
         if r.group is not None:
             a = r.req.args
             # best_of > n: the n of the highest cumulative logprob (ties: the lower choice first)
@@ -431,8 +459,12 @@ class Engine:
                 one: Choice = {"output_ids": c.output, "cumulative_logprob": c.logprob}
                 if c.grammar_done:
                     one["finish"] = "grammar"
+                if a["logprobs"] is not None:
+                    one["logprobs"] = c.scores
                 result["choices"].append(one)
             result["output_ids"] = best[0].output
+            if a["logprobs"] is not None:
+                result["logprobs"] = best[0].scores
             if best[0].grammar_done:
                 result["finish"] = "grammar"
         done.append(Done(r.req.reply_to, r.req.req_id, result=result))

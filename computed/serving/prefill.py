@@ -14,6 +14,10 @@ in the store are saved there, and its first token is sampled.
 Exactness: the KV of a cached block is the KV the same tokens under the same adapter content
 computed; a chunk attends over its row's earlier positions exactly as a whole prompt does.
 Greedy outputs with the cache on equal those with it off (tests/integration/test_prefix_cache.py).
+
+Prompt logprobs (`prompt_logprobs`): each piece's forward also hands back the final hidden states
+of the positions it computed for such a prompt; once the prompt is whole they are scored
+(Runner.score). Such a prompt bypasses the prefix cache, so every position is computed.
 """
 from __future__ import annotations
 
@@ -49,7 +53,9 @@ class Prefills:
     def admit(self, run: Running, kv: Any) -> Any:
         """Queue `run`'s prompt; a prefix-cache hit is copied into its row now. Returns the KV cache."""
         prompt = run.req.args["input_ids"]
-        if self.cache is not None:
+        # a prompt whose logprobs were asked for bypasses the cache: each of its positions is
+        # computed (docs/prefix-cache.md); its blocks are not saved either
+        if self.cache is not None and run.req.args["prompt_logprobs"] is None:
             hit = self.cache.lookup(run.grant.root, prompt)
             run.hit = hit
             if hit.ids:
@@ -81,6 +87,8 @@ class Prefills:
         if budget is not None and budget <= 0:
             return out
         for run in self.waiting:
+            if budget is not None and budget <= 0:  # the first piece may overspend it
+                break
             left = len(run.req.args["input_ids"]) - run.prefilled
             if self.chunk and left > self.chunk:
                 left = self.chunk
@@ -105,16 +113,33 @@ class Prefills:
         while pieces := self.plan(None if budget is None else budget - spent):
             spent += sum(end - r.prefilled for r, end in pieces)
             starts = [r.prefilled for r, _ in pieces]
+            # the prompts whose logprobs were asked for get their positions' hidden states
+            hidden = {i: np.zeros(0) for i, (r, _) in enumerate(pieces)
+                      if r.req.args["prompt_logprobs"] is not None}
             logits, kv = self.model.prefill(
                 pool, kv, [r.req.args["input_ids"][:end] for r, end in pieces], [r.row for r, _ in pieces],
-                [r.grant.slot for r, _ in pieces], **({"starts": starts} if any(starts) else {}))
-            for (run, end), row_logits in zip(pieces, logits):
+                [r.grant.slot for r, _ in pieces], **({"starts": starts} if any(starts) else {}),
+                **({"hidden": hidden} if hidden else {}))
+            for i, ((run, end), row_logits) in enumerate(zip(pieces, logits)):
                 run.prefilled = end
+                if i in hidden:
+                    run.hidden.append(hidden[i])
                 if end == len(run.req.args["input_ids"]):
                     self.waiting.remove(run)
                     kv = self._save(run, kv)
+                    if i in hidden:
+                        self._score_prompt(run)
                     finished.append((run, row_logits))
         return finished, kv, spent
+
+    def _score_prompt(self, run: Running) -> None:
+        """The logprob of each prompt token after the ones before it (the first has none), from
+        the hidden states its pieces left (`hidden`)."""
+        prompt = run.req.args["input_ids"]
+        states, run.hidden = np.concatenate(run.hidden), []
+        scores = self.model.score(states[:len(prompt) - 1], prompt[1:], run.req.args["prompt_logprobs"]) \
+            if len(prompt) > 1 else []
+        run.prompt_scores = [None, *scores]
 
     def _save(self, run: Running, kv: Any) -> Any:
         hit, run.hit = run.hit, None

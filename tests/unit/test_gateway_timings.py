@@ -52,12 +52,13 @@ class ScriptedLinks:
         self.answers = answers
 
     async def generate(self, address: str, args: dict[str, Any], *, connect_timeout_s: float,
-                       timeout_s: float, on_token: Callable[[int, int], None] | None,
+                       timeout_s: float,
+                       on_token: Callable[[int, int, dict[str, Any]], None] | None,
                        on_result: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         tokens, result = self.answers.pop(0)
         for t in tokens:
             if on_token is not None:
-                on_token(0, t)
+                on_token(0, t, {"index": 0, "id": t})
         if on_result is not None:
             on_result(result)
         return result
@@ -87,7 +88,7 @@ def test_a_token_outside_the_vocabulary_never_reaches_the_client(example: Exampl
         for req, stream in ((streamed, True), (streamed, True), (watched, False)):
             tokens: list[int] = []
             try:
-                got.append((tokens, await gw.run(req, on_token=(lambda c, t: tokens.append(t)) if stream else None)))
+                got.append((tokens, await gw.run(req, on_token=(lambda c, t, _: tokens.append(t)) if stream else None)))
             except ApiError as exc:
                 got.append((tokens, exc))
         return got
