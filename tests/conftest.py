@@ -58,17 +58,6 @@ def cache_key() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _persistent_cache() -> str:
-    path = CACHE_ROOT / cache_key()
-    path.mkdir(parents=True, exist_ok=True)
-    os.utime(path)
-    others = sorted((p for p in CACHE_ROOT.iterdir() if p.is_dir() and p != path),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in others[CACHE_KEEP - 1:]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return str(path)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     inherited = os.environ.get(SESSION_CACHE)
     if inherited and Path(inherited).is_dir():  # an xdist worker, or a pytest a test started
@@ -77,7 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
         path = tempfile.mkdtemp(prefix="loraplane-jax-cache-")
         config.stash[_made_cache] = path  # removed at the end
     else:
-        path = _persistent_cache()
+        from computed.model.compile_cache import keyed_dir
+        path = str(keyed_dir(CACHE_ROOT, cache_key(), keep=CACHE_KEEP))
     os.environ.update({"JAX_COMPILATION_CACHE_DIR": path, SESSION_CACHE: path,
                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # default: 1 s
                        "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_BYTES)})
