@@ -23,7 +23,8 @@ from tests.helpers import Fleet
 # (ignored by git): a second `make test` reads back what the first compiled. JAX keys each entry
 # by its HLO, compile options, XLA flags and jax's version; the directory's key adds what that
 # cannot see, as computed/model/compile_cache.py does for a replica: jaxlib, the CPU and the
-# native kernels' build (named by their sources, flags and compiler). A clean clone starts
+# native kernels' build (named by their sources, flags and compiler); only the current key's
+# directory is kept (the kernels' sources change it). A clean clone starts
 # empty; LORAPLANE_TEST_FRESH_CACHE=1 gives a session a fresh temporary cache instead (what CI's
 # first run sees). testkit/jaxcount.py still counts a cache hit as a compile: "nothing compiles
 # after warm-up" keeps its meaning. A benchmark whose figure times a cold compile, and the
@@ -32,7 +33,6 @@ from tests.helpers import Fleet
 SESSION_CACHE = "LORAPLANE_TEST_JAX_CACHE"  # the directory, set by the session that chose it
 FRESH = "LORAPLANE_TEST_FRESH_CACHE"
 CACHE_ROOT = Path(__file__).resolve().parents[1] / "build" / "test-xla-cache"
-CACHE_KEEP = 3  # keyed directories kept: the newest, by last use
 CACHE_MAX_BYTES = 4 << 30  # JAX evicts its least recently used entries past this
 _made_cache = pytest.StashKey[str]()
 
@@ -66,8 +66,11 @@ def pytest_configure(config: pytest.Config) -> None:
         path = tempfile.mkdtemp(prefix="loraplane-jax-cache-")
         config.stash[_made_cache] = path  # removed at the end
     else:
-        from computed.model.compile_cache import keyed_dir
-        path = str(keyed_dir(CACHE_ROOT, cache_key(), keep=CACHE_KEEP))
+        path = str(CACHE_ROOT / cache_key())
+        for stale in CACHE_ROOT.glob("*"):  # another jax, CPU or kernel build: never read again here
+            if stale.is_dir() and str(stale) != path:
+                shutil.rmtree(stale, ignore_errors=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
     os.environ.update({"JAX_COMPILATION_CACHE_DIR": path, SESSION_CACHE: path,
                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # default: 1 s
                        "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_BYTES)})

@@ -58,19 +58,6 @@ def key(*, fingerprint: str, dtype: str, tensor_parallel: int = 1) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def keyed_dir(root: Path, name: str, keep: int = KEEP) -> Path:
-    """`root/name`, made and marked as just used; of the other directories in `root`, all but the
-    `keep - 1` used last are removed."""
-    path = root / name
-    path.mkdir(parents=True, exist_ok=True)
-    os.utime(path)
-    others = sorted((p for p in root.iterdir() if p.is_dir() and p != path),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in others[keep - 1:]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return path
-
-
 def enable(cache_dir: Path, **model: Any) -> Path:
     """Point JAX's persistent compilation cache at `cache_dir/xla/<key>` (or the environment's,
     where JAX_COMPILATION_CACHE_DIR is set) before anything compiles; returns the directory."""
@@ -78,7 +65,14 @@ def enable(cache_dir: Path, **model: Any) -> Path:
     if env:
         log.info("compilation cache: %s (from %s)", env, ENV)
         return Path(env)
-    path = keyed_dir(cache_dir / SUBDIR, key(**model))
+    root = cache_dir / SUBDIR
+    path = root / key(**model)
+    path.mkdir(parents=True, exist_ok=True)
+    os.utime(path)
+    others = sorted((p for p in root.iterdir() if p.is_dir() and p != path),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in others[KEEP - 1:]:
+        shutil.rmtree(stale, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default: only compiles over 1 s
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
