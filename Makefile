@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv kernels postgres test test-fast demo bench up clean
+.PHONY: venv kernels postgres test test-fast test-quick demo bench up clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,14 @@ test: kernels postgres
 test-fast: kernels postgres
 	$(PYTEST) -m "not slow" tests
 
+# the edit loop (docs/testing.md): the unit tests, the parity checks on the smallest checkpoint
+# (test_model_parity's `tied-llama3-mha` shape, every backend, and its kernel checks; `-k "not
+# example"` leaves out the example-shape cases) and one end-to-end run of statesvc and two replicas
+QUICK := tests/unit tests/parity/test_model_parity.py \
+	tests/integration/test_replica.py::test_two_replicas_agree_with_statesvc_and_the_files
+test-quick: kernels postgres
+	$(PYTEST) -m "not slow" -k "not example" $(QUICK)
+
 # FAMILY=qwen2 (or any `loractl make-example --family`): the demo on that family's example
 demo: kernels
 	$(BIN)/python -m statesvc.tools.demo $(if $(FAMILY),--family $(FAMILY))
@@ -45,7 +53,7 @@ bench: kernels
 	$(BIN)/python -m benchmarks $(if $(ISA),--isa $(ISA))
 
 clean:
-	rm -rf $(VENV) var bench-results .pytest_cache
+	rm -rf $(VENV) var bench-results .pytest_cache build/test-xla-cache
 
 # statesvc and one replica on the example model, in the foreground; Ctrl-C stops both.
 up: kernels

@@ -17,28 +17,68 @@ from testkit.pg import PgServer
 from tests.helpers import Fleet
 
 
-# A JAX persistent compilation cache for the session (docs/testing.md): a fresh directory that
-# every process the tests start inherits, both xdist workers and a pytest a test runs included,
-# so a replica's warm-up compiles the example model once per session instead of once per replica.
-# testkit/jaxcount.py still counts a cache hit as a compile: "nothing compiles after warm-up"
-# keeps its meaning. A benchmark whose figure times a cold compile runs without it
-# (benchmarks/suite.py, `Bench.cold_compiles`).
-SESSION_CACHE = "LORAPLANE_TEST_JAX_CACHE"  # the directory, set by the session that made it
+# A JAX persistent compilation cache that every process the tests start inherits, both xdist
+# workers and a pytest a test runs included, so a replica's warm-up compiles the example model
+# once instead of once per replica. It persists between runs in build/test-xla-cache/<key>
+# (ignored by git): a second `make test` reads back what the first compiled. JAX keys each entry
+# by its HLO, compile options, XLA flags and jax's version; the directory's key adds what that
+# cannot see, as computed/model/compile_cache.py does for a replica: jaxlib, the CPU and the
+# native kernels' build (named by their sources, flags and compiler); only the current key's
+# directory is kept (the kernels' sources change it). A clean clone starts
+# empty; LORAPLANE_TEST_FRESH_CACHE=1 gives a session a fresh temporary cache instead (what CI's
+# first run sees). testkit/jaxcount.py still counts a cache hit as a compile: "nothing compiles
+# after warm-up" keeps its meaning. A benchmark whose figure times a cold compile, and the
+# replica's own-cache test, run without it (benchmarks/suite.py `Bench.cold_compiles`,
+# tests/integration/test_compile_cache_restart.py). docs/testing.md.
+SESSION_CACHE = "LORAPLANE_TEST_JAX_CACHE"  # the directory, set by the session that chose it
+FRESH = "LORAPLANE_TEST_FRESH_CACHE"
+CACHE_ROOT = Path(__file__).resolve().parents[1] / "build" / "test-xla-cache"
+CACHE_MAX_BYTES = 4 << 30  # JAX evicts its least recently used entries past this
 _made_cache = pytest.StashKey[str]()
+
+
+def cache_key() -> str:
+    """The persistent test cache's directory name for this jax, jaxlib, CPU and kernel build."""
+    import hashlib
+    import platform
+
+    import jax
+    from jaxlib import version as jaxlib_version
+
+    from computed.backend import kernels
+
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or "g++"
+    try:
+        cpu = "\n".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith(("model name", "flags", "Features")))
+    except OSError:
+        cpu = platform.processor()
+    parts = [jax.__version__, jaxlib_version.__version__, platform.machine(), cpu,
+             kernels.library_path(compiler).name, os.environ.get("XLA_FLAGS", "")]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def pytest_configure(config: pytest.Config) -> None:
     inherited = os.environ.get(SESSION_CACHE)
     if inherited and Path(inherited).is_dir():  # an xdist worker, or a pytest a test started
         return
-    path = tempfile.mkdtemp(prefix="loraplane-jax-cache-")
-    config.stash[_made_cache] = path
+    if os.environ.get(FRESH, "") not in ("", "0"):
+        path = tempfile.mkdtemp(prefix="loraplane-jax-cache-")
+        config.stash[_made_cache] = path  # removed at the end
+    else:
+        path = str(CACHE_ROOT / cache_key())
+        for stale in CACHE_ROOT.glob("*"):  # another jax, CPU or kernel build: never read again here
+            if stale.is_dir() and str(stale) != path:
+                shutil.rmtree(stale, ignore_errors=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
     os.environ.update({"JAX_COMPILATION_CACHE_DIR": path, SESSION_CACHE: path,
-                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})  # default: 1 s
+                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # default: 1 s
+                       "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_BYTES)})
     if "jax" in sys.modules:  # imported before this hook: its flags were read already
         import jax
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -92,6 +92,28 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)
 
 
+def usage(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`run`'s result for a command line its command refuses as it parses its options (exit 2),
+    run through the same click command in this process: no process start and no imports of its
+    own, which is most of a refusal's time. An exception other than click's exit comes back in
+    stderr as a traceback, as the process would print it. Where the command does not refuse, it
+    runs here: only for command lines a test expects to be refused."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from computed.cli import main as computed_main
+    from statesvc.cli import main as statesvc_main
+    from statesvc.loractl import main as loractl_main
+
+    command = {"statesvc": statesvc_main, "computed": computed_main, "loractl": loractl_main}[argv[0]]
+    res = CliRunner().invoke(command, list(argv[1:]), prog_name=argv[0])
+    stderr = res.stderr
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(res.exception))
+    return subprocess.CompletedProcess(list(argv), res.exit_code, res.stdout, stderr)
+
+
 def make_keys(tmp: Path, roles: dict[str, str | None]) -> tuple[Path, Path]:
     """A server key dir (`statesvc keys init`) and client key pairs (`loractl keys new`), each
     NAME's public key copied into its role folder there (None: a key the server does not

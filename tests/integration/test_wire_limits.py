@@ -26,7 +26,7 @@ from shared.protocol import encode_request, pack, unpack
 from shared.blobserve import IN_FLIGHT
 from statesvc.tools.example import ExampleAssets
 from testkit.fleet import Computed, StateSvc, free_port, memory_kb, wait_for
-from tests.helpers import dealer, make_keys, run
+from tests.helpers import dealer, make_keys, run, usage
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,29 +63,52 @@ def assert_refused(res: subprocess.CompletedProcess[str], flag: str, says: str) 
     assert "Traceback" not in res.stderr, res.stderr
 
 
+# Every case through the command's own click parsing in this process (tests/helpers.py `usage`:
+# a process start is most of a refusal's time, docs/testing.md); the installed commands
+# themselves, as processes, refuse one case each (`test_the_installed_commands_refuse_...`).
 @pytest.mark.parametrize("case", NOT_LOOPBACK)
 def test_statesvc_binds_only_plain_loopback_without_auth(tmp_path: Path, case: str) -> None:
     template, says = NOT_LOOPBACK[case]
     data = tmp_path / "data"
-    res = run("statesvc", "serve", "--data-dir", str(data), "--control", _address(template),
-              "--publish", f"tcp://127.0.0.1:{free_port()}")
+    res = usage("statesvc", "serve", "--data-dir", str(data), "--control", _address(template),
+                "--publish", f"tcp://127.0.0.1:{free_port()}")
     assert_refused(res, "--control", says)
     if "not loopback" in says or "every interface" in says or "interface name" in says:
         assert "bind loopback" in res.stderr and "--auth DIR" in res.stderr, res.stderr
     assert not (data / "state.db").exists()  # refused before the log is touched
-    res = run("statesvc", "serve", "--data-dir", str(data), "--control",
-              f"tcp://127.0.0.1:{free_port()}", "--publish", _address(template))
+    res = usage("statesvc", "serve", "--data-dir", str(data), "--control",
+                f"tcp://127.0.0.1:{free_port()}", "--publish", _address(template))
     assert_refused(res, "--publish", says)
 
 
-@pytest.mark.parametrize("case", ["source;bind", "0.0.0.0", "*", "[::]", "lo", "eth0",
-                                  "trailing path"])
+REPLICA_CASES = ["source;bind", "0.0.0.0", "*", "[::]", "lo", "eth0", "trailing path"]
+
+
+def _serve_listening(example: ExampleAssets, tmp_path: Path, template: str) -> tuple[str, ...]:
+    return ("computed", "serve", "--model", str(example.model_dir), "--listen", _address(template),
+            "--cache-dir", str(tmp_path / "cache"), "--no-warmup")
+
+
+@pytest.mark.parametrize("case", REPLICA_CASES)
 def test_replica_listens_only_on_plain_loopback_without_auth(
         tmp_path: Path, example: ExampleAssets, case: str) -> None:
     template, says = NOT_LOOPBACK[case]
-    res = run("computed", "serve", "--model", str(example.model_dir), "--listen",
-              _address(template), "--cache-dir", str(tmp_path / "cache"), "--no-warmup")
-    assert_refused(res, "--listen", says)
+    assert_refused(usage(*_serve_listening(example, tmp_path, template)), "--listen", says)
+
+
+def test_the_installed_commands_refuse_a_bind_beyond_loopback_as_processes(
+        tmp_path: Path, example: ExampleAssets) -> None:
+    """The entry points themselves (.venv/bin), not only their click commands: exit 2, the flag
+    and the reason on stderr, no traceback, nothing written."""
+    template, says = NOT_LOOPBACK["routable"]
+    data = tmp_path / "data"
+    res = run("statesvc", "serve", "--data-dir", str(data), "--control", _address(template),
+              "--publish", f"tcp://127.0.0.1:{free_port()}")
+    assert_refused(res, "--control", says)
+    assert "bind loopback" in res.stderr and "--auth DIR" in res.stderr, res.stderr
+    assert not (data / "state.db").exists()
+    template, says = NOT_LOOPBACK["0.0.0.0"]
+    assert_refused(run(*_serve_listening(example, tmp_path, template)), "--listen", says)
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -99,7 +122,7 @@ def test_replica_listens_only_on_plain_loopback_without_auth(
     (("computed", "serve", "--model", ".", "--diffs", "tcp://127.0.0.1:7101 x"), "--diffs"),
 ])
 def test_malformed_connect_addresses_are_usage_errors(argv: tuple[str, ...], flag: str) -> None:
-    res = run(*argv)
+    res = usage(*argv)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert f"Invalid value for '{flag}'" in res.stderr and "Traceback" not in res.stderr, \
         res.stderr

@@ -98,20 +98,30 @@ class Family:
         return lora.BASE if adapter is None else self.slots[adapter]
 
     def logits(self, tokens: np.ndarray, adapters: list[str | None]) -> np.ndarray:
-        names = ["__base__" if a is None else a for a in adapters]
-        with torch.no_grad():
-            return self.ref(torch.tensor(tokens, dtype=torch.long), adapter_names=names).logits.float().numpy()
+        return peft_logits(self.ref, tokens, adapters)
 
     def greedy(self, prompt: list[int], adapter: str | None) -> tuple[list[int], np.ndarray]:
         key = (tuple(prompt), adapter)
         if key not in self._greedy:
-            seq, steps = list(prompt), []
-            for _ in range(NEW_TOKENS):
-                last = self.logits(np.array([seq]), [adapter])[0, -1]
-                steps.append(last)
-                seq.append(int(np.argmax(last)))
-            self._greedy[key] = (seq[len(prompt):], np.stack(steps))
+            self._greedy[key] = peft_greedy(self.ref, prompt, adapter, NEW_TOKENS)
         return self._greedy[key]
+
+
+def peft_logits(ref: Any, tokens: np.ndarray, adapters: list[str | None]) -> np.ndarray:
+    """`reference`'s logits [rows, positions, vocab] for a batch, row i through adapters[i] (None: the base)."""
+    names = ["__base__" if a is None else a for a in adapters]
+    with torch.no_grad():
+        return ref(torch.tensor(tokens, dtype=torch.long), adapter_names=names).logits.float().numpy()
+
+
+def peft_greedy(ref: Any, prompt: list[int], adapter: str | None, new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """`reference`'s greedy continuation of `prompt` and the last position's logits at each step."""
+    seq, steps = list(prompt), []
+    for _ in range(new_tokens):
+        last = peft_logits(ref, np.array([seq]), [adapter])[0, -1]
+        steps.append(last)
+        seq.append(int(np.argmax(last)))
+    return seq[len(prompt):], np.stack(steps)
 
 
 def write_family(root: Path, family: str, dtype: Any = None) -> tuple[Path, dict[str, Path]]:

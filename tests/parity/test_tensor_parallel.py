@@ -10,7 +10,8 @@ rsLoRA adapter on every module and one on attention): N = 2 and 4 divide it.
 Every other dense family (issue 38) runs on 2 forced devices too: its checkpoint and two adapters
 as transformers and PEFT save them (tests/parity/test_families.py `write_family`, 2 KV heads), all
 of them in one worker process (tests/parity/tp_families_worker.py), which runs each model on the
-mesh and on one device: greedy tokens equal, logits close, every array split as the rules say.
+mesh: greedy tokens equal PEFT's, logits within test_families' limit of PEFT's, every array split
+as the rules say.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from computed.cli import main as computed_main
@@ -33,7 +35,8 @@ from statesvc.tools.example import ExampleAssets, make_example
 from testkit.fleet import wait_for
 from tests.helpers import Fleet
 from tests.parity.test_families import ADAPTERS as FAMILY_ADAPTERS
-from tests.parity.test_families import FAMILIES, write_family
+from tests.parity.test_families import FAMILIES, peft_greedy, peft_logits, reference, write_family
+from tests.parity.test_families import close as family_close
 from tests.parity.test_model_parity import OTHER_ADAPTERS, OTHER_SHAPE, Reference, close
 from tests.parity.tp_worker import ADAPTERS, NEW_TOKENS
 
@@ -84,13 +87,13 @@ TP_FAMILY_DEGREE = 2  # divides test_families' 2 KV heads, 6 heads and intermedi
 
 
 @pytest.fixture(scope="module")
-def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], Any]]:
-    """tp_families_worker's results per family: one process for them all (its start and the
-    compiles are most of the time)."""
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], Any, Any]]:
+    """tp_families_worker's results per family and transformers + PEFT's model of it (float32, both
+    adapters loaded): one worker process for them all (its start and the compiles are most of the
+    time)."""
     assert set(TP_FAMILIES) <= set(FAMILIES)
     root, out = tmp_path_factory.mktemp("tp-families"), tmp_path_factory.mktemp("tp-families-runs")
-    for family in TP_FAMILIES:
-        write_family(root / family, family)
+    written = {family: write_family(root / family, family) for family in TP_FAMILIES}
     log_path = out / "worker.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.parity.tp_families_worker", str(TP_FAMILY_DEGREE),
@@ -103,24 +106,29 @@ def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dic
         if proc.poll() is None:  # stopped by pid when it hung
             proc.kill()
             proc.wait()
-    return {f: (json.loads((out / f"{f}.json").read_text()), np.load(out / f"{f}.npz")) for f in TP_FAMILIES}
+    return {f: (json.loads((out / f"{f}.json").read_text()), np.load(out / f"{f}.npz"),
+                reference(*written[f], torch.float32)) for f in TP_FAMILIES}
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
-def test_each_family_sharded_gives_the_one_device_outputs(family_runs: dict[str, tuple[dict[str, Any], Any]],
-                                                          family: str) -> None:
-    info, got = family_runs[family]
+def test_each_family_sharded_gives_the_peft_outputs(family_runs: dict[str, tuple[dict[str, Any], Any, Any]],
+                                                    family: str) -> None:
+    info, got, ref = family_runs[family]
     assert info["model_type"] == family and info["n"] == TP_FAMILY_DEGREE
-    assert set(info["mixed"]) == {None, *FAMILY_ADAPTERS}  # the base model and both adapters in one batch
+    mixed: list[str | None] = info["mixed"]
+    assert set(mixed) == {None, *FAMILY_ADAPTERS}  # the base model and both adapters in one batch
     # forward over every position, the mixed batch
-    close(got["tp_forward"], got["one_forward"])
+    family_close(got["forward"], peft_logits(ref, got["tokens"], mixed))
     # greedy through the KV cache: the mixed batch decoded together, and each request alone
-    assert (got["tp_mixed_tokens"] == got["one_mixed_tokens"]).all(), "mixed batch: greedy tokens differ"
-    assert (got["tp_single_tokens"] == got["one_single_tokens"]).all(), "a request alone: greedy tokens differ"
-    close(got["tp_mixed_logits"], got["one_mixed_logits"])
-    close(got["tp_single_logits"], got["one_single_logits"])
+    for i, (prompt, adapter) in enumerate(zip(info["prompts"], mixed)):
+        want_tokens, want_logits = peft_greedy(ref, prompt, adapter, NEW_TOKENS)
+        assert got["mixed_tokens"][:, i].tolist() == want_tokens, f"mixed batch row {i} ({adapter}): greedy differs"
+        assert got["single_tokens"][i].tolist() == want_tokens, f"request {i} ({adapter}) alone: greedy differs"
+        for step in range(NEW_TOKENS):  # the last position's logits, step by step
+            family_close(got["mixed_logits"][step, i], want_logits[step])
+            family_close(got["single_logits"][i, step], want_logits[step])
     # the same sequence on every row: each adapter changes the logits, and row 3 repeats row 1's adapter
-    forward = got["tp_forward"]
+    forward = got["forward"]
     for row in (1, 2):
         assert np.abs(forward[row] - forward[0]).max() > 1e-2 * np.abs(forward[0]).max(), info["mixed"][row]
     close(forward[3], forward[1])

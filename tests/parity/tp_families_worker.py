@@ -1,14 +1,15 @@
-"""Every dense family on N forced host devices and on one, in one process
+"""Every dense family on N forced host devices, in one process
 (`python -m tests.parity.tp_families_worker N ROOT OUT ADAPTERS FAMILY...`): what
-tests/parity/test_tensor_parallel.py compares per family, written to OUT/FAMILY.npz and .json.
+tests/parity/test_tensor_parallel.py compares per family with transformers + PEFT, written to
+OUT/FAMILY.npz and .json.
 
 ROOT/FAMILY holds `model/` and one directory per adapter of ADAPTERS (comma-separated), as
 tests/parity/test_families.py `write_family` saves them with transformers and PEFT. The caller
 sets XLA_FLAGS=--xla_force_host_platform_device_count=N (JAX fixes the device count when it
-starts). One process for every family, since JAX's start and the compiles dominate: per family
-the model is loaded twice, by the tensor-parallel backend on the N-device mesh and by the XLA
-backend on the first device alone (what a 1-device replica runs where the native kernels are not
-built; tests/parity/test_families.py shows that one gives transformers + PEFT's outputs).
+starts). One process for every family, since JAX's start and the compiles dominate. The test
+compares each family's outputs with PEFT's directly, not with a one-device run of ours (which
+tests/parity/test_families.py checks against PEFT on both backends): that run compiled every
+family's model a second time, half the worker's time (docs/testing.md).
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import jax
 import numpy as np
 
 from computed.model import lora
-from computed.backend import XlaBackend
 from computed.model import sharding
 from computed.model.loader import load_model
 from computed.model.runner import Runner, forward_full
@@ -43,13 +43,10 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def outputs(model_dir: Path, adapter_dirs: list[Path], n: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The model of `model_dir` on `n` devices (1: the XLA backend on the first): a mixed-adapter
-    batch's forward over every position, its greedy tokens and logits through the KV cache
-    decoded together and each request alone; for n > 1 also how its arrays lie on the mesh."""
-    if n == 1:
-        config, params = load_model(model_dir, backend=XlaBackend())
-    else:
-        config, params = load_model(model_dir, tensor_parallel=n)
+    """The model of `model_dir` on the n-device mesh: a mixed-adapter batch's forward over every
+    position, its greedy tokens and logits through the KV cache decoded together and each request
+    alone, and how its arrays lie on the mesh."""
+    config, params = load_model(model_dir, tensor_parallel=n)
     spec = PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims,
                     slots=len(adapter_dirs) + 1, max_rank=8, dtype="float32")
     mesh = getattr(params.backend, "mesh", None)
@@ -70,13 +67,13 @@ def outputs(model_dir: Path, adapter_dirs: list[Path], n: int) -> tuple[dict[str
               "mixed_tokens": mixed_tokens, "mixed_logits": mixed_logits,
               "single_tokens": np.stack([t[:, 0] for t, _ in singles]),
               "single_logits": np.stack([lg[:, 0] for _, lg in singles])}
-    info: dict[str, Any] = {"model_type": config.model_type, "mixed": mixed}
-    if n > 1:
-        info["bad_shards"] = (shard_report(params, n) + shard_report(pool.arrays, n)
-                              + shard_report(runner.new_cache(), n))
-        info["bytes"] = {"weights": sharding.device_bytes(params), "pool": sharding.device_bytes(pool.arrays),
-                         "weights_formula": sharding.expected_param_bytes(params, n),
-                         "pool_formula": sharding.expected_pool_bytes(spec, n, 4)}
+    info: dict[str, Any] = {"model_type": config.model_type, "mixed": mixed, "prompts": batch,
+                            "bad_shards": (shard_report(params, n) + shard_report(pool.arrays, n)
+                                           + shard_report(runner.new_cache(), n)),
+                            "bytes": {"weights": sharding.device_bytes(params),
+                                      "pool": sharding.device_bytes(pool.arrays),
+                                      "weights_formula": sharding.expected_param_bytes(params, n),
+                                      "pool_formula": sharding.expected_pool_bytes(spec, n, 4)}}
     return arrays, info
 
 
@@ -85,10 +82,8 @@ def main(n: int, root: Path, out: Path, adapters: list[str], families: list[str]
     out.mkdir(parents=True, exist_ok=True)
     for family in families:
         model_dir, adapter_dirs = root / family / "model", [root / family / a for a in adapters]
-        one, _ = outputs(model_dir, adapter_dirs, 1)
         split, info = outputs(model_dir, adapter_dirs, n)
-        np.savez(out / f"{family}.npz", **{f"one_{k}": v for k, v in one.items()},
-                 **{f"tp_{k}": v for k, v in split.items()})
+        np.savez(out / f"{family}.npz", **split)
         (out / f"{family}.json").write_text(json.dumps({"n": n, **info}))
         print(f"{family}: done", flush=True)
 

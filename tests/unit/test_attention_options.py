@@ -130,6 +130,7 @@ def test_the_defaults_are_todays_attention() -> None:
         attention.causal(q, k, v, softcap=-2.0)
 
 
+@pytest.mark.slow  # a decode step compiled per bucket and cache layout: out of `make test-quick`
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,scale", [(32, None), (24, 0.3)])
 def test_a_decode_steps_bucket_attention_is_causal_attentions_row(dtype: str, head_dim: int,

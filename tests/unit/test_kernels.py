@@ -90,6 +90,7 @@ AVX2_TESTS = ("attention_kernel or segmented_lora or every_decode_window or kern
               " or packed_lm_head")
 
 
+@pytest.mark.slow  # its own library build and a pytest of the parity checks: out of `make test-quick`
 def test_the_avx2_build_matches_the_float64_references(tmp_path: Path) -> None:
     """The AVX2+FMA build, forced on whatever x86 CPU runs the tests: the kernel and parity checks of
     tests/parity run in a process of their own, on a library built into a directory of its own."""
@@ -150,6 +151,7 @@ print(json.dumps({"available": native.available(), "reason": native.unavailable_
 """
 
 
+@pytest.mark.slow  # a process that warms up every bucket on XLA alone: out of `make test-quick`
 def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(example: ExampleAssets) -> None:
     """What a replica without a compiler runs: XLA's dot on unpacked weights, the window loop and bucket
     attention, all compiled at warm-up."""

@@ -15,6 +15,7 @@ from testkit.jaxcount import buffer_pointers, counting_compiles
 from tests.helpers import live_replica
 
 
+@pytest.mark.slow  # a replica's warm-up, then serving across adapter changes: out of `make test-quick`
 @pytest.mark.parametrize("prefix", [False, True], ids=["whole-prompts", "prefix-cache-and-chunks"])
 def test_no_compilation_while_serving_across_adapter_changes(tmp_path: Path, example: ExampleAssets,
                                                             prefix: bool) -> None:

@@ -4,6 +4,7 @@ giving the logits a whole group's forward gives; after the rest is compiled, gro
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from computed.model.loader import load_model
 from computed.model.runner import Runner
@@ -14,6 +15,7 @@ from testkit.jaxcount import counting_compiles
 PROMPTS = [[3, 9, 27, 81 % 256, 5], [1, 2, 3], [200, 100, 50, 25, 12, 6, 3], [42]]
 
 
+@pytest.mark.slow  # a whole warm-up of an 8-row runner with chunks and the store: out of `make test-quick`
 def test_ready_comes_before_the_forwards_of_several_prompts(example: ExampleAssets) -> None:
     config, params = load_model(example.model_dir)
     pool = MemoryPool(PoolSpec(num_layers=config.num_layers, module_dims=config.module_dims, slots=2,
