@@ -115,8 +115,8 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import (machine_info, median, output_flags, print_targets, publish, spread,
-                               target_lines)
+from benchmarks.harness import (Figure, decode_rates, figure, machine_info, median, output_flags,
+    print_targets, publish, spread, target_lines)
 from computed.serving.admission import AdmittedAdapter
 from computed.backend import NativeBackend, XlaBackend, native
 from computed.serving.engine import Engine
@@ -1177,6 +1177,60 @@ def main(argv: list[str] | None = None) -> int:
     console.print(machine_line(result))
     publish("decode", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """The benchmark's own ratios (medians of per-round ratios, with their spread), so the
+    table and the benchmark's section agree."""
+    results = r["results"]
+    steps, batch = r["settings"]["steps"], r["settings"]["batch"]
+    base = decode_rates(results["0"]["decode"], batch * steps)
+    out = [figure("decode", "decode, base model, batch 32", median(base), "tokens/s",
+                  spread=spread(base), runs=len(base))]
+    if "over_loop" in results["0"]["decode"]:  # the dense kernel and attention alone: no LoRA terms
+        out.append(figure("decode", "decode, base model: ours / XLA only (no native kernels)",
+                          results["0"]["decode"]["over_loop"], "x",
+                          spread=results["0"]["decode"].get("over_loop_spread"), runs=len(base)))
+    for k in sorted(results, key=int):
+        if k == "0":
+            continue
+        ours = results[k]["decode"]
+        runs = len(decode_rates(ours, batch * steps))
+        label = f"{k} distinct adapter{'s' if k != '1' else ''}"
+        for key, name, goal in (("base", "/ base model", 0.75),
+                                ("peft", ": ours / PEFT mixed batch", 3.0),
+                                ("loop", ": ours / XLA only (no native kernels)", None),
+                                ("gather", ": ours / per-token gather (BGMV-style)", None)):
+            if f"over_{key}" not in ours:
+                continue
+            value = ours[f"over_{key}"]
+            target = f">= {goal:g}x" if goal is not None and k == "16" else None
+            out.append(figure("decode", f"decode, {label} {name}".replace(" :", ":"), value, "x",
+                              target=target, meets=value >= goal if target and goal else None,
+                              spread=ours.get(f"over_{key}_spread"), runs=runs))
+    served = r.get("served") or {}
+    for k in sorted(served, key=int):
+        cell = served[k]
+        runs = len(cell["seconds"]) if cell.get("used_rounds") is None else len(cell["used_rounds"])
+        label = "base model" if k == "0" else f"{k} distinct adapter{'s' if k != '1' else ''}"
+        if k == "0":
+            out.append(figure("decode", "served, base model, batch 32", cell["tokens_per_s"], "tokens/s",
+                              spread=cell["tokens_per_s_spread"], runs=runs))
+        for key, name, goal in (("base", "/ served base", 0.75), ("peft", "/ PEFT mixed batch", 3.0),
+                                ("engine", "/ in-process Engine.step, the same requests", 0.9)):
+            if k == "0" and key == "base" or f"over_{key}" not in cell:
+                continue
+            value = cell[f"over_{key}"]
+            target = f">= {goal:g}x" if k == "16" else None
+            out.append(figure("decode", f"served, {label} {name}", value, "x", target=target,
+                              meets=value >= goal if target else None,
+                              spread=cell.get(f"over_{key}_spread"), runs=runs))
+    lc = r.get("long_context")
+    if lc:
+        out.append(figure("decode", f"decode, base model from position {lc['start']} of {lc['max_len']}: "
+                          "attention kernel / XLA attention", lc["kernel_over_xla"], "x",
+                          spread=lc["kernel_over_xla_spread"], runs=len(lc["kernel"]["seconds"])))
+    return out
 
 
 if __name__ == "__main__":

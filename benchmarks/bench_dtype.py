@@ -56,7 +56,7 @@ from benchmarks.bench_decode import (
     served_max_batch,
     write_assets,
 )
-from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
@@ -196,6 +196,19 @@ def main(argv: list[str] | None = None) -> int:
         # as bench_decode's: 4 clients of 4 tokens, on a replica of --max-batch 4
         args.repeats, args.steps, args.served_clients, args.served_tokens = 1, 4, 4, 4
     return run_and_publish("dtype", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """bfloat16 model over float32 model, in process and served (issue 15: served >= 1.0x)."""
+    out = []
+    for path, label in (("decode", "decode"), ("served", "served")):
+        for k, cell in r[path].items():
+            mix = "base model" if k == "0" else f"{k} distinct adapters"
+            target = cell.get("target")
+            out.append(figure("dtype", f"{label}, {mix}: bfloat16 model / float32 model", cell["bf16_over_f32"], "x",
+                              target=None if target is None else f">= {target}x", meets=cell.get("pass"),
+                              spread=cell["bf16_over_f32_spread"], runs=r["settings"]["repeats"]))
+    return out
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ from rich.table import Table
 from benchmarks.bench_decode import (ALPHA, BATCH, CONTENDED, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX,
                                      PeftProcess, RawDecode, Timing, adapter_names, agreement, clean_rounds,
                                      loaded_event, row_adapters)
-from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread, target_lines
+from benchmarks.harness import (Figure, decode_rates, figure, machine_info, median, output_flags,
+    print_targets, publish, spread, target_lines)
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
@@ -353,6 +354,25 @@ def main(argv: list[str] | None = None) -> int:
     print_targets(result, console.print)
     publish("families", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Per family (issue 38): decode tokens/s on 16 adapters, 16 adapters / its base model, ours /
+    PEFT on the same batch, and the family's 16 adapters / base over Llama's (target >= 0.9x)."""
+    out, steps, batch = [], r["settings"]["steps"], r["settings"]["batch"]
+    k = r["adapters"]["count"]
+    for name, c in r["families"].items():
+        rates = decode_rates(c["adapters"], batch * steps)
+        label = f"decode, {name}, {k} distinct adapters"
+        out += [figure("families", label, median(rates), "tokens/s", spread=spread(rates), runs=len(rates)),
+                figure("families", f"{label} / base model", c["over_base"], "x", spread=c["over_base_spread"],
+                       runs=len(rates)),
+                figure("families", f"{label}: ours / PEFT mixed batch", c["over_peft"], "x",
+                       spread=c["over_peft_spread"], runs=len(rates))]
+    for t in r["targets"]:
+        out.append(figure("families", f"decode, {t['name']}", t["measured"], "x", target=t["target"],
+                          meets=t["met"]))
+    return out
 
 
 if __name__ == "__main__":

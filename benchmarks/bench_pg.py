@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
-from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, markdown_table, publish,
+    spread, target_lines)
 from shared.client import ControlClient, new_event_id
 from statesvc.tools.example import make_example
 from testkit.fleet import Computed, StateSvc, cpu_seconds, thread_cpu, wait_for
@@ -368,14 +368,9 @@ COLUMNS = ("measurement", "events/s", "x raw", "events/commit", "server CPU ms/e
            "p50 ms", "p99 ms", "resent")
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
+def render(result: dict[str, Any]) -> str:
     med, ratio = result["median_events_per_s"], result["ratio_to_raw"]
-    table = Table(title=f"Durable events/s on PostgreSQL (median of "
-                        f"{result['settings']['repeats']})")
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "measurement" else "right")
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|"] \
-        if result["runs"] else []  # empty: `--only propagation`
+    rows = []
     for k, runs in result["runs"].items():
         if k == "raw":
             cells = ["raw psycopg, INSERT + COMMIT", f"{med[k]:,.0f}", "1.00", "1.0", "", "", "",
@@ -388,8 +383,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                                ("latency_ms_p50", "{:.2f}"), ("latency_ms_p99", "{:.2f}")):
                 cells.append(fmt.format(median([r[field] for r in runs])))
             cells.append(str(sum(r.get("resent", 0) for r in runs)))
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown_table(COLUMNS, rows) if rows else []  # none: `--only propagation`
     lines += ["", "| propagation | from ack p50 ms | p99 ms | p99 / 1 replica | CPU ms a "
               "load: replicas | statesvc | postgres | bench | load average |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] \
@@ -434,7 +429,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
     lines += target_lines(result)
     lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "
                  f"before the run, {m['date']}. `python -m benchmarks.bench_pg` reproduces it.")
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,9 +464,46 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         return 0
     # a partial run, like a quick one, writes only where LORAPLANE_BENCH_OUT points
-    show_and_publish("pg", result, *render(result), quick=a.quick or a.only is not None,
-                     no_write=a.no_write, console=console)
+    markdown = render(result)
+    print(markdown)
+    publish("pg", result, markdown, quick=a.quick or a.only is not None, no_write=a.no_write)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    for k, per_repeat in r["ratio_to_raw_per_repeat"].items():
+        n, c = k.split("x")
+        rates = [x["events_per_s"] for x in r["runs"][k]]
+        label = f"event append on PostgreSQL, {n} statesvc, {c} clients"
+        out.append(figure("pg", label, median(rates), "events/s", spread=spread(rates),
+                          runs=len(rates)))
+        out.append(figure("pg", f"{label} / raw psycopg", median(per_repeat), "x",
+                          target=">= 0.5x", meets=median(per_repeat) >= 0.5,
+                          spread=spread(per_repeat), runs=len(per_repeat)))
+    props = r.get("propagation") or []
+    for p in props[1:]:
+        n = p["replicas"]
+        target = "<= 3x" if p is props[-1] else None
+        out.append(figure("pg", f"propagation on PostgreSQL, ack to applied p99, {n} replicas / "
+                                "1 replica", p["p99_over_one"], "x", target=target,
+                          meets=p["p99_over_one"] <= 3 if target else None))
+    boot = r.get("bootstrap")
+    if boot:
+        runs = boot["runs"]
+        label = f"bootstrap of {boot['new']} new replicas beside {boot['warm']}"
+        for key, what in (("statesvc_blob_fetches", "blobs served by statesvc"),
+                          ("peer_blob_fetches", "blobs served by peers")):
+            xs = [x[key] for x in runs["peers"]]
+            out.append(figure("pg", f"{label}, {what}, peer blobs on", median(xs), "blobs",
+                              spread=spread(xs), runs=len(xs)))
+        for key, what in (("statesvc_cpu_s", "statesvc CPU"),
+                          ("ready_to_head_s", "READY to head, slowest")):
+            xs = [a[key] / b[key] for a, b in zip(runs["peers"], runs["statesvc"]) if b[key]]
+            if xs:
+                out.append(figure("pg", f"{label}, {what}, peer blobs / --no-peer-blobs",
+                                  median(xs), "x", spread=spread(xs), runs=len(xs)))
+    return out
 
 
 if __name__ == "__main__":

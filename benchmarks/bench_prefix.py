@@ -37,7 +37,8 @@ import numpy as np
 
 from benchmarks.bench_decode import QUICK_SHAPE
 from benchmarks.bench_residency import build_log
-from benchmarks.report import machine_info, median, output_flags, percentile, run_and_publish
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, percentile,
+    run_and_publish, spread)
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.replica import Replica
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    from benchmarks.report import target_lines
+    from benchmarks.harness import target_lines
     s, m, f = r["settings"], r["machine"], r["figures"]
     z = s["sizes"]
 
@@ -275,6 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.turns = 1, 2
     return run_and_publish("prefix", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 41: the prefix cache's TTFT and throughput, chunked prefill's inter-token p99, each
+    with / without in the same rounds (bench_prefix); and the cached run's hit rate."""
+    runs = r["settings"]["rounds"]
+    out = [figure("prefix", t["name"], t["measured"], "x", target=t["target"], meets=t["met"],
+                  spread=spread(r["ratios"][t["ratio"]]), runs=runs) for t in r["targets"]]
+    on = [x["on"] for x in r["rounds"]["sessions"]]
+    out.append(figure("prefix", "shared system prompt, prompt tokens served from the prefix cache",
+                      100 * median([x["hit_tokens"] / x["prompt_tokens"] for x in on]), "%", runs=runs))
+    return out
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
-from benchmarks.report import machine_info, median, output_flags, publish, spread, target_lines
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, publish, spread,
+    target_lines)
 from computed.replica import Replica
 from computed.residency.manager import pool_spec
 from computed.residency.pool import MemoryPool
@@ -294,6 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     console.print(markdown)
     publish("replay", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    for row in r["sizes"]:
+        n = row["events"]
+        big = n >= 100_000
+        for mode, label in (("snapshot", "with snapshots"), ("from_zero", "without snapshots")):
+            value = row[f"{mode}_over_direct"]
+            target = "<= 1.5x" if big and mode == "snapshot" else None
+            out.append(figure("replay", f"replay of {n:,} events {label} / direct load of "
+                                        f"{r['settings']['live']} adapters", value, "x",
+                              target=target, meets=value <= 1.5 if target else None,
+                              spread=row[f"{mode}_over_direct_spread"],
+                              runs=len(row["seconds"][mode])))
+    return out
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
-                               spread, target_lines)
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, percentile,
+    print_targets, publish, spread, target_lines)
 from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights
 from computed.replica import Replica
 from computed.residency.blob_cache import slot_weights
@@ -677,6 +677,43 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[dim]{result['seconds']} s in all[/dim]")
     publish("replica", result, markdown, quick=a.quick, no_write=a.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    floor = r["read_sha256"]["read_sha256_ms_p50"]
+    for p in r["propagation"]:
+        n = p["replicas"]
+        for q in ("p50", "p99"):
+            # per block of loads where the results have blocks (one run of all loads otherwise)
+            per_block = [b[f"from_ack_ms_{q}"] / floor for b in p.get("blocks", [])]
+            value = median(per_block) if per_block else p[f"from_ack_ms_{q}"] / floor
+            target = "<= 2x" if q == "p99" else None
+            out.append(figure("replica", f"propagation to {n} replica(s), ack to applied {q} / "
+                                         "read+sha256 of the file", value, "x", target=target,
+                              meets=value <= 2 if target else None,
+                              spread=spread(per_block) if per_block else None,
+                              runs=len(per_block) or 1))
+    pool = r["pool"]
+    ratio = pool["write_over_rebuild"]
+    out.append(figure("replica", "one slot write / pool rebuild", ratio, "x", target="<= 0.05x",
+                      meets=ratio <= 0.05, spread=pool.get("write_over_rebuild_spread"),
+                      runs=pool["rebuild_iters"]))
+    if "compiles_during_writes" in pool:
+        n = pool["compiles_during_writes"]
+        out.append(figure("replica", "compilations during slot writes and clears", n, "compiles",
+                          target="0", meets=n == 0, runs=pool["write_iters"]))
+    if "bytes_over_formula" in pool:
+        out.append(figure("replica", "pool bytes / formula from its shapes",
+                          pool["bytes_over_formula"], "x", target="1.0x",
+                          meets=abs(pool["bytes_over_formula"] - 1) < 1e-9))
+    rss = r["rss"]
+    out.append(figure("replica", f"RSS after {rss['cycles']:,} load/unload cycles / after warm-up",
+                      rss["rss_ratio"], "x", target="<= 1.05x", meets=rss["rss_ratio"] <= 1.05,
+                      spread=spread([s / rss["rss_mb_after_warmup"]
+                                      for s in rss["rss_mb_samples_after_cycles"]]),
+                      runs=len(rss["rss_mb_samples_after_cycles"])))
+    return out
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
 from computed.backend import native
 from computed.model.loader import load_model
 from computed.model.params import PackedWeight
@@ -332,6 +332,31 @@ def main() -> int:
     args = ap.parse_args()
     name = "shapes" if args.preset == DEFAULT_PRESET or args.quick else f"shapes-{args.preset}"
     return run_and_publish(name, args, run, render)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 48, at a real geometry (bench_shapes): decode beside the weights-read floor, prefill
+    beside the dense kernel's GEMM rate, first start and restart until ready, RSS unexplained.
+    Each names the preset and the CPU's matrix ISA."""
+    f, where = r["figures"], f"{r['preset']}, {r['machine'].get('matrix_isa', '?')}"
+    out = []
+    for mix in ("base", "16 adapters"):
+        d, runs = f[f"decode {mix}"], len(r["decode_s"][mix])
+        out.append(figure("shapes", f"decode {where}, batch 32, {mix}", d["tokens_s"], "tokens/s", runs=runs))
+        out.append(figure("shapes", f"decode {where}, batch 32, {mix}: step / weights-read floor",
+                          d["over_weights_floor"], "x", target="<= 1.5x", meets=d["over_weights_floor"] <= 1.5,
+                          runs=runs))
+    p = f["prefill"]
+    if "of_gemm_peak" in p:
+        out.append(figure("shapes", f"prefill {where}, 256 tokens: FLOP/s / the dense kernel's at 256 rows",
+                          100 * p["of_gemm_peak"], "%", target=">= 50", meets=p["of_gemm_peak"] >= 0.5,
+                          runs=len(r["prefill_s"])))
+    for which, limit in (("first start", 60), ("restart", 15)):
+        out.append(figure("shapes", f"replica {which} until ready, {where}", f[which]["seconds"], "s",
+                          target=f"<= {limit}", meets=f[which]["seconds"] <= limit))
+    out.append(figure("shapes", f"replica RSS unexplained by its parts, {where}", f["restart"]["unexplained_gb"],
+                      "GB", target="<= 1", meets=f["restart"]["unexplained_gb"] <= 1))
+    return out
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
 from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 
@@ -187,6 +187,20 @@ def main(argv: list[str] | None = None) -> int:
         worker(int(args.worker[0]), Path(args.worker[1]), args.steps, args.repeats, args.batch)
         return 0
     return run_and_publish("tp", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 19: bytes per device against the formula, decode beside N = 1 (forced CPU devices)."""
+    out = []
+    for k, c in r["results"].items():
+        if k == "1":
+            continue
+        worst = max(max(c[f"{w}_bytes_per_device"]) / c[f"{w}_formula"] for w in ("weights", "pool"))
+        out.append(figure("tp", f"tensor-parallel {k}: bytes per device / formula (weights and pool)",
+                          worst, "x", target="1.0x", meets=c["exact"]))
+        out.append(figure("tp", f"tensor-parallel {k} on forced CPU devices: decode, 16 adapters / N = 1",
+                          c["over_one"], "x", spread=c["over_one_spread"], runs=len(c["tokens_per_s"])))
+    return out
 
 
 if __name__ == "__main__":

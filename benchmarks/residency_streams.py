@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import percentile
+from benchmarks.harness import percentile
 from computed.serving.engine import Done, Engine
 from computed.replica import Replica
 from shared.replica_protocol import generate_args

@@ -1,0 +1,115 @@
+"""Figure and target records, their verdicts, and latest.json's summary table.
+
+A bench keeps its targets as records in its results (`target`: name, target, measured, met);
+the suite turns each bench's results into figures (`figure`: one headline ratio or rate, the
+median of the bench's runs with their spread) through the bench's own `figures` function.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.machine import FORCED
+
+Figure = dict[str, Any]
+
+
+def figure(bench: str, name: str, value: float, unit: str, *, target: str | None = None,
+           meets: bool | None = None, spread: list[float] | None = None,
+           runs: int = 1) -> Figure:
+    return {"name": name, "value": round(float(value), 4), "unit": unit, "target": target,
+            "meets": meets, "spread": None if spread is None else [round(v, 4) for v in spread],
+            "runs": runs, "bench": bench}
+
+
+def target(name: str, measured: Any, target: str, met: bool, **more: Any) -> dict[str, Any]:
+    """One of a bench's targets, as its results file keeps them."""
+    return {"name": name, "target": target, "measured": measured, "met": met, **more}
+
+
+def _measured(t: dict[str, Any]) -> str:
+    return f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else str(t["measured"])
+
+
+def print_targets(result: dict[str, Any], say: Callable[[str], None]) -> None:
+    """One PASS/MISS line (rich markup) per entry of `result["targets"]`."""
+    for t in result["targets"]:
+        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
+        say(f"{verdict} {t['name']}: {_measured(t)} (target {t['target']})")
+
+
+def target_lines(result: dict[str, Any]) -> list[str]:
+    """The README's verdicts, one markdown line per entry of `result["targets"]`."""
+    return [f"- {'PASS' if t['met'] else 'MISS'}: {t['name']} {_measured(t)} (target {t['target']})"
+            for t in result["targets"]]
+
+
+def num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def verdict(f: Figure) -> str:
+    if f["meets"] is None:
+        return ""
+    if f["meets"]:
+        return "PASS"
+    return f"MISS ({shortfall(f)})"
+
+
+def shortfall(f: Figure) -> str:
+    """How far a missed figure is from its target, in the target's own terms."""
+    goal_text = str(f["target"]).replace(",", "").rstrip("x")
+    op, _, bound = goal_text.rpartition(" ")
+    try:
+        goal = float(bound)
+    except ValueError:
+        return f"measured {num(f['value'])}, target {f['target']}"
+    if goal == 0:
+        return f"{num(f['value'])} instead of 0"
+    if op == ">=":
+        return f"{f['value'] / goal:.0%} of the target"
+    if f["value"] < goal and f["spread"]:  # a target that every run must meet
+        return f"the median is under it, runs up to {num(f['spread'][1])}"
+    return f"{f['value'] / goal:.1f}x the limit"
+
+
+def isa_where(f: Figure) -> str:
+    """The ISA a figure's kernels ran, and for an AVX2 build whether the CPU itself is an AVX2
+    one (native) or an AVX-512 one capped at AVX2 (forced); older figures lack `cpu_isas`."""
+    isa, cpu = f.get("isa") or "?", f.get("cpu_isas")
+    if cpu is None or not isa.startswith("AVX2"):
+        return isa
+    return f"{isa} ({'forced on an AVX-512 CPU' if 'avx512f' in cpu else 'native'})"
+
+
+def summary_table(latest: dict[str, Any]) -> str:
+    lines = ["| figure | value | spread (min-max) | runs | target | verdict | CPU, kernels |",
+             "|---|---:|---:|---:|---|---|---|"]
+    for f in latest["figures"]:
+        unit = "" if f["unit"] == "x" else f" {f['unit']}"
+        value = f"{num(f['value'])}{'x' if f['unit'] == 'x' else unit}"
+        span = "" if not f["spread"] else f"{num(f['spread'][0])}-{num(f['spread'][1])}"
+        where = f"{f.get('cpu') or 'CPU not recorded'}, {isa_where(f)}"
+        lines.append(f"| {f['name']} | {value} | {span} | {f['runs']} | {f['target'] or ''} "
+                     f"| {verdict(f)} | {where} |")
+    m = latest["machine"]
+    missed = [f for f in latest["figures"] if f["meets"] is False]
+    lines += ["", f"{len(latest['figures'])} figures, {len(missed)} targets missed. Each "
+              "figure's CPU and the ISA its kernels ran are in its last column (a benchmark "
+              "keeps its figures until it is run again, so they can come from different "
+              f"machines); last written on {m.get('nproc')} CPUs ({m.get('cpu', 'CPU model not recorded')}; kernels built "
+              f"for {', '.join(m.get('kernel_isas') or ['no vector ISA recorded'])}), "
+              f"{m.get('platform')}, Python {m.get('python')}, "
+              f"{latest['date']}, by `make bench` from `benchmarks/results/latest.json`; "
+              f"figures marked [{FORCED.upper()} build] come from `make bench ISA={FORCED}` "
+              f"(kernels, XLA and torch capped at AVX2+FMA; detail in `benchmarks/results/{FORCED}/`), "
+              "on the CPU their last column names: \"native\" where that CPU has no AVX-512; "
+              "the sections below give each benchmark's detail."]
+    if latest["plots"]:
+        lines += ["", " ".join(f"![{Path(p).stem}](benchmarks/results/plots/{Path(p).name})"
+                                for p in latest["plots"])]
+    failed = [name for name, run in latest["runs"].items() if run["rc"] != 0]
+    if failed:
+        lines += ["", f"Failed in this run (no figures): {', '.join(failed)}."]
+    return "\n".join(lines)
