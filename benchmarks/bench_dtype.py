@@ -1,31 +1,8 @@
 """Decode throughput of a bfloat16 model against the same model in float32, side by side in one run.
 
-The decode benchmark's checkpoint (benchmarks/bench_decode.py: vocab 8192, hidden 1024,
-intermediate 2816, 8 layers, 111 M parameters) and its 32 rank-16 adapters, the model written
-in bfloat16 as transformers writes a bfloat16 checkpoint. It is loaded twice, as float32 (the
-bfloat16 values widened exactly: 444 MB) and as bfloat16 (its bits: 222 MB), so the two models
-hold the same values and differ only in how they are stored and computed. On the CPU both run
-the native kernels (computed/backend/native.py): the dense kernel over packed float32 or
-bfloat16 weights, the LoRA kernel, the attention kernel over a float32 cache. The pool is the
-same for both (`--pool-dtype`).
-
-Paths, interleaved round by round (a warm-up round, then `--repeats` rounds; medians, with the
-spread beside them):
-
-* decode: Runner.decode in a loop over 32 prefilled rows (bench_decode's `decode`), on the
-  base model and on 16 distinct adapters; tokens/s = 32 * steps / seconds.
-* served: a real `statesvc serve` and `computed serve --dtype D --max-batch 32` per dtype
-  (testkit/fleet.py subprocesses), the adapters loaded through the state service, 32 clients each
-  sending one `generate` of `--served-tokens` new tokens at once (bench_decode's `served`).
-
-Target (issue 15): the bfloat16 model at least 1.0x the float32 one, served. Greedy tokens of the
-two models are compared (reported, not asserted: float32 activations and bfloat16 ones round
-differently, and a random model's near-ties flip).
-
     .venv/bin/python -m benchmarks.bench_dtype [--steps 8] [--repeats 5] [--quick] [--no-write]
 
-Writes benchmarks/results/dtype.json and the README's bench:dtype section; `make bench` runs it
-and puts the served ratios, with their target, in the summary table.
+What it runs, and why: docs/benchmarks.md, "bench_dtype.py".
 """
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """Durable load/unload events per second through a real `statesvc serve`, next to raw SQLite.
 
-Three measurements, interleaved and repeated (median of `--repeats`):
-
-* raw:        one Python `sqlite3` connection with the state service's pragmas
-              (WAL, synchronous=FULL), one `BEGIN IMMEDIATE; INSERT; COMMIT` per
-              row, rows shaped like the `events` table with an adapter.loaded payload.
-* concurrent: `--clients` client processes, each with its own ZeroMQ socket,
-              loading and unloading its own adapter names in a loop; the
-              service may group their commands into one commit.
-* single:     one client, so every event is its own commit.
-
-The raw database and the service's data dir share one temporary directory, so
-both pay the same fsync. A reply means the event is durable (the service
-commits before it answers), so events/s counts replies. Targets (PASS/MISS):
-concurrent >= 1,000 events/s and >= 0.5x raw. Exit code is 0 either way.
-
     .venv/bin/python -m benchmarks.bench_events [--repeats 3] [--clients 4] ...
+
+What it runs, and why: docs/benchmarks.md, "bench_events.py".
 """
 from __future__ import annotations
 

@@ -1,48 +1,9 @@
 """Decode throughput per model family: 16 distinct adapters against the base model, and against PEFT.
 
-For each family of `FAMILIES` (issue 38), a random checkpoint of that family at the decode
-benchmark's sizes, with 16 rank-16 adapters on every target module the family takes, written
-as transformers and PEFT write them (statesvc/tools/example.py `make_example`; no downloads),
-float32:
-
-    vocab 8192, hidden 1024, intermediate 2816, 8 layers, 16 heads, 8 KV heads, head_dim 64,
-    adapters r=16, alpha 32 (benchmarks/bench_decode.py SHAPE).
-
-Each family's options are the example's (statesvc/tools/families.py: sliding windows of 8
-positions, Qwen2's sliding layers, Gemma's soft-caps, tied embeddings and sandwich norms, OLMo 2's
-q/k norms over the projection, Granite's multipliers; Mixtral's and Qwen3-MoE's 4 experts, each
-token through 2, Mixtral's of the intermediate size, Qwen3-MoE's a quarter of it, their adapters
-on attention only, as LoRA on a mixture of experts is served), so a step does what that family
-does.
-A batch of 32 sequences, each with its own 32-token prompt, is prefilled, then decoded
-greedily. One family after another (each checkpoint is written, timed and deleted before the
-next: eight models would not fit side by side in a small machine's memory), with Llama's
-checkpoint loaded for the whole run; per family, these paths side by side, interleaved round by
-round (a warm-up round, then rounds until `--repeats` ran without other load on the machine, at
-most `--max-rounds`; the medians of those), all of bench_decode's own machinery:
-
-* base:        bench_decode's `RawDecode` (Runner.decode in a loop, as the engine calls
-               it, on the backend serving picks here: the native kernels where they are built),
-               every row on the base model;
-* 16 adapters: the same loop, row i on adapter i % 16;
-* Llama:       the same two on Llama's checkpoint (for the other families), so that the ratio
-               over Llama's pairs figures of the same round;
-* PEFT:        transformers' model of the family with the 16 adapters loaded into one
-               PeftModel, mixed-batch inference (`adapter_names` per row), KV cache, greedy,
-               in a process of its own (bench_decode's `PeftProcess`), on the 16-adapter batch.
-
-Figures per family: tokens/s of the base batch and of the 16-adapter batch, 16 adapters / base,
-ours / PEFT on the 16-adapter batch (each the median of the per-round ratios), and the family's
-16 adapters / base over Llama's in the same round (the median over the rounds), whose target is
->= 0.9x: no family's adapters cost much more, relative to its own base model, than Llama's do.
-
     .venv/bin/python -m benchmarks.bench_families [--steps 8] [--repeats 5] [--families llama,qwen2]
         [--no-write] [--quick]
 
-The table is printed, written to benchmarks/results/families.json and, where README.md has the
-`bench:families` markers, into that section. `--quick` is a smoke run (bench_decode's tiny
-model, two families, one round of 4 steps) that writes nothing unless `python -m benchmarks
---quick` points it elsewhere.
+What it runs, and why: docs/benchmarks.md, "bench_families.py".
 """
 from __future__ import annotations
 

@@ -1,51 +1,9 @@
 """The OpenAI-compatible gateway against ZeroMQ straight to the replica, side by side in one run.
 
-A real `statesvc serve`, one `computed serve --max-batch 32` (warmed up) and `computed
-gateway` (testkit/fleet.py subprocesses) with 16 adapters, all resident (`max_loras` 16), on
-two model shapes, each its own fleet:
-
-* `bench`: the decode benchmark's model (bench_decode.SHAPE: vocab 8192, hidden 1024, 8
-  layers), rank-16 adapters on every module, 32 prompt and 64 new tokens: the issue's "same
-  mixed-adapter workload (batch 32, 16 adapters)", where the replica's compute is realistic;
-  the targets are about this one;
-* `tiny`: the example model (vocab 512, hidden 64, 2 layers), rank-8 q/v adapters, 8 prompt
-  and 32 new tokens: a step takes about a millisecond, so the gateway's per-token cost is
-  as large a share as it gets; the worst case, reported beside it.
-
-One round sends the same 32 requests (adapter i % 16, random prompt tokens, greedy,
-`ignore_eos`) both ways, order alternating by round, from a client in its own process
-(benchmarks/gateway_client.py), both streaming and timed the same way:
-
-* zmq: 32 `generate` with `stream: true` sent at once on one DEALER, every token frame read;
-* gateway: the same 32 as `/v1/completions` with `stream: true` over 32 keep-alive
-  connections, every SSE event read to `data: [DONE]`.
-
-Per round: throughput (32 x tokens / wall seconds), each request's latency (send to last
-byte) and the CPU seconds each process (replica, gateway, client) spent in it. Added latency
-per request is measured within each request, so that how long the round's decode took
-(which moves by more than 2 ms from round to round) drops out: its latency through the
-gateway less the gateway's `timings.upstream_ms` for it (from sending it to the replica to
-its result, as Envoy's upstream service time), that is what the HTTP hop, the gateway's
-queue and its handling added. Reported per shape: medians over rounds of the throughput
-ratio gateway / zmq (target >= 0.9x), of the added latency's p50 (target under 2 ms in
-every round) and p99; beside them the end-to-end difference of the two paths' p50 (p99)
-latencies, run to run, the ZeroMQ path's latency outside the replica (less its
-`timings.total_ms`), and CPU milliseconds per generated token per process and path. Then
-32 lone requests, one at a time, alternating the path: the added latency of a request with
-no burst to queue behind. In `make bench` (benchmarks/suite.py).
-
-Each run is a model shape in a CPU layout (`--runs`, default bench:split, bench:shared,
-tiny:split), each its own fleet. `split`: the replica pinned to every CPU but the last, the
-gateway and the client to the last one (the front door on a core of its own, as it sits on
-a host of its own in front of a fleet); the targets are the first run's, bench:split.
-`shared`: every process on every CPU, the replica's compute threads taking all of them
-during a step, so that a request's bytes also wait for a CPU (reported beside it).
-
     .venv/bin/python -m benchmarks.bench_gateway [--runs bench:split,bench:shared,tiny:split]
         [--rounds 5] [--quick] [--no-write] [--profile DIR]
 
-`--profile DIR` runs the gateway under cProfile (LORAPLANE_GATEWAY_PROFILE) and writes
-DIR/gateway-SHAPE.prof when it stops.
+What it runs, and why: docs/benchmarks.md, "bench_gateway.py".
 """
 from __future__ import annotations
 

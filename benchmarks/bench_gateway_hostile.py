@@ -1,28 +1,9 @@
 """The gateway beside hostile clients: what a good client sees while they run (issue 50).
 
-A real `statesvc serve`, one `computed serve` (warmed up) and `computed gateway` on the
-example model (testkit/fleet.py subprocesses), the gateway's limits at their defaults but
---head-timeout and --body-timeout, 2 s, so that the slow connections turn over within a run.
-Two measures, in that order:
-
-* slow: 300 connections kept open at once (one closed by the gateway is opened again): a
-  third dribble a request head a byte at a time, a third send 256 KiB of one header and
-  stop (answered 431 at --max-head-bytes, 64 KiB), a third send a whole head and dribble its
-  body. Meanwhile a good client sends, one
-  after another, GET /v1/models on a new connection and a small completion (4 tokens) on a
-  kept one. Figures: the good client's slowest answer (target: every one within 0.5 s) and
-  the gateway's RSS at its peak over the run less before it (target < 100 MB).
-* flood: small completions one at a time, alone, then while 8 clients each send one
-  oversized prompt after another (the issue's 786 KB: 262,144 CJK characters, 3 bytes each
-  in UTF-8), which no context holds. Figure: the small completions' median latency during
-  the flood over their median alone (target <= 3x); beside it, how the oversized prompts
-  were answered.
-
     .venv/bin/python -m benchmarks.bench_gateway_hostile [--requests 40] [--seconds 8]
         [--quick] [--no-write]
 
-In `make bench` (benchmarks/suite.py). The tests assert the behaviour behind both
-(tests/integration/test_gateway_limits.py); the figures are here, as timings belong.
+What it runs, and why: docs/benchmarks.md, "bench_gateway_hostile.py".
 """
 from __future__ import annotations
 

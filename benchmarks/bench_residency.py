@@ -1,46 +1,9 @@
 """Residency (issue 16): a registry far larger than the slots, served from a Zipf stream.
 
-The decode benchmark's checkpoint (benchmarks/bench_decode.py: hidden 1024, 8 layers, 111 M
-parameters) and `--adapters` (default 1,000) rank-8 adapters on q_proj and v_proj, each with
-weights of its own, written by the example writer (statesvc/tools/example.py) in bfloat16
-(0.46 MB each). The log is written by the state service itself (in-process, real SQLite and
-blob store); a `statesvc serve` subprocess serves it, and an in-process `Replica` (with its
-fill worker and host tier, `--host-cache-mb`) and `Engine` over the bench model serve the
-requests: `Engine.step` in a loop, as the daemon runs it.
-
-The streams (benchmarks/residency_streams.py says how each is run and measured), on 16 and
-32 slots (a log each: the slots are in the genesis): `--requests` requests, each for adapter
-i with probability proportional to 1 / i^s, s = `--zipf` (default 1.1; the ranks are a random
-permutation of the registry), prompt 16 tokens, 8 new tokens, greedy; "all resident" is the
-same stream with each request's adapter replaced by one of the `slots` most popular ones. Per
-slot count, `--rounds` alternated pairs (Zipf / all resident), each round a Zipf draw of its
-own, first closed loop (at most 32 in flight), then open loop (a fixed schedule at `--load` x
-the all-resident capacity just measured, the same schedule and order for both).
-
-Figures, side by side in one run:
-* throughput (tokens/s) of the closed-loop Zipf stream / the all-resident one, the median of
-  the rounds' ratios: target >= 0.8x;
-* added time to first token (open loop): per request whose adapter was not resident when it
-  was sent, what non-residency added before its prefill, p50 and p99 per tier (host-tier hit
-  / miss), over that tier's floor (the same fills measured on an idle replica; host hit: the
-  slot write; miss: blob read from statesvc + sha256 + parse + slot write): target p99 <= 2x.
-  Measured within the Zipf run, as the engine's `residency_ms` (residency_streams.py); beside
-  it the first measure, its TTFT in the Zipf run - its TTFT in the all-resident run, whose
-  control (resident requests) shows how far two runs of one schedule differ. Beside it the literal figure, TTFT (queue + prefill) of those requests
-  over the floor in the closed-loop stream (the issue's wording, same target), and the open
-  loop's TTFT;
-* host-tier hit rate and evictions per 1,000 requests;
-* RSS of a `computed serve --no-inference` replica with 1,000 registered / with 10 (same
-  slots, same host cache, and the same slots filled: 8 slots, which both fill at replay),
-  the median of `--repeats` alternated pairs: target <= 1.05x;
-* a cold replica's time to ACTIVE with 10,000 registered tiny adapters / with 10 (rank 1 on
-  q_proj; one file registered under each name, so the registry grows and the blob store
-  does not): from starting `computed serve --no-inference` on an empty cache dir to its
-  status saying ACTIVE at the head: target <= 2x. Beside it, the in-process bootstrap alone
-  (snapshot fetched and verified, events after it, pool written), without a target.
-
     .venv/bin/python -m benchmarks.bench_residency [--adapters 1000] [--requests 384]
         [--rounds 3] [--load 0.5] [--quick]
+
+What it runs, and why: docs/benchmarks.md, "bench_residency.py".
 """
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """Tensor-parallel replicas (issue 19): bytes per device, and decode throughput beside N = 1.
 
-Per N in 1, 2 and 4, each in its own process on N forced host devices
-(XLA_FLAGS=--xla_force_host_platform_device_count=N; JAX fixes the count when it starts):
-
-* bytes per device of the weights and of the LoRA pool, measured from every array's addressable
-  shards, beside the formula from the shapes (1/N of each split array plus each replicated one:
-  computed/model/sharding.py `expected_param_bytes`, `expected_pool_bytes`), and whether the two
-  match exactly;
-* decode throughput of a 32-row batch over 16 distinct adapters (two rows each), Runner.decode
-  in a loop after the runner's warm-up and a warm-up round, relative to N = 1 round by round: the
-  three processes stay up and take turns, one round each, the order rotating. N = 1 runs the XLA backend
-  (what N > 1 runs, on one device), not the native kernels, so the ratio is the cost of the mesh.
-
-On forced CPU devices the N "devices" share the same cores, so the ratio measures the overhead of
-sharding (the all-reduces, the per-device dispatch), not a speed-up; on an accelerator it would be
-the speed-up.
-
     .venv/bin/python -m benchmarks.bench_tp [--steps 8] [--repeats 5] [--quick] [--no-write]
 
-Writes benchmarks/results/tp.json and the README's bench:tp section.
+What it runs, and why: docs/benchmarks.md, "bench_tp.py".
 """
 from __future__ import annotations
 
