@@ -23,9 +23,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.bench_decode import (ALPHA, BATCH, CONTENDED, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX,
-                                     PeftProcess, RawDecode, Timing, adapter_names, agreement, clean_rounds,
-                                     loaded_event, row_adapters)
+from benchmarks.harness.stats import CONTENDED
+from benchmarks.decode_paths import ALPHA, BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX, RawDecode, adapter_names, agreement, loaded_event, row_adapters
+from benchmarks.decode_peft import PeftProcess
+from benchmarks.harness import Timing, clean_rounds
 from benchmarks.harness import (Figure, decode_rates, figure, machine_info, median, output_flags,
     print_targets, publish, spread, target_lines)
 from computed.model.loader import load_model

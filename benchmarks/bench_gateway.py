@@ -41,7 +41,7 @@ class Workload:
 
 
 def workloads() -> dict[str, Workload]:
-    from benchmarks.bench_decode import SHAPE
+    from benchmarks.decode_paths import SHAPE
     return {"bench": Workload(SHAPE, 16, tuple(MODULES), 32, 64),
             "tiny": Workload(ModelShape(), 8, ("q_proj", "v_proj"), 8, 32)}
 

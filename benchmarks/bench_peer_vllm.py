@@ -368,7 +368,7 @@ def summarize(rows: list[dict[str, Any]], ncpu: int) -> dict[str, Any]:
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
     """Position by position; the share of each request's tokens before its first difference
     (after one, the two continue from different text); the share of requests identical."""
-    from benchmarks.bench_decode import agreement as positions
+    from benchmarks.decode_paths import agreement as positions
 
     def prefix(a: list[int], b: list[int]) -> float:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -408,7 +408,7 @@ def greedy_tokens(ours: Ours, vllm: Vllm, reqs: list[Request]) -> tuple[list[lis
 
 
 def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
-    from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
+    from benchmarks.decode_paths import QUICK_SHAPE, SHAPE
     from shared.projections import MODULES
     from statesvc.tools.example import AdapterSpec, make_example
 

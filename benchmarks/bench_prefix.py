@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_decode import QUICK_SHAPE
+from benchmarks.decode_paths import QUICK_SHAPE
 from benchmarks.bench_residency import build_log
 from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, percentile,
     run_and_publish, spread)

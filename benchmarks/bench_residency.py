@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
+from benchmarks.decode_paths import QUICK_SHAPE, SHAPE
 from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
 from benchmarks.residency_streams import BATCH, NEW_TOKENS, PROMPT, run_streams
 from computed.serving.engine import Engine
