@@ -20,12 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (Figure, cpu_model, figure, machine_info, median, output_flags, percentile,
+from benchmarks.harness import (Figure, Fleet, cpu_model, figure, machine_info, median, output_flags, percentile,
     publish, spread)
-from shared.client import ControlClient, new_event_id
 from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
-from testkit.fleet import Computed, Gateway, StateSvc, wait_for
 
 BATCH, ADAPTERS = 32, 16
 STEADY_ROUNDS, STEADY_PER_STREAM = 3, 3  # a steady stream: 3 requests a stream, 32 streams
@@ -109,28 +107,20 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None,
     specs = tuple(AdapterSpec(f"a{i:02d}", r=w.rank, lora_alpha=2 * w.rank,
                               target_modules=w.modules) for i in range(ADAPTERS))
     ex = make_example(root / "example", adapters=specs, shape=w.shape)
-    svc = StateSvc(root / "data")
-    replica = Computed(ex.model_dir, svc, root / "replicas" / "r1", replica_id="r1",
-                       extra_args=("--max-batch", str(BATCH), "--max-len", "256"),
-                       wrapper=layout.replica)
-    gateway = Gateway(ex.model_dir, svc, log_file=root / "gateway.log",
-                      extra_args=("--max-pending", str(4 * BATCH)), wrapper=layout.front)
+    fleet = Fleet(root, ex.model_dir, adapters={x.name: ex.adapter_dirs[x.name] for x in specs}, max_loras=ADAPTERS,
+                  max_rank=w.rank, replica_args=("--max-batch", str(BATCH), "--max-len", "256"),
+                  replica_wrapper=layout.replica, gateway=("--max-pending", str(4 * BATCH)),
+                  gateway_wrapper=layout.front)
+    replica = fleet.replica
+    gateway = fleet.gateway
+    assert gateway is not None
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         os.environ["LORAPLANE_GATEWAY_PROFILE"] = str(profile.resolve() / f"gateway-{slug}.prof")
     client: subprocess.Popen[str] | None = None
     try:
-        svc.start()
-        with ControlClient(svc.control) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(ex.model_dir),
-                                 "max_loras": ADAPTERS, "max_rank": w.rank, "targets": "all"})
-            for s in specs:
-                c.call("load", {"event_id": new_event_id(), "name": s.name,
-                                "path": str(ex.adapter_dirs[s.name])})
-        replica.start()
-        gateway.start()
+        fleet.start()
         os.environ.pop("LORAPLANE_GATEWAY_PROFILE", None)
-        wait_for(gateway.healthy, what="gateway healthy")
         client = subprocess.Popen([*layout.front, sys.executable, "-m", "benchmarks.gateway_client",
                                    replica.listen, gateway.url], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
@@ -184,9 +174,7 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None,
         if client is not None:
             client.stdin.close()  # type: ignore[union-attr]
             client.wait(30)
-        gateway.stop()
-        replica.stop()
-        svc.stop()
+        fleet.stop()
     ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in rows]
     steady_ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in steady]
     return {

@@ -21,11 +21,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.harness import (Figure, cpu_model, figure, machine_info, median, output_flags, percentile,
+from benchmarks.harness import (Figure, Fleet, cpu_model, figure, machine_info, median, output_flags, percentile,
     run_and_publish)
-from shared.client import ControlClient, new_event_id
 from statesvc.tools.example import make_example
-from testkit.fleet import Computed, Gateway, StateSvc, memory_kb, wait_for
+from testkit.fleet import memory_kb
 
 SLOW, FLOODERS = 300, 8
 OVERSIZED = "漢" * (1 << 18)  # 786 KB of UTF-8, 262,144 characters
@@ -108,20 +107,14 @@ def small_latencies(client: httpx.Client, n: int) -> list[float]:
 def run(a: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-hostile-"))
     example = make_example(tmp / "example", seed=0)
-    svc = StateSvc(tmp / "data")
-    replica = Computed(example.model_dir, svc, tmp / "r1", replica_id="r1",
-                       extra_args=("--no-warmup",) if a.quick else ())
-    gateway = Gateway(example.model_dir, svc, log_file=tmp / "gateway.log",
-                      extra_args=("--head-timeout", "2", "--body-timeout", "2"))
+    fleet = Fleet(tmp, example.model_dir, max_loras=2, max_rank=8,
+                  replica_args=("--no-warmup",) if a.quick else (),
+                  gateway=("--head-timeout", "2", "--body-timeout", "2"))
+    gateway = fleet.gateway
+    assert gateway is not None
     load = os.getloadavg()[0]
     try:
-        svc.start()
-        with ControlClient(svc.control) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
-                                 "max_loras": 2, "max_rank": 8, "targets": "all"})
-        replica.start()
-        gateway.start()
-        wait_for(gateway.healthy, timeout=300, what="gateway healthy")
+        fleet.start()
         with httpx.Client(base_url=gateway.url, timeout=60) as client:
             small_latencies(client, 5)  # compiled, connected
             # slow connections, and a good client beside them
@@ -154,9 +147,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 answers = dict(answered)
             rss_after_flood = memory_kb(gateway.pid, "VmRSS")
     finally:
-        gateway.stop()
-        replica.stop()
-        svc.stop()
+        fleet.stop()
     slowest, grown = max(good_ms), (rss_peak - rss_before) / 1024
     ratio = median(during) / median(alone)
     return {"cpu": f"{cpu_model()}, {os.cpu_count()} CPUs", "machine": machine_info(),

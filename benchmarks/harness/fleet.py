@@ -25,10 +25,11 @@ class Fleet:
                  adapters: Mapping[str, Path] | None = None, pool: Mapping[str, Any] | None = None,
                  replicas: int = 1, replica_args: Sequence[str] = (), gateway: Sequence[str] | None = None,
                  wrapper: Sequence[str] = (), replica_wrapper: Sequence[str] | None = None,
-                 statesvc_args: Sequence[str] = (), name: str = "") -> None:
+                 gateway_wrapper: Sequence[str] | None = None, statesvc_args: Sequence[str] = (),
+                 name: str = "") -> None:
         """`gateway`: the gateway's arguments (None: no gateway); `pool`: more of pool.init's
         arguments (dtype ...); `wrapper`: the command every process is started under (taskset),
-        `replica_wrapper` the replicas' where it differs."""
+        `replica_wrapper` and `gateway_wrapper` theirs where it differs."""
         self.model_dir, self.adapters = model_dir, dict(adapters or {})
         self.pool = {"model": str(model_dir), "max_loras": max_loras, "max_rank": max_rank,
                      "targets": "all", **(pool or {})}
@@ -39,8 +40,9 @@ class Fleet:
                                   replica_id=f"r{i + 1}", extra_args=tuple(replica_args),
                                   wrapper=wrap if replica_wrapper is None else tuple(replica_wrapper))
                          for i in range(replicas)]
-        self.gateway = None if gateway is None else Gateway(model_dir, self.svc, log_file=root / f"{prefix}gateway.log",
-                                                            extra_args=tuple(gateway), wrapper=wrap)
+        self.gateway = None if gateway is None else Gateway(
+            model_dir, self.svc, log_file=root / f"{prefix}gateway.log", extra_args=tuple(gateway),
+            wrapper=wrap if gateway_wrapper is None else tuple(gateway_wrapper))
         self.seq = 0
 
     @property
