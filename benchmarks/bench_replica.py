@@ -19,13 +19,13 @@ from typing import Any, Callable
 import jax
 from rich.console import Console
 
-from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, percentile, publish, spread,
+from benchmarks.harness import (Figure, Fleet, figure, machine_info, median, output_flags, percentile, publish, spread,
                                 target_lines)
 from benchmarks.replica_inproc import (MAX_LORAS, MAX_RANK, RANK, SHAPE, Settings, adapter_specs, measure_pool,
                                        measure_replica, ms, timed, weights_of)
-from shared.client import ControlClient, new_event_id
+from shared.client import ControlClient
 from statesvc.tools.example import make_example
-from testkit.fleet import Computed, StateSvc, memory_kb
+from testkit.fleet import memory_kb
 
 __all__ = ["SHAPE", "adapter_specs", "measure_propagation", "weights_of"]  # bench_pg's and bench_replay's
 
@@ -70,56 +70,43 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
     `phase("loads")` and `phase("done")` bracket the measured loads (CPU accounting)."""
     base = root / f"prop-{n}"
     base.mkdir(parents=True)
-    svc = StateSvc(base / "data", extra_args=statesvc_args)
-    replicas = [Computed(model_dir, svc, base / "replicas" / f"r{i}", replica_id=f"r{i}",
-                         extra_args=("--no-inference",))
-                for i in range(n)]
+    fleet = Fleet(base, model_dir, max_loras=MAX_LORAS, max_rank=MAX_RANK, pool={"dtype": "float32"},
+                  replicas=n, replica_args=("--no-inference",), statesvc_args=statesvc_args)
+    replicas, cmd = fleet.replicas, fleet.command
     clients: list[ControlClient] = []
     try:
-        svc.start()
-        with ControlClient(svc.control, timeout_s=30) as c:
-            def cmd(command: str, **args: Any) -> Any:
-                return c.call(command, {"event_id": new_event_id(), **args})
-
-            seq = cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
-                      targets="all", dtype="float32")["seq"]
-            for r in replicas:
-                r.start()
-            clients = [ControlClient(r.listen, timeout_s=30, retries=0) for r in replicas]
-            wait_applied(clients, seq)
-            warm = cmd("load", name="warm", path=str(adapter_files[-1].parent))
-            wait_applied(clients, warm["seq"])
-            wait_applied(clients, cmd("unload", name="warm")["seq"])
-            from_send: list[list[float]] = [[] for _ in replicas]
-            from_ack: list[list[float]] = [[] for _ in replicas]
-            unload_from_ack: list[float] = []
-            acks = []
-            phase("loads")
-            for i in range(loads):
-                t_send = time.time()
-                seq = cmd("load", name=f"p{i}", path=str(adapter_files[i].parent))["seq"]
-                t_ack = time.time()
-                acks.append(t_ack - t_send)
-                for k, st in enumerate(wait_applied(clients, seq)):
-                    assert st["applied_seq"] == seq, (st["applied_seq"], seq)
-                    from_send[k].append(st["applied_at"] - t_send)
-                    from_ack[k].append(st["applied_at"] - t_ack)
-                seq = cmd("unload", name=f"p{i}")["seq"]
-                t_ack = time.time()
-                unload_from_ack += [st["applied_at"] - t_ack for st in wait_applied(clients, seq)]
-            phase("done")
-            fetches = [st["blob_fetches"] for st in wait_applied(clients, seq)]
+        fleet.start()
+        clients = [ControlClient(r.listen, timeout_s=30, retries=0) for r in replicas]
+        wait_applied(clients, fleet.seq)
+        warm = cmd("load", name="warm", path=str(adapter_files[-1].parent))
+        wait_applied(clients, warm["seq"])
+        wait_applied(clients, cmd("unload", name="warm")["seq"])
+        from_send: list[list[float]] = [[] for _ in replicas]
+        from_ack: list[list[float]] = [[] for _ in replicas]
+        unload_from_ack: list[float] = []
+        acks = []
+        phase("loads")
+        for i in range(loads):
+            t_send = time.time()
+            seq = cmd("load", name=f"p{i}", path=str(adapter_files[i].parent))["seq"]
+            t_ack = time.time()
+            acks.append(t_ack - t_send)
+            for k, st in enumerate(wait_applied(clients, seq)):
+                assert st["applied_seq"] == seq, (st["applied_seq"], seq)
+                from_send[k].append(st["applied_at"] - t_send)
+                from_ack[k].append(st["applied_at"] - t_ack)
+            seq = cmd("unload", name=f"p{i}")["seq"]
+            t_ack = time.time()
+            unload_from_ack += [st["applied_at"] - t_ack for st in wait_applied(clients, seq)]
+        phase("done")
+        fetches = [st["blob_fetches"] for st in wait_applied(clients, seq)]
     except BaseException:
-        for r in replicas:
-            if r.log.is_file():
-                console.print(f"[red]{r.log} (last lines):[/red]\n{r.log.read_text()[-1500:]}")
+        console.print(fleet.logs())
         raise
     finally:
         for client in clients:
             client.close()
-        for r in replicas:
-            r.stop()
-        svc.stop()
+        fleet.stop()
     every_send = [x for xs in from_send for x in xs]
     every_ack = [x for xs in from_ack for x in xs]
     # the loads in PROPAGATION_BLOCKS consecutive blocks: each block's percentiles, so a figure
@@ -161,22 +148,14 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 cycles: int) -> dict[str, Any]:
     base = root / "rss"
     base.mkdir(parents=True)
-    svc = StateSvc(base / "data")
-    replica = Computed(model_dir, svc, base / "replicas" / "rss", replica_id="rss",
-                       extra_args=("--no-inference",))
+    fleet = Fleet(base, model_dir, max_loras=MAX_LORAS, max_rank=MAX_RANK, pool={"dtype": "float32"},
+                  replica_args=("--no-inference",))
+    replica, cmd = fleet.replica, fleet.command
     files = adapter_files[:RSS_ADAPTERS]
     try:
-        svc.start()
-        with ControlClient(svc.control, timeout_s=30) as c, \
-                ControlClient(replica.listen, timeout_s=30, retries=0) as rc:
-            def cmd(command: str, **args: Any) -> Any:
-                return c.call(command, {"event_id": new_event_id(), **args})
-
-            cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
-                targets="all", dtype="float32")
-            replica.start()
-            assert replica.proc is not None
-            pid = replica.proc.pid
+        fleet.start()
+        with ControlClient(replica.listen, timeout_s=30, retries=0) as rc:
+            pid = replica.pid
             loaded: list[str] = []
             done = 0
 
@@ -219,13 +198,10 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
             after = settle(seq)
             status = rc.call("status")
     except BaseException:
-        if replica.log.is_file():
-            console.print(f"[red]{replica.log} (last lines):[/red]\n"
-                          f"{replica.log.read_text()[-1500:]}")
+        console.print(fleet.logs())
         raise
     finally:
-        replica.stop()
-        svc.stop()
+        fleet.stop()
     return {"cycles": cycles, "events": seq - events0, "warmup_cycles": RSS_WARMUP_CYCLES,
             "adapters": len(files), "window": RSS_WINDOW,
             "rss_mb_after_warmup": round(warm["rss_kb"] / 1024, 1),

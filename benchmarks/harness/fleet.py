@@ -44,6 +44,7 @@ class Fleet:
             model_dir, self.svc, log_file=root / f"{prefix}gateway.log", extra_args=tuple(gateway),
             wrapper=wrap if gateway_wrapper is None else tuple(gateway_wrapper))
         self.seq = 0
+        self.control: ControlClient | None = None  # statesvc's, open from start to stop
 
     @property
     def replica(self) -> Computed:
@@ -55,9 +56,10 @@ class Fleet:
         return self.gateway.url
 
     def command(self, command: str, **args: Any) -> Any:
-        """One control command to statesvc, with a fresh event id."""
-        with ControlClient(self.svc.control, timeout_s=60) as c:
-            return c.call(command, {"event_id": new_event_id(), **args})
+        """One control command to statesvc, with a fresh event id, on the fleet's one connection
+        (a timed command pays no connection set-up)."""
+        assert self.control is not None, "the fleet is not started"
+        return self.control.call(command, {"event_id": new_event_id(), **args})
 
     def start(self, timeout: float = 300.0) -> float:
         """Start everything (see the module's docstring); the seconds until it is ready. A
@@ -65,6 +67,7 @@ class Fleet:
         t0 = time.perf_counter()
         try:
             self.svc.start()
+            self.control = ControlClient(self.svc.control, timeout_s=60)
             self.seq = int(self.command("pool.init", **self.pool)["seq"])
             for name, path in self.adapters.items():
                 self.seq = int(self.command("load", name=name, path=str(path))["seq"])
@@ -91,7 +94,15 @@ class Fleet:
         """CPU seconds so far of every process of the fleet."""
         return sum(cpu_seconds(pid) for pid in self.pids().values())
 
+    def logs(self, chars: int = 1500) -> str:
+        """The last `chars` of each replica's log: what a failed bench prints."""
+        return "\n".join(f"{r.log} (last lines):\n{r.log.read_text()[-chars:]}" for r in self.replicas
+                         if r.log.is_file())
+
     def stop(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         for p in (self.gateway, *reversed(self.replicas), self.svc):
             if p is not None and p.proc is not None:
                 p.stop()
