@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.decode_paths import BATCH, PROMPT, QUICK_SHAPE, RANK, SERVED_TOKENS, SHAPE, RawDecode, RequestTiming, ServedReplica, adapter_names, agreement, loaded_event, row_adapters, served_max_batch, write_assets
-from benchmarks.harness import Timing
-from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.decode_paths import (BATCH, PROMPT, QUICK_SHAPE, RANK, SERVED_TOKENS, SHAPE, RawDecode, RequestTiming,
+                                     ServedReplica, adapter_names, agreement, loaded_event, row_adapters,
+                                     served_max_batch, write_assets)
+from benchmarks.harness import (Figure, Timing, figure, machine_info, median, output_flags, run_and_publish,
+                                spread)
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec

@@ -21,14 +21,13 @@ from typing import Any
 import jax
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.harness.stats import CONTENDED
-from benchmarks.decode_paths import ALPHA, BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX, RawDecode, adapter_names, agreement, loaded_event, row_adapters
+from benchmarks.decode_paths import (ALPHA, BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX, RawDecode,
+                                     adapter_names, agreement, loaded_event, row_adapters)
 from benchmarks.decode_peft import PeftProcess
-from benchmarks.harness import Timing, clean_rounds
-from benchmarks.harness import (Figure, decode_rates, figure, machine_info, median, output_flags,
-    print_targets, publish, spread, target_lines)
+from benchmarks.harness import (Figure, Timing, clean_rounds, decode_rates, figure, machine_info, median,
+                                output_flags, publish, spread, target_lines)
+from benchmarks.harness.stats import CONTENDED
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
@@ -214,13 +213,8 @@ def _rate(cell: dict[str, Any]) -> str:
     return f"{cell['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f})"
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
+def render(result: dict[str, Any]) -> str:
     s, ref = result["settings"], result["reference"]
-    table = Table(title=f"decode per family, batch {s['batch']}, tokens/s (median of up to {s['repeats']} "
-                        f"rounds of {s['steps']} steps)")
-    for col in ("family", "params", "base", f"{ADAPTERS} adapters", "PEFT", f"{ADAPTERS} / base",
-                "ours / PEFT", f"/ base over {ref}'s", "tokens = PEFT", "clean rounds"):
-        table.add_column(col, justify="right")
     lines = [f"| family | parameters | base model tok/s | {ADAPTERS} adapters tok/s | PEFT, {ADAPTERS} adapters "
              f"tok/s | {ADAPTERS} adapters / base | ours / PEFT, {ADAPTERS} adapters | {ADAPTERS} / base over "
              f"{ref}'s (>= {TARGET_OVER_REFERENCE}x) | greedy tokens = PEFT's | undisturbed rounds |",
@@ -231,10 +225,6 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
         lo, hi = r["over_reference_spread"]
         over_ref = "1.00 (itself)" if name == ref else f"{r['over_reference']:.2f} ({lo:.2f}-{hi:.2f}): {verdict}"
         clean = f"{len(r['clean_rounds'])} of {r['rounds_run']}"
-        table.add_row(name, f"{r['model']['parameters'] / 1e6:.1f} M", f"{r['base']['tokens_per_s']:,.0f}",
-                      f"{r['adapters']['tokens_per_s']:,.0f}", f"{r['peft']['tokens_per_s']:,.0f}",
-                      f"{r['over_base']:.2f}", f"{r['over_peft']:.2f}", over_ref,
-                      f"{100 * r['tokens_agree_with_peft']:.0f}%", clean)
         lines.append(f"| {name} | {r['model']['parameters'] / 1e6:.1f} M | {_rate(r['base'])} | "
                      f"{_rate(r['adapters'])} | {_rate(r['peft'])} | {r['over_base']:.2f} ({b[0]:.2f}-{b[1]:.2f}) "
                      f"| {r['over_peft']:.2f} ({o[0]:.2f}-{o[1]:.2f}) | {over_ref} "
@@ -273,7 +263,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                  "are of every round run and less reliable**" if disturbed else "")
               + f". `python -m benchmarks.bench_families` reproduces it ({result['seconds']:.0f} s); "
               "`benchmarks/results/families.json` has every round."]
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,9 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     names = {REFERENCE, *wanted} if wanted else set(known)
     chosen = [f for f in FAMILIES if f.family in names]  # the table's order: Llama first
     result = run(args, chosen)
-    table, markdown = render(result)
-    console.print(table)
-    print_targets(result, console.print)
+    markdown = render(result)
+    console.print(markdown)
     publish("families", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
 

@@ -122,7 +122,8 @@ def modes(w: tuple[str, int]) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
-    from benchmarks.decode_paths import BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, RawDecode, adapter_names, agreement, loaded_event, row_adapters, write_assets
+    from benchmarks.decode_paths import (BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, RawDecode, adapter_names,
+                                         agreement, loaded_event, row_adapters, write_assets)
     from benchmarks.harness import Timing
     from computed.model.loader import load_model
     from computed.model.runner import Runner

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 from rich.console import Console
-from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
 from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, publish, spread,
@@ -223,20 +222,14 @@ def _pool_of(data_dir: Path) -> PoolConfigured:
     return state.pool
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
+def render(result: dict[str, Any]) -> str:
     cols = ("events in log", "with snapshots ms", "x direct", "without snapshots ms", "x direct",
             "direct load ms", "floor: files to pool ms")
-    table = Table(title="cold replica rebuild (empty blob cache)")
-    for col in cols:
-        table.add_column(col, justify="right")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for row in result["sizes"]:
-        cells = (f"{row['events']:,}", f"{row['snapshot_s'] * 1e3:.0f}",
-                 f"{row['snapshot_over_direct']:.2f}", f"{row['from_zero_s'] * 1e3:.0f}",
-                 f"{row['from_zero_over_direct']:.2f}", f"{row['direct_s'] * 1e3:.0f}",
-                 f"{row['files_s'] * 1e3:.0f}")
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(f"| {row['events']:,} | {row['snapshot_s'] * 1e3:.0f} | {row['snapshot_over_direct']:.2f} "
+                     f"| {row['from_zero_s'] * 1e3:.0f} | {row['from_zero_over_direct']:.2f} "
+                     f"| {row['direct_s'] * 1e3:.0f} | {row['files_s'] * 1e3:.0f} |")
     s = result["settings"]
     lines += ["", f"{s['live']} live rank-{s['live_rank']} adapters on every target module "
               f"(hidden {s['model']['hidden']}, {s['model']['layers']} layers); the rest of the "
@@ -250,7 +243,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"into a fresh pool in-process, no service. Medians of {s['repeats']} interleaved "
               "runs; `benchmarks/results/replay.json` has every run.", ""]
     lines += target_lines(result)
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         settings = Settings((200, 600), 4, 1)
     result = run(settings)
-    table, markdown = render(result)
-    console.print(table)
+    markdown = render(result)
     console.print(markdown)
     publish("replay", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0

@@ -101,13 +101,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = QUICK_SHAPE if args.quick else SHAPE
     # a smoke run: 2 steps, one round, 4 rows (each worker's warm-up compiles per row bucket)
     steps, repeats, batch = (2, 1, QUICK_BATCH) if args.quick else (args.steps, args.repeats, BATCH)
+    degrees = DEGREES[:2] if args.quick else DEGREES  # a smoke run: one mesh beside N = 1, each figure kind
     adapters = (AdapterSpec("a0", r=RANK, lora_alpha=16, target_modules=MODULES),)  # the worker writes its own 16
     per_n: dict[str, Any] = {}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         make_example(Path(tmp), shape=shape, adapters=adapters)
         procs = {}
-        for n in DEGREES:  # started one after another: their warm-ups do not compete
+        for n in degrees:  # started one after another: their warm-ups do not compete
             env = {**os.environ, "XLA_FLAGS": " ".join(
                 [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}"]).strip()}
             procs[n] = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_tp", "--worker", str(n), tmp,
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_n[str(n)] = {**ask(procs[n], None), "seconds": []}
         try:
             for r in range(repeats + 1):  # round by round, the order rotating; the first warms up
-                for n in DEGREES[r % len(DEGREES):] + DEGREES[:r % len(DEGREES)]:
+                for n in degrees[r % len(degrees):] + degrees[:r % len(degrees)]:
                     seconds = ask(procs[n], "round")["seconds"]
                     if r:
                         per_n[str(n)]["seconds"].append(seconds)
