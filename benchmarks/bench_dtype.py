@@ -10,6 +10,7 @@ import argparse
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loops[dtype, k] = RawDecode(runner, pool, prompts, slots)
         served: dict[str, ServedReplica] = {}
         try:
-            if args.served_clients:
-                for dtype in DTYPES:
-                    print(f"starting a {dtype} replica ...", flush=True)
-                    served[dtype] = ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
-                                                  new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
-                                                  slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
-                                                  name=f"served-{dtype}",
-                                                  max_batch=served_max_batch(args.quick, args.served_clients),
-                                                  warm=not args.quick)
+            if args.served_clients:  # both replicas start side by side: their start-ups mostly wait
+                print(f"starting a replica for each of {', '.join(DTYPES)} ...", flush=True)
+
+                def start(dtype: str) -> ServedReplica:
+                    return ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
+                                         new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
+                                         slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
+                                         name=f"served-{dtype}",
+                                         max_batch=served_max_batch(args.quick, args.served_clients),
+                                         warm=not args.quick)
+                with ThreadPoolExecutor(len(DTYPES)) as starting:
+                    started_replicas = {d: starting.submit(start, d) for d in DTYPES}
+                for dtype, future in started_replicas.items():  # a failed start leaves none running
+                    if future.exception() is None:
+                        served[dtype] = future.result()
+                for future in started_replicas.values():
+                    future.result()
             timings = {key: Timing() for key in loops}
             served_t = {(d, k): RequestTiming() for d in served for k in MIXES}
             compiles: list[str] = []  # in the timed rounds

@@ -125,7 +125,8 @@ def peft_worker(conn: Connection, model_dir: Path, dirs: dict[str, Path], thread
 
 
 class PeftProcess:
-    """The parent's handle on peft_worker."""
+    """The parent's handle on peft_worker. It returns at once: PEFT loads in its process while
+    ours start (its versions, `info`, arrive once it has loaded; every call waits for them)."""
 
     def __init__(self, model_dir: Path, dirs: dict[str, Path], threads: int, prompts: np.ndarray,
                  mixes: tuple[int, ...] | None = None) -> None:
@@ -135,25 +136,36 @@ class PeftProcess:
                                 daemon=True)
         self.proc.start()
         child.close()
-        self.info: dict[str, str] = self.conn.recv()
+        self._info: dict[str, str] | None = None
         self.tokens: dict[int, list[np.ndarray]] = {}
 
+    @property
+    def info(self) -> dict[str, str]:
+        """Its torch, transformers and PEFT versions and attention, once it has loaded."""
+        if self._info is None:
+            self._info = self.conn.recv()
+        return self._info
+
+    def _send(self, *msg: Any) -> None:
+        assert self.info  # loaded: the first message on the pipe is its info
+        self.conn.send(msg)
+
     def round(self, k: int, steps: int, timing: Timing | None) -> None:
-        self.conn.send(("round", k, steps, timing is not None))
+        self._send("round", k, steps, timing is not None)
         got, self.tokens[k] = self.conn.recv()
         if timing is not None:
             timing.add(got)
 
     def requests(self, k: int, clients: int, new_tokens: int, timing: RequestTiming | None) -> list[list[int]]:
         """PeftDecode.requests in PEFT's process; returns the tokens."""
-        self.conn.send(("requests", k, clients, new_tokens, timing is not None))
+        self._send("requests", k, clients, new_tokens, timing is not None)
         got, outputs = self.conn.recv()
         if timing is not None:
             timing.add(got)
         return outputs  # type: ignore[no-any-return]
 
     def gemm_rate(self) -> float:
-        self.conn.send(("gemm",))
+        self._send("gemm")
         return float(self.conn.recv())
 
     def stop(self) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import RESULTS_DIR
-from benchmarks.suite import BENCHES, figure, shortfall, verdict
+from benchmarks.harness import RESULTS_DIR, figure, tables_file
+from benchmarks.harness.records import shortfall, verdict
+from benchmarks.suite import BENCHES
 from testkit.pg import PgServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def test_quick_suite_writes_figures_plots_and_the_readme_table(tmp_path: Path) -
     for plot in latest["plots"]:
         assert (out / plot).read_bytes().startswith(PNG_MAGIC), plot
 
-    readme = (out / "README.md").read_text()
+    readme = (out / tables_file("summary").name).read_text()  # README.md, or the docs/ page
     table = readme.split("<!-- bench:summary:start -->")[1].split("<!-- bench:summary:end -->")[0]
     for f in latest["figures"]:
         assert f"| {f['name']} |" in table, f["name"]
