@@ -55,6 +55,7 @@ class Bench:
     # a figure times what a cold start compiles: never run with a JAX persistent compilation
     # cache (the one `make test` gives the processes it starts, tests/conftest.py)
     cold_compiles: bool = False
+    smoke_s: int = 30  # about how long its smoke run takes alone (docs/testing.md): the queue's order
 
     def figures(self, results: dict[str, Any]) -> list[Figure]:
         """The figures the bench declares (its module's `figures`) from its results."""
@@ -62,27 +63,27 @@ class Bench:
 
 
 BENCHES = (
-    Bench("events", "benchmarks.bench_events", ("--quick",)),
-    Bench("pg", "benchmarks.bench_pg", ("--quick",)),  # no results where PostgreSQL is missing
-    Bench("replica", "benchmarks.bench_replica", ("--quick",)),
-    Bench("replay", "benchmarks.bench_replay", ("--quick",)),
-    Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True),
-    Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True),
+    Bench("events", "benchmarks.bench_events", ("--quick",), smoke_s=12),
+    Bench("pg", "benchmarks.bench_pg", ("--quick",), smoke_s=50),  # no results where PostgreSQL is missing
+    Bench("replica", "benchmarks.bench_replica", ("--quick",), smoke_s=50),
+    Bench("replay", "benchmarks.bench_replay", ("--quick",), smoke_s=15),
+    Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True, smoke_s=150),
+    Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True, smoke_s=140),
     # decode per model family: 16 adapters / base, ours / PEFT, over Llama's (issue 38)
-    Bench("families", "benchmarks.bench_families", ("--quick",), isa_bound=True),
-    Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True),
-    Bench("gateway", "benchmarks.bench_gateway", ("--quick",)),
+    Bench("families", "benchmarks.bench_families", ("--quick",), isa_bound=True, smoke_s=120),
+    Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True, smoke_s=80),
+    Bench("gateway", "benchmarks.bench_gateway", ("--quick",), smoke_s=50),
     # a good client beside slow connections and a flood of oversized prompts (issue 50)
-    Bench("hostile", "benchmarks.bench_gateway_hostile", ("--quick",)),
-    Bench("tp", "benchmarks.bench_tp", ("--quick",)),  # forced CPU devices: overhead, not speed-up
+    Bench("hostile", "benchmarks.bench_gateway_hostile", ("--quick",), smoke_s=40),
+    Bench("tp", "benchmarks.bench_tp", ("--quick",), smoke_s=60),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
-    Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True),
+    Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True, smoke_s=3),
     # the prefix cache and chunked prefill, each beside itself switched off (issue 41)
-    Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True),
+    Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True, smoke_s=60),
     # a real model's geometry (Qwen2.5-0.5B, bf16) against this machine's floors; startup (issue 48)
-    Bench("shapes", "benchmarks.bench_shapes", ("--quick",), isa_bound=True),
+    Bench("shapes", "benchmarks.bench_shapes", ("--quick",), isa_bound=True, smoke_s=60),
     # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
-    Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",)),
+    Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",), smoke_s=3),
 )
 
 
@@ -111,13 +112,16 @@ def run_bench(bench: Bench, quick: bool, env: dict[str, str], log: Path | None =
 def run_benches(chosen: list[Bench], quick: bool, env: dict[str, str], out: Path,
                 jobs: int) -> dict[str, dict[str, Any]]:
     """Each chosen benchmark's run, in BENCHES order; `jobs` > 1 (a smoke run only: side by side
-    they would colour each other's timings) runs that many at once, each one's output in
-    OUT/logs/NAME.log."""
+    they would colour each other's timings) runs that many at once, the longest smoke runs
+    first, each one's output in OUT/logs/NAME.log."""
     if jobs <= 1:
         return {b.name: run_bench(b, quick, env) for b in chosen}
+    longest_first = sorted(chosen, key=lambda b: -b.smoke_s)  # the queues end closer together
     with ThreadPoolExecutor(jobs) as pool:
-        done = pool.map(lambda b: run_bench(b, quick, env, out / "logs" / f"{b.name}.log"), chosen)
-        return dict(zip((b.name for b in chosen), done))
+        done = dict(zip((b.name for b in longest_first),
+                        pool.map(lambda b: run_bench(b, quick, env, out / "logs" / f"{b.name}.log"),
+                                 longest_first)))
+    return {b.name: done[b.name] for b in chosen}
 
 
 def figures_of(out: Path, runs: dict[str, dict[str, Any]]) -> list[Figure]:
