@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from benchmarks.harness.fleet import Fleet
 from benchmarks.harness.machine import REPO, cpu_model, forced_isa_env, isa_label, machine_info
-from benchmarks.harness.output import (OUT_ENV, README, RESULTS_DIR, main_of, output_flags,
+from benchmarks.harness.output import (OUT_ENV, RESULTS_DIR, output_flags,
                                        peer_output_flags, publish, publish_peer, results_dir,
                                        run_and_publish)
-from benchmarks.harness.records import Figure, figure, print_targets, target, target_lines
+from benchmarks.harness.records import Figure, figure, target_lines
 from benchmarks.harness.rounds import alternate, settle
 from benchmarks.harness.stats import (Timing, busy_seconds, clean_rounds, decode_rates, median,
                                       paired, percentile, spread, timed)
 from benchmarks.harness.tables import markdown_table, tables_file, update_section
 
-__all__ = ["OUT_ENV", "README", "REPO", "RESULTS_DIR", "Figure", "Fleet", "Timing", "alternate",
+__all__ = ["OUT_ENV", "REPO", "RESULTS_DIR", "Figure", "Fleet", "Timing", "alternate",
            "busy_seconds", "clean_rounds", "cpu_model", "decode_rates", "figure",
-           "forced_isa_env", "isa_label", "machine_info", "main_of", "markdown_table", "median",
-           "output_flags", "paired", "peer_output_flags", "percentile", "print_targets", "publish",
-           "publish_peer", "results_dir", "run_and_publish", "settle", "spread", "tables_file", "target",
+           "forced_isa_env", "isa_label", "machine_info", "markdown_table", "median",
+           "output_flags", "paired", "peer_output_flags", "percentile", "publish",
+           "publish_peer", "results_dir", "run_and_publish", "settle", "spread", "tables_file",
            "target_lines", "timed", "update_section"]

@@ -16,7 +16,6 @@ from typing import Any
 from benchmarks.harness.machine import REPO
 from benchmarks.harness.tables import tables_file, update_section
 
-README = REPO / "README.md"
 RESULTS_DIR = REPO / "benchmarks" / "results"
 # set by `python -m benchmarks --out DIR`: results and the tables file's copy go to DIR instead
 OUT_ENV = "LORAPLANE_BENCH_OUT"
@@ -84,19 +83,6 @@ def publish_peer(name: str, result: dict[str, Any], markdown: str, args: argpars
         print(f"results written to {args.out}")
     publish(name, result, markdown, quick=args.quick, no_write=args.no_write or bool(args.out))
     return 0
-
-
-def main_of(name: str, doc: str | None, flags: Callable[[argparse.ArgumentParser], None], quick_help: str,
-            run: Callable[[argparse.Namespace], dict[str, Any]],
-            render: Callable[[dict[str, Any]], str]) -> Callable[[list[str] | None], int]:
-    """A bench's `main`: its flags (`flags`, then --quick and --no-write), its run, then its
-    section printed and published."""
-    def main(argv: list[str] | None = None) -> int:
-        ap = argparse.ArgumentParser(description=(doc or name).split("\n", 1)[0])
-        flags(ap)
-        output_flags(ap, name, quick_help)
-        return run_and_publish(name, ap.parse_args(argv), run, render)
-    return main
 
 
 def run_and_publish(name: str, args: argparse.Namespace,

@@ -1,12 +1,11 @@
 """Figure and target records, their verdicts, and latest.json's summary table.
 
-A bench keeps its targets as records in its results (`target`: name, target, measured, met);
+A bench keeps its targets as records in its results (name, target, measured, met);
 the suite turns each bench's results into figures (`figure`: one headline ratio or rate, the
 median of the bench's runs with their spread) through the bench's own `figures` function.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +22,8 @@ def figure(bench: str, name: str, value: float, unit: str, *, target: str | None
             "runs": runs, "bench": bench}
 
 
-def target(name: str, measured: Any, target: str, met: bool, **more: Any) -> dict[str, Any]:
-    """One of a bench's targets, as its results file keeps them."""
-    return {"name": name, "target": target, "measured": measured, "met": met, **more}
-
-
 def _measured(t: dict[str, Any]) -> str:
     return f"{t['measured']:,}" if isinstance(t["measured"], (int, float)) else str(t["measured"])
-
-
-def print_targets(result: dict[str, Any], say: Callable[[str], None]) -> None:
-    """One PASS/MISS line (rich markup) per entry of `result["targets"]`."""
-    for t in result["targets"]:
-        verdict = "[green]PASS[/green]" if t["met"] else "[red]MISS[/red]"
-        say(f"{verdict} {t['name']}: {_measured(t)} (target {t['target']})")
 
 
 def target_lines(result: dict[str, Any]) -> list[str]:
