@@ -1,31 +1,8 @@
 """Decode throughput of a bfloat16 model against the same model in float32, side by side in one run.
 
-The decode benchmark's checkpoint (benchmarks/bench_decode.py: vocab 8192, hidden 1024,
-intermediate 2816, 8 layers, 111 M parameters) and its 32 rank-16 adapters, the model written
-in bfloat16 as transformers writes a bfloat16 checkpoint. It is loaded twice, as float32 (the
-bfloat16 values widened exactly: 444 MB) and as bfloat16 (its bits: 222 MB), so the two models
-hold the same values and differ only in how they are stored and computed. On the CPU both run
-the native kernels (computed/backend/native.py): the dense kernel over packed float32 or
-bfloat16 weights, the LoRA kernel, the attention kernel over a float32 cache. The pool is the
-same for both (`--pool-dtype`).
-
-Paths, interleaved round by round (a warm-up round, then `--repeats` rounds; medians, with the
-spread beside them):
-
-* decode: Runner.decode in a loop over 32 prefilled rows (bench_decode's `decode`), on the
-  base model and on 16 distinct adapters; tokens/s = 32 * steps / seconds.
-* served: a real `statesvc serve` and `computed serve --dtype D --max-batch 32` per dtype
-  (testkit/fleet.py subprocesses), the adapters loaded through the state service, 32 clients each
-  sending one `generate` of `--served-tokens` new tokens at once (bench_decode's `served`).
-
-Target (issue 15): the bfloat16 model at least 1.0x the float32 one, served. Greedy tokens of the
-two models are compared (reported, not asserted: float32 activations and bfloat16 ones round
-differently, and a random model's near-ties flip).
-
     .venv/bin/python -m benchmarks.bench_dtype [--steps 8] [--repeats 5] [--quick] [--no-write]
 
-Writes benchmarks/results/dtype.json and the README's bench:dtype section; `make bench` runs it
-and puts the served ratios, with their target, in the summary table.
+What it runs, and why: docs/benchmarks.md, "bench_dtype.py".
 """
 from __future__ import annotations
 
@@ -33,30 +10,17 @@ import argparse
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_decode import (
-    BATCH,
-    PROMPT,
-    QUICK_SHAPE,
-    RANK,
-    SERVED_TOKENS,
-    SHAPE,
-    RawDecode,
-    RequestTiming,
-    ServedReplica,
-    Timing,
-    adapter_names,
-    agreement,
-    loaded_event,
-    row_adapters,
-    served_max_batch,
-    write_assets,
-)
-from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.decode_paths import (BATCH, PROMPT, QUICK_SHAPE, RANK, SERVED_TOKENS, SHAPE, RawDecode, RequestTiming,
+                                     ServedReplica, adapter_names, agreement, loaded_event, row_adapters,
+                                     served_max_batch, write_assets)
+from benchmarks.harness import (Figure, Timing, figure, machine_info, median, output_flags, run_and_publish,
+                                spread)
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
@@ -98,15 +62,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loops[dtype, k] = RawDecode(runner, pool, prompts, slots)
         served: dict[str, ServedReplica] = {}
         try:
-            if args.served_clients:
-                for dtype in DTYPES:
-                    print(f"starting a {dtype} replica ...", flush=True)
-                    served[dtype] = ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
-                                                  new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
-                                                  slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
-                                                  name=f"served-{dtype}",
-                                                  max_batch=served_max_batch(args.quick, args.served_clients),
-                                                  warm=not args.quick)
+            if args.served_clients:  # both replicas start side by side: their start-ups mostly wait
+                print(f"starting a replica for each of {', '.join(DTYPES)} ...", flush=True)
+
+                def start(dtype: str) -> ServedReplica:
+                    return ServedReplica(Path(tmp), model_dir, dirs, prompts, clients=args.served_clients,
+                                         new_tokens=args.served_tokens, max_len=PROMPT + args.served_tokens + 8,
+                                         slots=len(names) + 1, pool_dtype=args.pool_dtype, dtype=dtype,
+                                         name=f"served-{dtype}",
+                                         max_batch=served_max_batch(args.quick, args.served_clients),
+                                         warm=not args.quick)
+                with ThreadPoolExecutor(len(DTYPES)) as starting:
+                    started_replicas = {d: starting.submit(start, d) for d in DTYPES}
+                for dtype, future in started_replicas.items():  # a failed start leaves none running
+                    if future.exception() is None:
+                        served[dtype] = future.result()
+                for future in started_replicas.values():
+                    future.result()
             timings = {key: Timing() for key in loops}
             served_t = {(d, k): RequestTiming() for d in served for k in MIXES}
             compiles: list[str] = []  # in the timed rounds
@@ -157,7 +129,7 @@ def _leaves(params: Any) -> list[Any]:
 
 
 def report(result: dict[str, Any]) -> str:
-    """The README's bench:dtype section: a markdown table and the line saying where it ran."""
+    """The bench:dtype section (docs/results-detail.md): a markdown table and the line saying where it ran."""
     m, model = result["machine"], result["model"]
     lines = ["| path | batch | float32 tokens/s | bfloat16 tokens/s | bfloat16 / float32 (spread) | target |",
              "|---|---|---:|---:|---:|---|"]
@@ -196,6 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         # as bench_decode's: 4 clients of 4 tokens, on a replica of --max-batch 4
         args.repeats, args.steps, args.served_clients, args.served_tokens = 1, 4, 4, 4
     return run_and_publish("dtype", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """bfloat16 model over float32 model, in process and served (issue 15: served >= 1.0x)."""
+    out = []
+    for path, label in (("decode", "decode"), ("served", "served")):
+        for k, cell in r[path].items():
+            mix = "base model" if k == "0" else f"{k} distinct adapters"
+            target = cell.get("target")
+            out.append(figure("dtype", f"{label}, {mix}: bfloat16 model / float32 model", cell["bf16_over_f32"], "x",
+                              target=None if target is None else f">= {target}x", meets=cell.get("pass"),
+                              spread=cell["bf16_over_f32_spread"], runs=r["settings"]["repeats"]))
+    return out
 
 
 if __name__ == "__main__":

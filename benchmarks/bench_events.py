@@ -1,21 +1,8 @@
 """Durable load/unload events per second through a real `statesvc serve`, next to raw SQLite.
 
-Three measurements, interleaved and repeated (median of `--repeats`):
-
-* raw:        one Python `sqlite3` connection with the state service's pragmas
-              (WAL, synchronous=FULL), one `BEGIN IMMEDIATE; INSERT; COMMIT` per
-              row, rows shaped like the `events` table with an adapter.loaded payload.
-* concurrent: `--clients` client processes, each with its own ZeroMQ socket,
-              loading and unloading its own adapter names in a loop; the
-              service may group their commands into one commit.
-* single:     one client, so every event is its own commit.
-
-The raw database and the service's data dir share one temporary directory, so
-both pay the same fsync. A reply means the event is durable (the service
-commits before it answers), so events/s counts replies. Targets (PASS/MISS):
-concurrent >= 1,000 events/s and >= 0.5x raw. Exit code is 0 either way.
-
     .venv/bin/python -m benchmarks.bench_events [--repeats 3] [--clients 4] ...
+
+What it runs, and why: docs/benchmarks.md, "bench_events.py".
 """
 from __future__ import annotations
 
@@ -36,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, publish, markdown_table,
+    spread, target_lines)
 from shared.client import ControlClient, RemoteError, new_event_id
 from shared.events import AdapterLoaded, encode_body
 from statesvc.tools.example import make_example
@@ -366,16 +353,11 @@ COLUMNS = ("measurement", "events/s", "x raw", "events/commit", "server CPU ms/e
            "p50 ms", "p99 ms")
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
-    """A rich table for the terminal and the same figures as README markdown."""
+def render(result: dict[str, Any]) -> str:
+    """The bench:events section (docs/results-detail.md): the figures, what they measure, the verdicts."""
     clients = result["settings"]["clients"]
     med = result["median_events_per_s"]
-    table = Table(title=f"Durable events/s (median of {result['settings']['repeats']})")
-    for col in COLUMNS:
-        table.add_column(col.replace(" ", "\n", 1) if len(col) > 10 else col,
-                         justify="left" if col == "measurement" else "right",
-                         no_wrap=col == "measurement")
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|"]
+    rows = []
     for kind in KINDS:
         runs = result["runs"][kind]
         x_raw = {"raw": 1.0, "concurrent": result["ratio_concurrent_to_raw"],
@@ -388,8 +370,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                              ("server_cpu_ms_per_event", "{:.2f}"),
                              ("latency_ms_p50", "{:.2f}"), ("latency_ms_p99", "{:.2f}")):
                 cells.append(fmt.format(median([r[key] for r in runs])))
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown_table(COLUMNS, rows)
     lines.append("")
     lines.append("raw sqlite3: one `BEGIN IMMEDIATE; INSERT; COMMIT` per row (WAL, "
                  "synchronous=FULL) in the same temp dir as the service's data dir. statesvc: "
@@ -403,7 +385,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                  f"{m['loadavg_1m_before']} before the run, {m['date']}. "
                  "`make bench` (`python -m benchmarks.bench_events`) reproduces it; "
                  "`benchmarks/results/events.json` has every run.")
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,9 +405,28 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         settings = Settings(1, a.clients, 64 * a.clients, 64, 500, 5.0)
     result = run(settings)
-    show_and_publish("events", result, *render(result), quick=a.quick, no_write=a.no_write,
-                     console=console)
+    markdown = render(result)
+    print(markdown)
+    publish("events", result, markdown, quick=a.quick, no_write=a.no_write)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    runs = r["runs"]
+    rate = {k: [x["events_per_s"] for x in runs[k]] for k in ("raw", "concurrent", "single")}
+    clients = r["settings"]["clients"]
+    out = []
+    for kind, label in (("concurrent", f"{clients} clients"), ("single", "1 client")):
+        ratios = [a / b for a, b in zip(rate[kind], rate["raw"])]
+        meets_rate = median(rate[kind]) >= 1000 if kind == "concurrent" else None
+        out.append(figure("events", f"event append, {label}", median(rate[kind]), "events/s",
+                          target=">= 1,000" if kind == "concurrent" else None, meets=meets_rate,
+                          spread=spread(rate[kind]), runs=len(rate[kind])))
+        out.append(figure("events", f"event append, {label} / raw sqlite3", median(ratios), "x",
+                          target=">= 0.5x" if kind == "concurrent" else None,
+                          meets=median(ratios) >= 0.5 if kind == "concurrent" else None,
+                          spread=spread(ratios), runs=len(ratios)))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,48 +1,9 @@
 """Decode throughput per model family: 16 distinct adapters against the base model, and against PEFT.
 
-For each family of `FAMILIES` (issue 38), a random checkpoint of that family at the decode
-benchmark's sizes, with 16 rank-16 adapters on every target module the family takes, written
-as transformers and PEFT write them (statesvc/tools/example.py `make_example`; no downloads),
-float32:
-
-    vocab 8192, hidden 1024, intermediate 2816, 8 layers, 16 heads, 8 KV heads, head_dim 64,
-    adapters r=16, alpha 32 (benchmarks/bench_decode.py SHAPE).
-
-Each family's options are the example's (statesvc/tools/families.py: sliding windows of 8
-positions, Qwen2's sliding layers, Gemma's soft-caps, tied embeddings and sandwich norms, OLMo 2's
-q/k norms over the projection, Granite's multipliers; Mixtral's and Qwen3-MoE's 4 experts, each
-token through 2, Mixtral's of the intermediate size, Qwen3-MoE's a quarter of it, their adapters
-on attention only, as LoRA on a mixture of experts is served), so a step does what that family
-does.
-A batch of 32 sequences, each with its own 32-token prompt, is prefilled, then decoded
-greedily. One family after another (each checkpoint is written, timed and deleted before the
-next: eight models would not fit side by side in a small machine's memory), with Llama's
-checkpoint loaded for the whole run; per family, these paths side by side, interleaved round by
-round (a warm-up round, then rounds until `--repeats` ran without other load on the machine, at
-most `--max-rounds`; the medians of those), all of bench_decode's own machinery:
-
-* base:        bench_decode's `RawDecode` (Runner.decode in a loop, as the engine calls
-               it, on the backend serving picks here: the native kernels where they are built),
-               every row on the base model;
-* 16 adapters: the same loop, row i on adapter i % 16;
-* Llama:       the same two on Llama's checkpoint (for the other families), so that the ratio
-               over Llama's pairs figures of the same round;
-* PEFT:        transformers' model of the family with the 16 adapters loaded into one
-               PeftModel, mixed-batch inference (`adapter_names` per row), KV cache, greedy,
-               in a process of its own (bench_decode's `PeftProcess`), on the 16-adapter batch.
-
-Figures per family: tokens/s of the base batch and of the 16-adapter batch, 16 adapters / base,
-ours / PEFT on the 16-adapter batch (each the median of the per-round ratios), and the family's
-16 adapters / base over Llama's in the same round (the median over the rounds), whose target is
->= 0.9x: no family's adapters cost much more, relative to its own base model, than Llama's do.
-
     .venv/bin/python -m benchmarks.bench_families [--steps 8] [--repeats 5] [--families llama,qwen2]
         [--no-write] [--quick]
 
-The table is printed, written to benchmarks/results/families.json and, where README.md has the
-`bench:families` markers, into that section. `--quick` is a smoke run (bench_decode's tiny
-model, two families, one round of 4 steps) that writes nothing unless `python -m benchmarks
---quick` points it elsewhere.
+What it runs, and why: docs/benchmarks.md, "bench_families.py".
 """
 from __future__ import annotations
 
@@ -60,12 +21,13 @@ from typing import Any
 import jax
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.bench_decode import (ALPHA, BATCH, CONTENDED, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX,
-                                     PeftProcess, RawDecode, Timing, adapter_names, agreement, clean_rounds,
-                                     loaded_event, row_adapters)
-from benchmarks.report import machine_info, median, output_flags, print_targets, publish, spread, target_lines
+from benchmarks.decode_paths import (ALPHA, BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, TARGET_MIX, RawDecode,
+                                     adapter_names, agreement, loaded_event, row_adapters)
+from benchmarks.decode_peft import PeftProcess
+from benchmarks.harness import (Figure, Timing, clean_rounds, decode_rates, figure, machine_info, median,
+                                output_flags, publish, spread, target_lines)
+from benchmarks.harness.stats import CONTENDED
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.residency.pool import MemoryPool, PoolSpec
@@ -251,13 +213,8 @@ def _rate(cell: dict[str, Any]) -> str:
     return f"{cell['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f})"
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
+def render(result: dict[str, Any]) -> str:
     s, ref = result["settings"], result["reference"]
-    table = Table(title=f"decode per family, batch {s['batch']}, tokens/s (median of up to {s['repeats']} "
-                        f"rounds of {s['steps']} steps)")
-    for col in ("family", "params", "base", f"{ADAPTERS} adapters", "PEFT", f"{ADAPTERS} / base",
-                "ours / PEFT", f"/ base over {ref}'s", "tokens = PEFT", "clean rounds"):
-        table.add_column(col, justify="right")
     lines = [f"| family | parameters | base model tok/s | {ADAPTERS} adapters tok/s | PEFT, {ADAPTERS} adapters "
              f"tok/s | {ADAPTERS} adapters / base | ours / PEFT, {ADAPTERS} adapters | {ADAPTERS} / base over "
              f"{ref}'s (>= {TARGET_OVER_REFERENCE}x) | greedy tokens = PEFT's | undisturbed rounds |",
@@ -268,10 +225,6 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
         lo, hi = r["over_reference_spread"]
         over_ref = "1.00 (itself)" if name == ref else f"{r['over_reference']:.2f} ({lo:.2f}-{hi:.2f}): {verdict}"
         clean = f"{len(r['clean_rounds'])} of {r['rounds_run']}"
-        table.add_row(name, f"{r['model']['parameters'] / 1e6:.1f} M", f"{r['base']['tokens_per_s']:,.0f}",
-                      f"{r['adapters']['tokens_per_s']:,.0f}", f"{r['peft']['tokens_per_s']:,.0f}",
-                      f"{r['over_base']:.2f}", f"{r['over_peft']:.2f}", over_ref,
-                      f"{100 * r['tokens_agree_with_peft']:.0f}%", clean)
         lines.append(f"| {name} | {r['model']['parameters'] / 1e6:.1f} M | {_rate(r['base'])} | "
                      f"{_rate(r['adapters'])} | {_rate(r['peft'])} | {r['over_base']:.2f} ({b[0]:.2f}-{b[1]:.2f}) "
                      f"| {r['over_peft']:.2f} ({o[0]:.2f}-{o[1]:.2f}) | {over_ref} "
@@ -310,7 +263,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                  "are of every round run and less reliable**" if disturbed else "")
               + f". `python -m benchmarks.bench_families` reproduces it ({result['seconds']:.0f} s); "
               "`benchmarks/results/families.json` has every round."]
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,11 +301,29 @@ def main(argv: list[str] | None = None) -> int:
     names = {REFERENCE, *wanted} if wanted else set(known)
     chosen = [f for f in FAMILIES if f.family in names]  # the table's order: Llama first
     result = run(args, chosen)
-    table, markdown = render(result)
-    console.print(table)
-    print_targets(result, console.print)
+    markdown = render(result)
+    console.print(markdown)
     publish("families", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Per family (issue 38): decode tokens/s on 16 adapters, 16 adapters / its base model, ours /
+    PEFT on the same batch, and the family's 16 adapters / base over Llama's (target >= 0.9x)."""
+    out, steps, batch = [], r["settings"]["steps"], r["settings"]["batch"]
+    k = r["adapters"]["count"]
+    for name, c in r["families"].items():
+        rates = decode_rates(c["adapters"], batch * steps)
+        label = f"decode, {name}, {k} distinct adapters"
+        out += [figure("families", label, median(rates), "tokens/s", spread=spread(rates), runs=len(rates)),
+                figure("families", f"{label} / base model", c["over_base"], "x", spread=c["over_base_spread"],
+                       runs=len(rates)),
+                figure("families", f"{label}: ours / PEFT mixed batch", c["over_peft"], "x",
+                       spread=c["over_peft_spread"], runs=len(rates))]
+    for t in r["targets"]:
+        out.append(figure("families", f"decode, {t['name']}", t["measured"], "x", target=t["target"],
+                          meets=t["met"]))
+    return out
 
 
 if __name__ == "__main__":

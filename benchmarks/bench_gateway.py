@@ -1,51 +1,9 @@
 """The OpenAI-compatible gateway against ZeroMQ straight to the replica, side by side in one run.
 
-A real `statesvc serve`, one `computed serve --max-batch 32` (warmed up) and `computed
-gateway` (testkit/fleet.py subprocesses) with 16 adapters, all resident (`max_loras` 16), on
-two model shapes, each its own fleet:
-
-* `bench`: the decode benchmark's model (bench_decode.SHAPE: vocab 8192, hidden 1024, 8
-  layers), rank-16 adapters on every module, 32 prompt and 64 new tokens: the issue's "same
-  mixed-adapter workload (batch 32, 16 adapters)", where the replica's compute is realistic;
-  the targets are about this one;
-* `tiny`: the example model (vocab 512, hidden 64, 2 layers), rank-8 q/v adapters, 8 prompt
-  and 32 new tokens: a step takes about a millisecond, so the gateway's per-token cost is
-  as large a share as it gets; the worst case, reported beside it.
-
-One round sends the same 32 requests (adapter i % 16, random prompt tokens, greedy,
-`ignore_eos`) both ways, order alternating by round, from a client in its own process
-(benchmarks/gateway_client.py), both streaming and timed the same way:
-
-* zmq: 32 `generate` with `stream: true` sent at once on one DEALER, every token frame read;
-* gateway: the same 32 as `/v1/completions` with `stream: true` over 32 keep-alive
-  connections, every SSE event read to `data: [DONE]`.
-
-Per round: throughput (32 x tokens / wall seconds), each request's latency (send to last
-byte) and the CPU seconds each process (replica, gateway, client) spent in it. Added latency
-per request is measured within each request, so that how long the round's decode took
-(which moves by more than 2 ms from round to round) drops out: its latency through the
-gateway less the gateway's `timings.upstream_ms` for it (from sending it to the replica to
-its result, as Envoy's upstream service time), that is what the HTTP hop, the gateway's
-queue and its handling added. Reported per shape: medians over rounds of the throughput
-ratio gateway / zmq (target >= 0.9x), of the added latency's p50 (target under 2 ms in
-every round) and p99; beside them the end-to-end difference of the two paths' p50 (p99)
-latencies, run to run, the ZeroMQ path's latency outside the replica (less its
-`timings.total_ms`), and CPU milliseconds per generated token per process and path. Then
-32 lone requests, one at a time, alternating the path: the added latency of a request with
-no burst to queue behind. In `make bench` (benchmarks/suite.py).
-
-Each run is a model shape in a CPU layout (`--runs`, default bench:split, bench:shared,
-tiny:split), each its own fleet. `split`: the replica pinned to every CPU but the last, the
-gateway and the client to the last one (the front door on a core of its own, as it sits on
-a host of its own in front of a fleet); the targets are the first run's, bench:split.
-`shared`: every process on every CPU, the replica's compute threads taking all of them
-during a step, so that a request's bytes also wait for a CPU (reported beside it).
-
     .venv/bin/python -m benchmarks.bench_gateway [--runs bench:split,bench:shared,tiny:split]
         [--rounds 5] [--quick] [--no-write] [--profile DIR]
 
-`--profile DIR` runs the gateway under cProfile (LORAPLANE_GATEWAY_PROFILE) and writes
-DIR/gateway-SHAPE.prof when it stops.
+What it runs, and why: docs/benchmarks.md, "bench_gateway.py".
 """
 from __future__ import annotations
 
@@ -62,12 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile, publish,
-                               spread)
-from shared.client import ControlClient, new_event_id
+from benchmarks.harness import (Figure, Fleet, cpu_model, figure, machine_info, median, output_flags, percentile,
+    publish, spread)
 from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
-from testkit.fleet import Computed, Gateway, StateSvc, wait_for
 
 BATCH, ADAPTERS = 32, 16
 STEADY_ROUNDS, STEADY_PER_STREAM = 3, 3  # a steady stream: 3 requests a stream, 32 streams
@@ -83,7 +39,7 @@ class Workload:
 
 
 def workloads() -> dict[str, Workload]:
-    from benchmarks.bench_decode import SHAPE
+    from benchmarks.decode_paths import SHAPE
     return {"bench": Workload(SHAPE, 16, tuple(MODULES), 32, 64),
             "tiny": Workload(ModelShape(), 8, ("q_proj", "v_proj"), 8, 32)}
 
@@ -151,28 +107,20 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None,
     specs = tuple(AdapterSpec(f"a{i:02d}", r=w.rank, lora_alpha=2 * w.rank,
                               target_modules=w.modules) for i in range(ADAPTERS))
     ex = make_example(root / "example", adapters=specs, shape=w.shape)
-    svc = StateSvc(root / "data")
-    replica = Computed(ex.model_dir, svc, root / "replicas" / "r1", replica_id="r1",
-                       extra_args=("--max-batch", str(BATCH), "--max-len", "256"),
-                       wrapper=layout.replica)
-    gateway = Gateway(ex.model_dir, svc, log_file=root / "gateway.log",
-                      extra_args=("--max-pending", str(4 * BATCH)), wrapper=layout.front)
+    fleet = Fleet(root, ex.model_dir, adapters={x.name: ex.adapter_dirs[x.name] for x in specs}, max_loras=ADAPTERS,
+                  max_rank=w.rank, replica_args=("--max-batch", str(BATCH), "--max-len", "256"),
+                  replica_wrapper=layout.replica, gateway=("--max-pending", str(4 * BATCH)),
+                  gateway_wrapper=layout.front)
+    replica = fleet.replica
+    gateway = fleet.gateway
+    assert gateway is not None
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         os.environ["LORAPLANE_GATEWAY_PROFILE"] = str(profile.resolve() / f"gateway-{slug}.prof")
     client: subprocess.Popen[str] | None = None
     try:
-        svc.start()
-        with ControlClient(svc.control) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(ex.model_dir),
-                                 "max_loras": ADAPTERS, "max_rank": w.rank, "targets": "all"})
-            for s in specs:
-                c.call("load", {"event_id": new_event_id(), "name": s.name,
-                                "path": str(ex.adapter_dirs[s.name])})
-        replica.start()
-        gateway.start()
+        fleet.start()
         os.environ.pop("LORAPLANE_GATEWAY_PROFILE", None)
-        wait_for(gateway.healthy, what="gateway healthy")
         client = subprocess.Popen([*layout.front, sys.executable, "-m", "benchmarks.gateway_client",
                                    replica.listen, gateway.url], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
@@ -226,9 +174,7 @@ def measure(name: str, w: Workload, rounds: int, profile: Path | None,
         if client is not None:
             client.stdin.close()  # type: ignore[union-attr]
             client.wait(30)
-        gateway.stop()
-        replica.stop()
-        svc.stop()
+        fleet.stop()
     ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in rows]
     steady_ratios = [r["gateway"]["tok_s"] / r["zmq"]["tok_s"] for r in steady]
     return {
@@ -280,7 +226,7 @@ def worst_p50(rows: list[dict[str, Any]]) -> float:
 
 
 def report(res: dict[str, Any]) -> str:
-    """The README's bench:gateway section."""
+    """The bench:gateway section (docs/results-detail.md)."""
     lines = ["| model | workload | ZeroMQ tok/s | gateway tok/s | gateway / ZeroMQ (spread) | "
              "added p50 | added p99 | CPU ms/token: replica, gateway | load average |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -385,6 +331,59 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({n: r["cpu_ms_per_token"] for n, r in res["shapes"].items()}, indent=1))
     publish("gateway", res, markdown, quick=a.quick, no_write=a.no_write, say=print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """The gateway with streaming over ZeroMQ straight to the replica (issue 17): the targets
+    on the decode benchmark's model (`bench`), the tiny example model's figures for context
+    (the gateway's worst case). The added-latency target is the steady stream's (32 streams
+    in a closed loop): a burst's requests, all sent at once, queue behind one another on the
+    gateway's one event loop, a figure reported beside it (docs/gateway.md)."""
+    out = []
+    shapes = r.get("shapes") or {"": r}  # results from before the two shapes: one, targeted
+    for shape, s in shapes.items():
+        i = 0 if shape == r.get("shape", "bench") or shape == "" else 1  # 0: the targets apply
+        rows, runs = s["rounds_detail"], s["rounds"]
+        # within each request: its latency less the gateway's upstream time for it
+        # (results from before that measure: the end-to-end difference, run to run)
+        inside = "outside_p50_ms" in rows[0]["gateway"]
+        added = {q: [x["gateway"][f"outside_{q}_ms"] if inside
+                     else x["gateway"][f"{q}_ms"] - x["zmq"][f"{q}_ms"] for x in rows]
+                 for q in ("p50", "p99")}
+        where = {"split": ", gateway on its own CPU", "shared": ", all on all CPUs"}.get(
+            s.get("layout", ""), "")  # results from before the layouts: all on all CPUs
+        on = f" ({s.get('shape', shape)} model{where})" if shape else ""
+        steady = s.get("steady") or {}
+        burst = " in a burst of 32" if steady.get("rounds") else ""
+        out.append(figure("gateway", f"gateway + streaming / ZeroMQ, batch 32, 16 adapters{on}",
+                          s["ratio"], "x", target=">= 0.9x" if i == 0 else None,
+                          meets=s["ratio"] >= 0.9 if i == 0 else None,
+                          spread=s["ratio_range"], runs=runs))
+        if steady.get("rounds"):
+            st = [x["gateway"]["outside_p50_ms"] for x in steady["rounds_detail"]]
+            st99 = [x["gateway"]["outside_p99_ms"] for x in steady["rounds_detail"]]
+            # every round under the limit, not only the median
+            out += [figure("gateway", f"gateway: added latency per request, steady 32 streams, "
+                           f"p50{on}", steady["added_p50_ms"], "ms",
+                           target="< 2" if i == 0 else None,
+                           meets=max(st) < 2 if i == 0 else None, spread=spread(st),
+                           runs=steady["rounds"]),
+                    figure("gateway", f"gateway: added latency per request, steady 32 streams, "
+                           f"p99{on}", steady["added_p99_ms"], "ms", spread=spread(st99),
+                           runs=steady["rounds"])]
+        out += [figure("gateway", f"gateway: added latency per request{burst}, p50{on}",
+                       s["added_p50_ms"], "ms",
+                       target="< 2" if i == 0 and not burst else None,
+                       meets=max(added["p50"]) < 2 if i == 0 and not burst else None,
+                       spread=spread(added["p50"]), runs=runs),
+                figure("gateway", f"gateway: added latency per request{burst}, p99{on}",
+                       s["added_p99_ms"], "ms", spread=spread(added["p99"]), runs=runs)]
+        if "lone" in s:  # one request at a time: the hop alone, no burst to queue behind
+            lone = s["lone"]
+            out += [figure("gateway", f"gateway: added latency per lone request, {q}{on}",
+                           lone[f"added_{q}_ms"], "ms", runs=lone["requests"])
+                    for q in ("p50", "p99")]
+    return out
 
 
 if __name__ == "__main__":

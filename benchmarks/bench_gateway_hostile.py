@@ -1,28 +1,9 @@
 """The gateway beside hostile clients: what a good client sees while they run (issue 50).
 
-A real `statesvc serve`, one `computed serve` (warmed up) and `computed gateway` on the
-example model (testkit/fleet.py subprocesses), the gateway's limits at their defaults but
---head-timeout and --body-timeout, 2 s, so that the slow connections turn over within a run.
-Two measures, in that order:
-
-* slow: 300 connections kept open at once (one closed by the gateway is opened again): a
-  third dribble a request head a byte at a time, a third send 256 KiB of one header and
-  stop (answered 431 at --max-head-bytes, 64 KiB), a third send a whole head and dribble its
-  body. Meanwhile a good client sends, one
-  after another, GET /v1/models on a new connection and a small completion (4 tokens) on a
-  kept one. Figures: the good client's slowest answer (target: every one within 0.5 s) and
-  the gateway's RSS at its peak over the run less before it (target < 100 MB).
-* flood: small completions one at a time, alone, then while 8 clients each send one
-  oversized prompt after another (the issue's 786 KB: 262,144 CJK characters, 3 bytes each
-  in UTF-8), which no context holds. Figure: the small completions' median latency during
-  the flood over their median alone (target <= 3x); beside it, how the oversized prompts
-  were answered.
-
     .venv/bin/python -m benchmarks.bench_gateway_hostile [--requests 40] [--seconds 8]
         [--quick] [--no-write]
 
-In `make bench` (benchmarks/suite.py). The tests assert the behaviour behind both
-(tests/integration/test_gateway_limits.py); the figures are here, as timings belong.
+What it runs, and why: docs/benchmarks.md, "bench_gateway_hostile.py".
 """
 from __future__ import annotations
 
@@ -40,11 +21,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.report import (cpu_model, machine_info, median, output_flags, percentile,
-                               run_and_publish)
-from shared.client import ControlClient, new_event_id
+from benchmarks.harness import (Figure, Fleet, cpu_model, figure, machine_info, median, output_flags, percentile,
+    run_and_publish)
 from statesvc.tools.example import make_example
-from testkit.fleet import Computed, Gateway, StateSvc, memory_kb, wait_for
+from testkit.fleet import memory_kb
 
 SLOW, FLOODERS = 300, 8
 OVERSIZED = "漢" * (1 << 18)  # 786 KB of UTF-8, 262,144 characters
@@ -127,20 +107,14 @@ def small_latencies(client: httpx.Client, n: int) -> list[float]:
 def run(a: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-hostile-"))
     example = make_example(tmp / "example", seed=0)
-    svc = StateSvc(tmp / "data")
-    replica = Computed(example.model_dir, svc, tmp / "r1", replica_id="r1",
-                       extra_args=("--no-warmup",) if a.quick else ())
-    gateway = Gateway(example.model_dir, svc, log_file=tmp / "gateway.log",
-                      extra_args=("--head-timeout", "2", "--body-timeout", "2"))
+    fleet = Fleet(tmp, example.model_dir, max_loras=2, max_rank=8,
+                  replica_args=("--no-warmup",) if a.quick else (),
+                  gateway=("--head-timeout", "2", "--body-timeout", "2"))
+    gateway = fleet.gateway
+    assert gateway is not None
     load = os.getloadavg()[0]
     try:
-        svc.start()
-        with ControlClient(svc.control) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
-                                 "max_loras": 2, "max_rank": 8, "targets": "all"})
-        replica.start()
-        gateway.start()
-        wait_for(gateway.healthy, timeout=300, what="gateway healthy")
+        fleet.start()
         with httpx.Client(base_url=gateway.url, timeout=60) as client:
             small_latencies(client, 5)  # compiled, connected
             # slow connections, and a good client beside them
@@ -173,9 +147,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 answers = dict(answered)
             rss_after_flood = memory_kb(gateway.pid, "VmRSS")
     finally:
-        gateway.stop()
-        replica.stop()
-        svc.stop()
+        fleet.stop()
     slowest, grown = max(good_ms), (rss_peak - rss_before) / 1024
     ratio = median(during) / median(alone)
     return {"cpu": f"{cpu_model()}, {os.cpu_count()} CPUs", "machine": machine_info(),
@@ -200,7 +172,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    """The README's bench:hostile section."""
+    """The bench:hostile section (docs/results-detail.md)."""
     s, f = r["slow"], r["flood"]
     verdicts = {t["name"]: "PASS" if t["met"] else "MISS" for t in r["targets"]}
     v = list(verdicts.values())
@@ -243,6 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.requests, a.seconds = 8, 3.0
     return run_and_publish("hostile", a, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 50: a good client's slowest answer and the gateway's RSS beside 300 slow or
+    oversized connections, and small completions beside a flood of oversized prompts over
+    alone (bench_gateway_hostile); beside them the good client's p50 and the flood's."""
+    units = ("ms", "MB", "x")
+    out = [figure("hostile", t["name"], t["measured"], unit, target=t["target"], meets=t["met"])
+           for t, unit in zip(r["targets"], units)]
+    flood = r["flood"]
+    out += [figure("hostile", f"good client's p50 beside {r['slow']['connections']} slow "
+                              "connections", r["slow"]["good_p50_ms"], "ms"),
+            figure("hostile", "small completions' p50 alone", flood["alone_p50_ms"], "ms"),
+            figure("hostile", f"small completions' p50 beside {flood['flooders']} "
+                              "oversized-prompt clients", flood["during_p50_ms"], "ms")]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,39 +1,9 @@
 """Decode throughput beside the CPU's peer: llama.cpp on the same model, prompts and machine, in one run.
 
-bench_decode's checkpoint (vocab 8192, hidden 1024, intermediate 2816, 8 layers, 111 M
-parameters, float32) and 16 of its rank-16 adapters, the same model written in bfloat16
-(bench_dtype's), and its 32 prompts of 32 tokens, batch 32, greedy. Our side is
-bench_decode's RawDecode (Runner.decode in a loop, as the engine calls it, native
-kernels where they build) in this process; llama.cpp's is
-benchmarks/peer_llamacpp_worker.py in a process of its own, in the peer's environment:
-
-* the peer: llama-cpp-python (llama.cpp compiled from its sdist) in a venv of its own,
-  `build/llamacpp-venv` (override: $LORAPLANE_LLAMACPP_VENV), built once by this benchmark
-  when missing (`--quick` never builds: it records "peer not built" and exits 0);
-* the files: benchmarks/gguf_convert.py, our converter on the `gguf` package, run in the
-  peer's venv: the model as GGUF f32 and bf16 (the bfloat16 checkpoint's own bits), each
-  adapter as a GGUF LoRA file;
-* workloads (same shapes as bench_decode's): the base model, one llama context holding the
-  32 sequences (a llama_batch with one token and sequence id per row each step); 16 distinct
-  adapters (row i on adapter i % 16): llama.cpp sets adapters per context and cannot mix them
-  in one forward pass, so it runs in both of its modes, in the same rounds: one context per
-  adapter, each with its 2 rows and its adapter set once, and one context holding all 32 rows
-  with the adapter switched (llama_set_adapters_lora) before each group's decode; a step is
-  16 llama_decode calls either way. The figures use its faster mode (`adapter_mode`) and keep
-  both. Ours runs the same rows as one batch with each row's adapter slot;
-* the same thread count for both: llama.cpp's n_threads = the CPU count, as XLA uses every core.
-
-Paths interleaved round by round (a warm-up round, then `--repeats` rounds): ours, then
-llama.cpp, each waiting idle while the other runs; a round is `--steps` greedy steps from the
-prompt's end. tokens/s = 32 * steps / seconds; ratios pair one round's figures, medians with
-the spread. Targets (issue 20): our base model at least 1.0x llama.cpp's (float32 and the
-16-bit pair), our 16-adapter batch at least 3x llama.cpp's. Sanity check, reported as for PEFT:
-the fraction of greedy tokens that agree between the engines, on the base model and the adapters.
-
     .venv/bin/python -m benchmarks.bench_peer_llamacpp [--steps 16] [--repeats 5] [--quick] [--no-write]
                                                        [--out FILE]
 
-Writes benchmarks/results/peer.json and the README's bench:peer section (with --out: FILE only).
+What it runs, and why: docs/benchmarks.md, "bench_peer_llamacpp.py".
 """
 from __future__ import annotations
 
@@ -48,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import REPO, machine_info, median, peer_output_flags, publish_peer, spread
+from benchmarks.harness import (Figure, REPO, figure, machine_info, median, peer_output_flags,
+    publish_peer, spread)
 
 VENV_ENV = "LORAPLANE_LLAMACPP_VENV"
 PEER_VERSION = "0.3.36"  # llama-cpp-python, the sdist pip resolves (vendors llama.cpp)
@@ -151,8 +122,9 @@ def modes(w: tuple[str, int]) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
-    from benchmarks.bench_decode import (BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, RawDecode, Timing, adapter_names,
+    from benchmarks.decode_paths import (BATCH, PROMPT, QUICK_SHAPE, RANK, SHAPE, RawDecode, adapter_names,
                                          agreement, loaded_event, row_adapters, write_assets)
+    from benchmarks.harness import Timing
     from computed.model.loader import load_model
     from computed.model.runner import Runner
     from computed.residency.pool import MemoryPool, PoolSpec
@@ -268,7 +240,7 @@ def targets(r: dict[str, Any]) -> dict[str, float]:
 
 
 def report(r: dict[str, Any]) -> str:
-    """The README's bench:peer section."""
+    """The bench:peer section (docs/results-detail.md)."""
     if r.get("peer") != "built":
         return f"llama.cpp peer: {r.get('peer')} ({r.get('why', '')}); no figures in this run."
     m, s = r["machine"], r["settings"]
@@ -320,6 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run(args, py or venv / "bin" / "python")
     return publish_peer("peer", result, report(result), args)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Ours over llama.cpp on the same batches (issue 20); none when the peer was not built."""
+    if r.get("peer") != "built":
+        return []
+    runs = r["settings"]["repeats"]
+    out = []
+    for key, cell in r["workloads"].items():
+        k, dtype = cell["adapters"], "bfloat16" if cell["dtype"] == "bf16" else "float32"
+        mix = "base model" if k == 0 else f"{k} distinct adapters"
+        goal = 1.0 if k == 0 else 3.0
+        if k == 0 and dtype == "float32":
+            out.append(figure("peer", "llama.cpp decode, base model, batch 32", cell["llamacpp"]["tokens_per_s"],
+                              "tokens/s", spread=cell["llamacpp"]["spread"], runs=runs))
+        out.append(figure("peer", f"decode, {mix}, {dtype}: ours / llama.cpp", cell["ours_over_llamacpp"], "x",
+                          target=f">= {goal:g}x", meets=cell["ours_over_llamacpp"] >= goal,
+                          spread=cell["ours_over_llamacpp_spread"], runs=runs))
+    out.append(figure("peer", "llama.cpp decode, 16 distinct adapters / its base model",
+                      r["llamacpp_adapters_over_base"], "x", spread=r["llamacpp_adapters_over_base_spread"], runs=runs))
+    return out
 
 
 if __name__ == "__main__":

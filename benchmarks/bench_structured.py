@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.bench_decode import QUICK_SHAPE, SHAPE
-from benchmarks.report import machine_info, median, percentile
+from benchmarks.decode_paths import QUICK_SHAPE, SHAPE
+from benchmarks.harness import machine_info, median, percentile
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.serving import grammar

@@ -1,24 +1,8 @@
 """Tensor-parallel replicas (issue 19): bytes per device, and decode throughput beside N = 1.
 
-Per N in 1, 2 and 4, each in its own process on N forced host devices
-(XLA_FLAGS=--xla_force_host_platform_device_count=N; JAX fixes the count when it starts):
-
-* bytes per device of the weights and of the LoRA pool, measured from every array's addressable
-  shards, beside the formula from the shapes (1/N of each split array plus each replicated one:
-  computed/model/sharding.py `expected_param_bytes`, `expected_pool_bytes`), and whether the two
-  match exactly;
-* decode throughput of a 32-row batch over 16 distinct adapters (two rows each), Runner.decode
-  in a loop after the runner's warm-up and a warm-up round, relative to N = 1 round by round: the
-  three processes stay up and take turns, one round each, the order rotating. N = 1 runs the XLA backend
-  (what N > 1 runs, on one device), not the native kernels, so the ratio is the cost of the mesh.
-
-On forced CPU devices the N "devices" share the same cores, so the ratio measures the overhead of
-sharding (the all-reduces, the per-device dispatch), not a speed-up; on an accelerator it would be
-the speed-up.
-
     .venv/bin/python -m benchmarks.bench_tp [--steps 8] [--repeats 5] [--quick] [--no-write]
 
-Writes benchmarks/results/tp.json and the README's bench:tp section.
+What it runs, and why: docs/benchmarks.md, "bench_tp.py".
 """
 from __future__ import annotations
 
@@ -34,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import machine_info, median, output_flags, run_and_publish, spread
+from benchmarks.harness import Figure, figure, machine_info, median, output_flags, run_and_publish, spread
 from shared.projections import MODULES
 from statesvc.tools.example import AdapterSpec, ModelShape, make_example
 
@@ -117,13 +101,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = QUICK_SHAPE if args.quick else SHAPE
     # a smoke run: 2 steps, one round, 4 rows (each worker's warm-up compiles per row bucket)
     steps, repeats, batch = (2, 1, QUICK_BATCH) if args.quick else (args.steps, args.repeats, BATCH)
+    degrees = DEGREES[:2] if args.quick else DEGREES  # a smoke run: one mesh beside N = 1, each figure kind
     adapters = (AdapterSpec("a0", r=RANK, lora_alpha=16, target_modules=MODULES),)  # the worker writes its own 16
     per_n: dict[str, Any] = {}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         make_example(Path(tmp), shape=shape, adapters=adapters)
         procs = {}
-        for n in DEGREES:  # started one after another: their warm-ups do not compete
+        for n in degrees:  # started one after another: their warm-ups do not compete
             env = {**os.environ, "XLA_FLAGS": " ".join(
                 [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}"]).strip()}
             procs[n] = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_tp", "--worker", str(n), tmp,
@@ -133,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_n[str(n)] = {**ask(procs[n], None), "seconds": []}
         try:
             for r in range(repeats + 1):  # round by round, the order rotating; the first warms up
-                for n in DEGREES[r % len(DEGREES):] + DEGREES[:r % len(DEGREES)]:
+                for n in degrees[r % len(degrees):] + degrees[:r % len(degrees)]:
                     seconds = ask(procs[n], "round")["seconds"]
                     if r:
                         per_n[str(n)]["seconds"].append(seconds)
@@ -187,6 +172,20 @@ def main(argv: list[str] | None = None) -> int:
         worker(int(args.worker[0]), Path(args.worker[1]), args.steps, args.repeats, args.batch)
         return 0
     return run_and_publish("tp", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 19: bytes per device against the formula, decode beside N = 1 (forced CPU devices)."""
+    out = []
+    for k, c in r["results"].items():
+        if k == "1":
+            continue
+        worst = max(max(c[f"{w}_bytes_per_device"]) / c[f"{w}_formula"] for w in ("weights", "pool"))
+        out.append(figure("tp", f"tensor-parallel {k}: bytes per device / formula (weights and pool)",
+                          worst, "x", target="1.0x", meets=c["exact"]))
+        out.append(figure("tp", f"tensor-parallel {k} on forced CPU devices: decode, 16 adapters / N = 1",
+                          c["over_one"], "x", spread=c["over_one_spread"], runs=len(c["tokens_per_s"])))
+    return out
 
 
 if __name__ == "__main__":

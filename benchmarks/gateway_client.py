@@ -1,31 +1,6 @@
 """The gateway benchmark's client, in a process of its own (benchmarks/bench_gateway.py).
 
-It reads one JSON command per line on stdin and answers one JSON line on stdout, so the
-measuring process shares neither its interpreter nor its event loop with the requests:
-
-    {"path": "zmq" | "gateway", "reqs": [[adapter, [ids...], tokens], ...], "concurrency": C}
-    -> {"wall_s": S, "lat_s": [...], "ttft_s": [...], "over_s": [...], "cpu_s": C}
-
-Both paths stream, run the requests the same way and time them the same way: a closed loop
-of `concurrency` streams, each sending the next request of the list as soon as its last one
-ended (all of them at once when `concurrency` is the list's length: a burst); each
-request's latency from its send to its last byte (the final reply frame; `data: [DONE]`)
-and to its first token (the first token frame; the first chunk), listed in the requests'
-order; the round from the first send to the last reply. `over_s` is each request's latency less the time its answer took past the
-client's hop: through the gateway, less the gateway's `timings.upstream_ms` (from the
-gateway sending it to the replica to its result, in the finish chunk): what the gateway and
-its HTTP hop added; on ZeroMQ, less the replica's own `timings.total_ms` (from reading the
-request to its result): the ZeroMQ hop and the time in the replica's socket. `cpu_s` is
-this process's CPU time over the round.
-
-* zmq: `generate` with `stream: true` (a frame per token, then the result) on one DEALER
-  per concurrent request (kept across rounds), every token frame read and counted;
-* gateway: `/v1/completions` with `stream: true` over keep-alive HTTP/1.1 connections (one
-  per concurrent request, kept across rounds), on uvloop, each read noting its time and
-  the response parsed (chunked transfer, `data:` events counted) once it has ended. Not
-  httpx: on 2 shared CPUs httpx's per-chunk Python would be charged to the gateway; a
-  client on its own machine pays its own parsing. The openai client is what the tests use
-  (tests/integration/test_gateway.py).
+What it runs, and why: docs/benchmarks.md, "gateway_client.py".
 """
 from __future__ import annotations
 

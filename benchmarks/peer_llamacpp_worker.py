@@ -1,24 +1,6 @@
 """llama.cpp's side of bench_peer_llamacpp: runs in the peer's environment (build/llamacpp-venv).
 
-Reads one JSON command a line on stdin, answers one JSON line on stdout; llama.cpp's
-own log goes to stderr. It drives llama.cpp through llama-cpp-python's low-level
-API (the C API one to one), never its high-level `Llama` class:
-
-* `setup`: a workload: the model file, and per group of rows its LoRA adapter file
-  (or none). By default each group is one llama context (`llama_init_from_model`, the
-  threads the bench asks for, one sequence per row: `n_seq_max` = the group's rows, the KV
-  cache split per sequence) with its adapter set once (`llama_set_adapters_lora`, scale 1:
-  llama.cpp applies alpha / r itself). With `"mode": "switch"` every group shares ONE
-  context (a sequence per row of the whole batch) and its adapter is set before each of
-  the group's decodes (`llama_set_adapters_lora` switches the context's adapter). The
-  prompts of a group's rows are prefilled in one `llama_decode` (one llama_batch, a
-  sequence id per row, logits of each row's last token), and each row's first token is
-  its argmax.
-* `round`: restart every row at the prompt's end (`llama_memory_seq_rm` from there on),
-  then `steps` greedy steps: per step and group, (the switch to its adapter,) one
-  llama_batch of one token per row (its own sequence id and position), `llama_decode`,
-  argmax of each row's logits.
-  Answers the seconds of the steps (perf_counter) and the tokens, [step][row].
+What it runs, and why: docs/benchmarks.md, "peer_llamacpp_worker.py".
 """
 from __future__ import annotations
 

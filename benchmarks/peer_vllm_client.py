@@ -1,33 +1,6 @@
 """The client of benchmarks/bench_peer_vllm.py, in a process of its own: one streaming
-`/v1/completions` workload sent to either server (our gateway or vLLM's), every token timed.
 
-It reads one JSON command per line on stdin and answers one JSON line on stdout:
-
-    {"url": "http://127.0.0.1:PORT", "reqs": [[model, [ids...], tokens], ...], "concurrency": C}
-    -> {"wall_s": S, "ttft_s": [...], "lat_s": [...], "itl_s": [[...], ...], "cpu_s": C}
-
-A closed loop of `concurrency` streams, each sending the next request of the list as soon as
-its last one ended (all of them at once when `concurrency` is the list's length: a burst),
-over keep-alive HTTP/1.1 connections (one per stream, kept across rounds and per server) on
-uvloop, as benchmarks/gateway_client.py sends them and for the same reason (not the openai
-package's per-chunk Python on 2 shared CPUs). Each request is the same body for both servers:
-`prompt` as token ids, `max_tokens`, `temperature: 0`, `ignore_eos`, `return_token_ids`,
-`stream: true` with `stream_options.include_usage`.
-
-Each read of a response only appends its bytes and notes the time and the length so far;
-the responses are parsed once the round has ended, so parsing costs neither server a turn of
-this loop mid-round. A token's time is the time of the read that completed the `data:` event
-holding it. The bodies ask for `return_token_ids` (a vLLM extension the gateway ignores), and
-the two servers' events differ in how they hold tokens: vLLM's event may hold several (its
-output processor merges the tokens of the steps a slow consumer missed into one delta;
-`token_ids` lists them) and puts `finish_reason` on the last token's event; the gateway's
-holds one token each (no `token_ids`) and then sends a finish chunk that holds none. So an
-event with `token_ids` holds that many tokens, one without holds one unless it carries
-`finish_reason`; the count is checked against the request's `max_tokens` and the usage
-chunk's `completion_tokens`, and the stream to end in `data: [DONE]`. Per request, in the
-list's order: TTFT (send to its first token's read), latency (send to the last byte) and its
-inter-token gaps (tokens that came in one read, or in one event, are 0 apart: what a client
-sees).
+What it runs, and why: docs/benchmarks.md, "peer_vllm_client.py".
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import matplotlib
 
-from benchmarks.report import decode_rates, median
+from benchmarks.harness import decode_rates, median
 
 matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402

@@ -1,37 +1,6 @@
 """The request streams of the residency benchmark (benchmarks/bench_residency.py).
 
-Per slot count, on one replica (its fill worker, host tier and an `Engine` over the bench
-model, `Engine.step` in a loop as the daemon runs it), `rounds` alternated pairs of streams,
-each pair with a Zipf draw of its own:
-
-* closed loop (at most BATCH in flight, a new request as each one finishes): the Zipf stream
-  and the same stream "all resident" (each request's adapter replaced by one of the `slots`
-  most popular ones, rank mod slots, made resident before it starts). Their tokens/s ratio is
-  the throughput figure (the median of the rounds'), and the Zipf stream's TTFT over each tier's
-  floor is the literal TTFT figure: queueing and prefill behind up to 31 others, not the fill.
-* open loop: the same two streams sent on one fixed schedule (request i at i / rate, rate =
-  `load` x the all-resident closed stream's requests/s in that round), in the same order with
-  the same prompts. For each request whose adapter was not resident when it was sent, the
-  *added* TTFT = its TTFT in the Zipf run - the same request's TTFT in the all-resident run:
-  what non-residency adds to its time to first token. TTFT is measured from the scheduled
-  arrival. The requests that were resident in both runs give the same difference as a
-  control: how far two runs of one schedule differ when nothing is filled. Beside it the
-  *shift*: p50 and p99 of those requests' TTFTs in the Zipf run minus p50 and p99 of the same
-  requests' TTFTs in the all-resident run (where the tail moved). A third run of the
-  Zipf stream on the same schedule has the engine's wait for a queued miss's fetch switched
-  off (`Engine(fetch_wait=0)`: such a request waits for the next step): "before" beside
-  "after" (computed/serving/engine.py's `_admit`). And within the Zipf run itself, each request's
-  *residency wait*: the engine's `timings.residency_ms`, from the first pass that had a batch
-  row for it but not its adapter's slot to its admission (the fetch's end and the slot
-  write, or a lease's end when every slot was leased), or its admission's own slot write (a
-  host-tier hit admitted at once): what non-residency added before its prefill, with no
-  second run to differ from (the control above says by how much two runs of one schedule
-  differ: tens of ms at p99, whole decode steps, against floors of 1-4 ms).
-
-Before each run the slots hold the `slots` most popular adapters; before each Zipf run the
-host tier and the on-disk blob cache are emptied, so every round's Zipf run starts from the
-same tiers (a miss reads its blob from statesvc, as the miss floor does). Each tier's floor is
-the median fill of that tier measured on the idle replica before the streams (`calibrate`).
+What it runs, and why: docs/benchmarks.md, "residency_streams.py".
 """
 from __future__ import annotations
 
@@ -41,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import percentile
+from benchmarks.harness import percentile
 from computed.serving.engine import Done, Engine
 from computed.replica import Replica
 from shared.replica_protocol import generate_args

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import DETAIL_DOC, RESULTS_DIR
-from benchmarks.suite import BENCHES, HEADLINE, figure, shortfall, verdict
+from benchmarks.harness import RESULTS_DIR, figure, tables_file
+from benchmarks.harness.records import HEADLINE, shortfall, verdict
+from benchmarks.suite import BENCHES
 from testkit.pg import PgServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,19 +74,21 @@ def test_quick_suite_writes_figures_plots_and_the_results_tables(tmp_path: Path)
         assert (out / plot).read_bytes().startswith(PNG_MAGIC), plot
 
     # every figure in the results page's copy, the headline's in the README's, each benchmark's
-    # section in the detail page's
-    results = (out / "results.md").read_text()
+    # section in the detail page's (docs/results.md, README.md, docs/results-detail.md: the
+    # files tables_file finds their markers in, copied into --out by the suite)
+    results = (out / tables_file("summary").name).read_text()
     table = results.split("<!-- bench:summary:start -->")[1].split("<!-- bench:summary:end -->")[0]
     for f in latest["figures"]:
         assert f"| {f['name']} |" in table, f["name"]
-    readme = (out / "README.md").read_text()
+    readme = (out / tables_file("headline").name).read_text()
     headline = readme.split("<!-- bench:headline:start -->")[1].split("<!-- bench:headline:end -->")[0]
     for name in HEADLINE:
         assert (f"| {name} |" in headline) == (name in {f["name"] for f in latest["figures"]}), name
     def events_section(page: Path) -> str:
         return page.read_text().split("<!-- bench:events:start -->")[1].split("<!-- bench:events:end -->")[0]
 
-    assert events_section(out / "results-detail.md") != events_section(DETAIL_DOC)  # this run's
+    detail = tables_file("events")
+    assert events_section(out / detail.name) != events_section(detail)  # this run's
     # a smoke run never writes over the repository's figures
     assert _snapshot(RESULTS_DIR) == committed
 

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import DETAIL_DOC, OUT_ENV, README, RESULTS_DIR, RESULTS_DOC, update_readme
-from benchmarks.suite import BENCHES, HEADLINE, headline_table, summary_table, write_tables
+from benchmarks.harness import OUT_ENV, REPO, RESULTS_DIR, publish, tables_file, update_section
+from benchmarks.harness.output import section_file
+from benchmarks.harness.records import HEADLINE, headline_table, summary_table
+from benchmarks.suite import BENCHES, copy_tables_files, write_tables
+
+README, RESULTS_DOC, DETAIL_DOC = REPO / "README.md", REPO / "docs" / "results.md", REPO / "docs" / "results-detail.md"
 
 
 def _block(text: str, marker: str) -> str:
@@ -48,6 +52,17 @@ def test_each_table_has_one_home() -> None:
     detail = sections(DETAIL_DOC)
     assert sorted(detail) == sorted(set(detail))
     assert {b.name for b in BENCHES} <= set(detail)
+    # and tables_file finds each where it lives, so the suite and the benches write there
+    assert tables_file("headline") == README
+    assert tables_file("summary") == RESULTS_DOC
+    assert {tables_file(b.name) for b in BENCHES} == {DETAIL_DOC}
+
+
+def test_a_run_with_out_copies_every_file_holding_markers(tmp_path: Path) -> None:
+    copy_tables_files(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "results-detail.md", "results.md"]
+    for page in (README, RESULTS_DOC, DETAIL_DOC):
+        assert (tmp_path / page.name).read_text() == page.read_text()
 
 
 def test_tables_go_to_their_own_files_and_sections_to_whichever_holds_them(
@@ -63,13 +78,17 @@ def test_tables_go_to_their_own_files_and_sections_to_whichever_holds_them(
     assert _block(results.read_text(), "summary") == summary_table(latest)
     assert _block(detail.read_text(), "decode") == "old"  # a section the suite does not write
     # a benchmark's own section (as `python -m benchmarks --out DIR` points it): written in
-    # whichever of the copies holds its markers; none holding them is said
+    # the copy of the file that holds its markers; none holding them is said
     monkeypatch.setenv(OUT_ENV, str(tmp_path))
-    assert update_readme("decode", "new decode")
+    said: list[str] = []
+    publish("decode", {"figures": []}, "new decode", quick=True, no_write=False, say=said.append)
     assert _block(detail.read_text(), "decode") == "new decode"
-    assert update_readme("headline", "new headline")
+    assert json.loads((tmp_path / "decode.json").read_text()) == {"figures": []}
+    assert said[-1] == "results-detail.md section bench:decode updated"
+    assert section_file("headline") == readme
+    assert update_section(section_file("headline"), "headline", "new headline")
     assert _block(readme.read_text(), "headline") == "new headline"
-    assert not update_readme("nothing", "x")
+    assert not update_section(section_file("nothing"), "nothing", "x")
 
 
 def test_a_run_without_headline_figures_says_so() -> None:

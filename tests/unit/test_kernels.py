@@ -168,7 +168,8 @@ def test_the_xla_switch_serves_on_xla_alone_with_no_compiles_after_warmup(exampl
 
 
 def test_each_figure_names_the_isa_its_kernels_were_built_for() -> None:
-    from benchmarks.suite import isa_label, summary_table
+    from benchmarks.harness.machine import isa_label
+    from benchmarks.harness.records import summary_table
 
     assert isa_label(["avx2", "fma"]) == "AVX2+FMA"
     assert isa_label(["avx2", "fma", "avx512f", "avx512bw"]) == "AVX-512"
