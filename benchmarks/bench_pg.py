@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from benchmarks.bench_events import NAMES_PER_CLIENT, Service, init_pool, measur
 from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, markdown_table, publish,
     spread, target_lines)
 from statesvc.tools.example import make_example
-from benchmarks.pg_fleet import ROLES, measure_bootstrap, measure_propagations
+from benchmarks.pg_fleet import ROLES, Settings, measure_bootstrap, measure_propagations
 from testkit.pg import PgServer
 
 TARGET_RATIO = 0.5
@@ -34,22 +33,6 @@ INSTANCES = (1, 2)
 CLIENTS = (4, 16)
 
 console = Console() if sys.stdout.isatty() else Console(width=100)
-
-
-@dataclass(frozen=True)
-class Settings:
-    repeats: int
-    events: int  # per service measurement, in all
-    raw_events: int
-    max_seconds: float
-    replica_counts: tuple[int, ...]
-    loads: int
-    events_too: bool = True  # False (`--only propagation`): the propagation figures alone
-    propagation_too: bool = True  # False (`--only events`): the events/s figures alone
-    bootstrap_warm: int = 4  # replicas that hold the adapters when the new ones start
-    bootstrap_new: int = 8  # replicas started at once, with and without peer blobs
-    bootstrap_adapters: int = 16
-    bootstrap_too: bool = True
 
 
 def steal_seconds() -> float:

@@ -23,7 +23,8 @@ from benchmarks.harness import (Figure, figure, machine_info, median, output_fla
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.replica import Replica
-from computed.serving.engine import Engine, Request
+from computed.serving.engine import Engine
+from computed.serving.rows import Request
 from shared.client import ControlClient
 from shared.fingerprint import read_model
 from shared.replica_protocol import generate_args

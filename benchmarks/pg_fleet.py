@@ -10,8 +10,9 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 
@@ -21,10 +22,23 @@ from statesvc.tools.example import make_example
 from testkit.fleet import Computed, StateSvc, cpu_seconds, thread_cpu, wait_for
 from testkit.pg import PgServer
 
-if TYPE_CHECKING:
-    from benchmarks.bench_pg import Settings
-
 console = Console()
+
+
+@dataclass(frozen=True)
+class Settings:
+    repeats: int
+    events: int  # per service measurement, in all
+    raw_events: int
+    max_seconds: float
+    replica_counts: tuple[int, ...]
+    loads: int
+    events_too: bool = True  # False (`--only propagation`): the propagation figures alone
+    propagation_too: bool = True  # False (`--only events`): the events/s figures alone
+    bootstrap_warm: int = 4  # replicas that hold the adapters when the new ones start
+    bootstrap_new: int = 8  # replicas started at once, with and without peer blobs
+    bootstrap_adapters: int = 16
+    bootstrap_too: bool = True
 
 
 ROLES = ("replicas", "statesvc", "postgres", "bench")

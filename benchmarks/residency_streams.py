@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness import percentile
-from computed.serving.engine import Done, Engine
+from computed.serving.engine import Engine
+from computed.serving.rows import Done
 from computed.replica import Replica
 from shared.replica_protocol import generate_args
 

@@ -28,7 +28,8 @@ import numpy as np
 import zmq
 
 from computed.model.compile_cache import COMPILES
-from computed.serving.engine import Done, Engine, Request
+from computed.serving.engine import Engine
+from computed.serving.rows import Done, Request
 from computed.replica import Replica
 from computed.sync import IDLE_POLL_MS, SyncLoop, digests
 from shared import memtune

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gateway.requests import ApiError, bad
+from gateway.errors import ApiError, bad
 from gateway.routing import Router
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.keys import ClientKeys

@@ -21,10 +21,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway import admin, logprobs
 from gateway.auth import OPERATOR_KEY_WITHOUT_AUTH, Operator, may_change_log, operator_of
 from gateway.crosssite import SameOrigin
+from gateway.errors import ApiError
 from gateway.metrics import UNRESOLVED, Metrics
-from gateway.requests import (MAX_BODY_BYTES, ApiError, Chat, Completion, parse_chat,
-                              parse_completion, parse_json)
-from gateway.service import Gateway, Output
+from gateway.output import Output
+from gateway.requests import (MAX_BODY_BYTES, Chat, Completion, parse_chat, parse_completion,
+                              parse_json)
+from gateway.service import Gateway
 from gateway.streaming import (Chunks, EventStream, Inbox, ScoredChunks, StreamText, TokenGate, events,
                                usage)
 from gateway.tools import ToolStream

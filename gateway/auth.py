@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.requests import ApiError
+from gateway.errors import ApiError
 from shared.client import ControlClient, RemoteError, Unavailable, new_event_id
 from shared.config import MAX_SEQ
 from shared.keys import ClientKeys, KeyError_, client_keys

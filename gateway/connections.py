@@ -31,7 +31,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.requests import ApiError
+from gateway.errors import ApiError
 from shared.config import (GATEWAY_HEAD_TIMEOUT_S, GATEWAY_MAX_CONNECTIONS,
                            GATEWAY_MAX_HEAD_BYTES, GATEWAY_MAX_HEADERS)
 

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.requests import ApiError
+from gateway.errors import ApiError
 
 ANY_HOST = "*"
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gateway.requests import ApiError, Chat, Completion
+from gateway.errors import ApiError
+from gateway.output import Output
+from gateway.requests import Chat, Completion
 from shared.text import TextCodec
-
-if TYPE_CHECKING:
-    from gateway.service import Output  # which imports this module
 
 
 def checked(entry: Any, vocab_size: int, replica: str) -> dict[str, Any] | None:

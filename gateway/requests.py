@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gateway.tools import Tools
     from shared.grammar import Grammar
 
+from gateway.errors import ApiError, bad
 from shared.replica_protocol import MAX_CHOICES
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused unread (413)
@@ -72,30 +73,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     # true is what the gateway does (a model may call several tools); false is refused
     "parallel_tool_calls": (True,),
 }
-
-
-class ApiError(Exception):
-    """An error answered as {"error": {message, type, param, code}} with `status`."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def type(self) -> str:
-        named = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                 429: "rate_limit_error", 503: "service_unavailable"}
-        return named.get(self.status, "invalid_request_error" if self.status < 500
-                         else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value" if param else None)
 
 
 @dataclass(frozen=True)

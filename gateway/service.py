@@ -15,7 +15,9 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from gateway import logprobs
-from gateway.requests import ApiError, Chat, Completion, Sampling, bad
+from gateway.errors import ApiError, bad
+from gateway.requests import Chat, Completion, Sampling
+from gateway.output import Output
 from gateway.replicas import ReplicaLinks
 from gateway.routing import ReplicaView, Router
 from gateway.structured import grammar_problem
@@ -52,35 +54,6 @@ class Target:
     model: str
     adapter: str | None
     min_seq: int
-
-
-@dataclass
-class Output:
-    prompt_tokens: int
-    ids: list[int]  # the tokens whose text is `text` (stop token and past a stop string cut)
-    completion_tokens: int  # what the replica generated (a stop token counts)
-    text: str
-    finish_reason: str  # "stop", "length" or "tool_calls"
-    replica: str
-    timings: dict[str, float] | None = None  # passed_on(): None when ended early (a stop string)
-    others: list[Output] = field(default_factory=list)  # choices 1 .. n-1 (n > 1)
-    # OpenAI's tool_calls parsed from the answer (`text` is then the content before them)
-    tool_calls: list[dict[str, Any]] | None = None
-    # where the request asked for logprobs (gateway/logprobs.py): the scores of `ids`, and with
-    # echo the prompt's tokens and theirs (the first None)
-    scores: list[dict[str, Any] | None] | None = None
-    prompt_ids: list[int] | None = None
-    prompt_scores: list[dict[str, Any] | None] | None = None
-
-    @property
-    def choices(self) -> list[Output]:
-        """Every choice, in index order: this one first."""
-        return [self, *self.others]
-
-    @property
-    def all_completion_tokens(self) -> int:
-        """Usage's completion_tokens: every returned choice's."""
-        return self.completion_tokens + sum(o.completion_tokens for o in self.others)
 
 
 def passed_on(result: dict[str, Any], upstream_s: float) -> dict[str, float] | None:

@@ -15,8 +15,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import logprobs
-from gateway.requests import ApiError, Chat, Completion
-from gateway.service import Output
+from gateway.errors import ApiError
+from gateway.requests import Chat, Completion
+from gateway.output import Output
 from gateway.tools import ToolStream
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 

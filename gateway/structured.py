@@ -12,7 +12,7 @@ import json
 from functools import lru_cache
 from typing import Any
 
-from gateway.requests import bad
+from gateway.errors import bad
 from shared.grammar import MAX_SPEC_CHARS, Grammar, json_schema, problem
 
 # vLLM's StructuredOutputsParams fields read here; the others it has are refused by name

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.requests import bad
+from gateway.errors import bad
 from shared.grammar import JSON_OPTIONS, Grammar
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -21,15 +21,13 @@ of the positions it computed for such a prompt; once the prompt is whole they ar
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from computed.serving.prefix_cache import PrefixCache
+from computed.serving.rows import Running
 from shared.prefix import BLOCK_TOKENS
-
-if TYPE_CHECKING:
-    from computed.serving.engine import Running
 
 
 class Prefills:

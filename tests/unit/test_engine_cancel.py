@@ -3,7 +3,8 @@ in the queue are free at once, nobody else's request is touched, and the request
 reply is the `cancelled` error (the replica's `cancel`, docs/protocol.md §13b)."""
 from __future__ import annotations
 
-from computed.serving.engine import Done, Engine
+from computed.serving.engine import Engine
+from computed.serving.rows import Done
 from shared.replica_protocol import generate_args
 from tests.unit.test_engine_intake import BaseOnly, CountingModel
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from computed.serving.engine import Done, Engine
+from computed.serving.engine import Engine
+from computed.serving.rows import Done
 from shared.replica_protocol import generate_args
 from testkit.ports import BaseOnly
 

@@ -15,7 +15,8 @@ from starlette.testclient import TestClient
 
 from gateway import admin
 from gateway.app import build_app, error_response
-from gateway.requests import ApiError, parse_json
+from gateway.errors import ApiError
+from gateway.requests import parse_json
 from gateway.routing import FleetView, ReplicaView, Router
 from gateway.service import Gateway
 from statesvc.tools.example import ExampleAssets

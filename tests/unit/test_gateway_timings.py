@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from gateway.requests import ApiError, parse_completion
+from gateway.errors import ApiError
+from gateway.requests import parse_completion
 from gateway.routing import FleetView, ReplicaView, Router
-from gateway.service import Gateway, Output, output_ids_of, passed_on
+from gateway.output import Output
+from gateway.service import Gateway, output_ids_of, passed_on
 from shared.replica_protocol import Timings
 from statesvc.tools.example import ExampleAssets
 

@@ -13,7 +13,8 @@ import pytest
 
 from computed.serving import grammar as grammars
 from computed.serving.grammar import GrammarError, Grammars
-from gateway.requests import ApiError, parse_completion
+from gateway.errors import ApiError
+from gateway.requests import parse_completion
 from shared.grammar import Grammar
 from statesvc.tools.tokenizer import TOKENIZERS, write_tokenizer
 

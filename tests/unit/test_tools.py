@@ -14,7 +14,8 @@ import pytest
 
 from computed.serving import grammar as grammars
 from computed.serving.grammar import Grammars
-from gateway.requests import ApiError, parse_chat
+from gateway.errors import ApiError
+from gateway.requests import parse_chat
 from gateway.tools import HERMES, LLAMA_JSON, MISTRAL, Format, ToolStream, format_of
 from shared.text import TextCodec
 from statesvc.tools.tokenizer import TOKENIZERS, write_tokenizer
