@@ -371,7 +371,7 @@ def k_positions(k: np.ndarray, max_len: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("groups,head_dim,max_len", [(2, 64, 256), (3, 80, 40), (1, 12, 37), (6, 8, 16)])
-def test_theattention_kernel_reads_each_rows_own_positions(groups: int, head_dim: int, max_len: int) -> None:
+def test_the_attention_kernel_reads_each_rows_own_positions(groups: int, head_dim: int, max_len: int) -> None:
     """Against a float64 reference: the step's K and V written at each row's last position and
     nothing else touched; lengths from 1 to max_len (a partial last block, and one that ends at
     the row's end); inactive rows (length 0) write nothing and get zeros; other layers unread;

@@ -35,7 +35,8 @@ from statesvc.tools.example import ExampleAssets, make_example
 from testkit.fleet import wait_for
 from tests.helpers import Fleet
 from tests.parity.test_families import ADAPTERS as FAMILY_ADAPTERS
-from tests.parity.test_families import FAMILIES, peft_greedy, peft_logits, reference, write_family
+from tests.parity.test_families import FAMILIES, peft_greedy, peft_logits, write_family
+from tests.parity.test_families import reference as peft_reference
 from tests.parity.test_families import close as family_close
 from tests.parity.test_model_parity import OTHER_ADAPTERS, OTHER_SHAPE, Reference, close
 from tests.parity.tp_worker import ADAPTERS, NEW_TOKENS
@@ -107,7 +108,7 @@ def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dic
             proc.kill()
             proc.wait()
     return {f: (json.loads((out / f"{f}.json").read_text()), np.load(out / f"{f}.npz"),
-                reference(*written[f], torch.float32)) for f in TP_FAMILIES}
+                peft_reference(*written[f], torch.float32)) for f in TP_FAMILIES}
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
