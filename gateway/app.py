@@ -29,7 +29,7 @@ from gateway.requests import (MAX_BODY_BYTES, Chat, Completion, parse_chat, pars
 from gateway.service import Gateway
 from gateway.streaming import (Chunks, EventStream, Inbox, ScoredChunks, StreamText, TokenGate, events,
                                usage)
-from gateway.tools import ToolStream
+from gateway.tool_calls import ToolStream, call_stem
 from shared.config import GATEWAY_BODY_TIMEOUT_S
 from shared.keys import ClientKeys
 
@@ -265,9 +265,10 @@ class Endpoints:
         chunks = Chunks(head, chat, req.sampling.include_usage,
                         None if req.logprobs.top is None and not req.logprobs.echo else
                         ScoredChunks(gw.codec, req, gw.vocab_size))
-        tools = gw.tools_of(req)
-        calls = [] if tools is None or gw.tool_format is None else \
-            [ToolStream(gw.tool_format, tools.forced) for _ in texts]
+        tools, fmt = gw.tools_of(req), gw.tool_format
+        calls = [] if tools is None or fmt is None or not isinstance(req, Chat) else [
+            ToolStream(fmt, f"{call_stem(req)}/{i}", one=not tools.parallel,
+                       marker_id=gw.tool_marker_id) for i in range(len(texts))]
         return EventStream(events(texts[0], queue, first, chunks, task, texts[1:], calls))
 
     def record(self, label: str, endpoint: str, started: float,

@@ -18,6 +18,9 @@ class Output:
     others: list[Output] = field(default_factory=list)  # choices 1 .. n-1 (n > 1)
     # OpenAI's tool_calls parsed from the answer (`text` is then the content before them)
     tool_calls: list[dict[str, Any]] | None = None
+    # where the model may call tools: the text they were parsed from (special tokens kept when
+    # the format's marker is one), which a stream's ToolStream completes at the end
+    tool_source: str | None = None
     # where the request asked for logprobs (gateway/logprobs.py): the scores of `ids`, and with
     # echo the prompt's tokens and theirs (the first None)
     scores: list[dict[str, Any] | None] | None = None

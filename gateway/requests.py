@@ -52,7 +52,7 @@ FIELDS: dict[str, frozenset[str]] = {
     "min_tokens": BOTH,
     "stop_token_ids": BOTH,
     "ignore_eos": BOTH,
-    # issue 49's other parts: listed, and refused while they are in NOT_YET
+    # issue 49's: logprobs, structured outputs, tool calls
     "logprobs": BOTH,
     "echo": frozenset({COMPLETIONS}),
     "top_logprobs": frozenset({CHAT}),
@@ -65,13 +65,6 @@ FIELDS: dict[str, frozenset[str]] = {
     "tools": frozenset({CHAT}),
     "tool_choice": frozenset({CHAT}),
     "parallel_tool_calls": frozenset({CHAT}),
-}
-# Fields of FIELDS this gateway does not implement yet: refused (400 naming them) unless null or
-# the value that asks for nothing (NEUTRAL). The change that implements one deletes it here.
-NOT_YET = {"parallel_tool_calls"}
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    # true is what the gateway does (a model may call several tools); false is refused
-    "parallel_tool_calls": (True,),
 }
 
 
@@ -256,18 +249,13 @@ def _token_ids(v: Any, name: str) -> list[int]:
 
 
 def check_fields(body: dict[str, Any], endpoint: str) -> None:
-    """A 400 naming the first field of `body` that `endpoint` does not take (FIELDS), or that it
-    does not implement yet (NOT_YET) with a value that asks for something."""
-    for name, value in body.items():
+    """A 400 naming the first field of `body` that `endpoint` does not take (FIELDS)."""
+    for name in body:
         shown = name if len(name) <= 64 else name[:61] + "..."
         if endpoint not in FIELDS.get(name, ()):
             raise ApiError(400, f"{shown!r} is not a field this gateway supports on {endpoint}; "
                            "remove it (docs/gateway.md lists the fields it takes)", param=shown,
                            code="unsupported_parameter")
-        if name in NOT_YET and value is not None and not any(
-                value == v and type(value) is type(v) for v in NEUTRAL.get(name, ())):
-            raise ApiError(400, f"{name} is not supported yet by this gateway (issue 49); "
-                           "remove it", param=name, code="unsupported_parameter")
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:

@@ -21,7 +21,8 @@ from gateway.output import Output
 from gateway.replicas import ReplicaLinks
 from gateway.routing import ReplicaView, Router
 from gateway.structured import grammar_problem
-from gateway.tools import Format, Tools, format_of
+from gateway.tool_calls import Format, ToolStream, call_stem, format_of
+from gateway.tools import Tools
 from shared.client import RemoteError, Unavailable
 from shared.grammar import Grammar
 from shared.replica_protocol import MAX_STOP_TOKENS, Timings, generate_args
@@ -87,9 +88,12 @@ class StopWatch:
     """Watches a request's text for its stop strings as tokens come: `hit` is the number of
     tokens up to the one that completed the first stop string found (None until then)."""
 
-    def __init__(self, codec: TextCodec, stops: Sequence[str]) -> None:
+    def __init__(self, codec: TextCodec, stops: Sequence[str],
+                 calls: ToolStream | None = None) -> None:
         self.text = IncrementalDecoder(codec)
         self.stops = StopStrings(stops)
+        # parallel_tool_calls false: also ended where the first tool call does
+        self.calls, self.fed = calls, 0
         self.checked = 0  # characters of the text before which no stop string can end
         self.hit: int | None = None
         self._future: asyncio.Future[None] | None = None
@@ -101,6 +105,12 @@ class StopWatch:
         self.text.push(token)
         text = self.text.sent + self.text.unsent
         ended, self.checked = self.stops.ends_one(text, self.checked), len(text)
+        if self.calls is not None:
+            sent = self.text.sent
+            marker = self.calls.fmt.marker if token == self.calls.marker_id else ""
+            self.calls.push(sent[self.fed:] + marker)
+            self.fed = len(sent)  # characters of the text pushed to `calls`
+            ended = ended or self.calls.done
         if ended:
             self.hit = len(self.text.ids)
             if self._future is not None and not self._future.done():
@@ -258,6 +268,11 @@ class Gateway:
         # request runs on for its other choices; n = 1 is cancelled at its stop string
         stops = s.stop if s.rows == 1 else ()
         grammar, tools = self.grammar_of(req), self.tools_of(req)
+        stem = call_stem(req) if tools is not None and isinstance(req, Chat) else None
+        # parallel_tool_calls false in auto mode (n = 1): the request ends where its first
+        # call does (a forced call's grammar allows one call only)
+        first_call = None if tools is None or tools.parallel or tools.forced or s.rows > 1 or \
+            self.tool_format is None else self.tool_format
         tried: set[str] = set()
         last: ApiError | None = None
         deadline = time.monotonic() + self.request_timeout_s  # waits for a warming replica end here
@@ -302,7 +317,9 @@ class Gateway:
             frames: list[dict[str, Any]] = []  # the streamed tokens' frames, for a stop string's end
             self.router.sent(replica.address, target.adapter, s.rows)
             streamed = 0  # tokens the client has seen
-            watch = StopWatch(self.codec, stops) if stops else None
+            watch = StopWatch(self.codec, stops, None if first_call is None else ToolStream(
+                first_call, one=True, marker_id=self.tool_marker_id)) \
+                if stops or first_call else None
             seen: list[int] = []  # the replica's tokens, to the one that completed a stop string
 
             def relay(choice: int, token: int, frame: dict[str, Any]) -> None:
@@ -326,7 +343,8 @@ class Gateway:
                 out = output_ids_of(res, self.vocab_size, replica.id)
                 first = self._finish(ids, out if lp.generate else [], stop_ids, s, replica.id,
                                      passed_on(res, time.perf_counter() - sent),
-                                     grammar_done=res.get("finish") == "grammar", tools=tools)
+                                     grammar_done=res.get("finish") == "grammar", tools=tools,
+                                     stem=None if stem is None else f"{stem}/0")
                 if lp.echo:
                     first.prompt_ids = ids
                 if lp.top is not None:
@@ -334,8 +352,9 @@ class Gateway:
                 if s.n > 1:
                     got = self._choices(res, s.n, replica.id)
                     first.others = [self._finish(ids, more, stop_ids, s, replica.id, None,
-                                                 grammar_done=ended, tools=tools)
-                                    for more, ended in got[1:]]
+                                                 grammar_done=ended, tools=tools,
+                                                 stem=None if stem is None else f"{stem}/{i}")
+                                    for i, (more, ended) in enumerate(got[1:], 1)]
                     for o, c in zip(first.others, res["choices"][1:]):
                         if lp.top is not None:
                             self._scored(o, c, replica.id)
@@ -500,7 +519,7 @@ class Gateway:
 
     def _finish(self, prompt: list[int], out: list[int], stop_ids: set[int], s: Sampling,
                 replica: str, timings: dict[str, float] | None, *, grammar_done: bool = False,
-                tools: Tools | None = None) -> Output:
+                tools: Tools | None = None, stem: str | None = None) -> Output:
         if s.stop and s.rows > 1:  # to the token that completed its first stop string
             watch = StopWatch(self.codec, s.stop)
             for token in out:
@@ -515,14 +534,14 @@ class Gateway:
         end = StopStrings(s.stop).cut(text)
         if end < len(text):
             text, finish = text[:end], "stop"
-        calls = None
+        calls, source = None, None
         if tools is not None and self.tool_format is not None:
             # a marker that is a special token is in the text only with special tokens kept
             source = text if self.tool_marker_id is None else self.codec.decode_all(ids)
-            content, found = self.tool_format.parse(source)
+            content, found = self.tool_format.parse(source, stem, one=not tools.parallel)
             if found:
                 text, calls, finish = content, found, "tool_calls"
         return Output(prompt_tokens=len(prompt), ids=ids, completion_tokens=len(out),
                       text=text, finish_reason=finish, replica=replica, timings=timings,
-                      tool_calls=calls)
+                      tool_calls=calls, tool_source=source)
 

@@ -18,7 +18,7 @@ from gateway import logprobs
 from gateway.errors import ApiError
 from gateway.requests import Chat, Completion
 from gateway.output import Output
-from gateway.tools import ToolStream
+from gateway.tool_calls import ToolStream
 from shared.text import IncrementalDecoder, StopStrings, TextCodec
 
 # what the request hands its event stream: ("token", id) (choice 0's; another choice's:
@@ -205,14 +205,18 @@ class Chunks:
         """A chat stream's opening chunk of a choice: the assistant's role."""
         return self._event("", None, True, index=index)
 
-    def finish(self, text: str | None, out: Output, index: int = 0) -> bytes:
+    def calls(self, deltas: list[dict[str, Any]], index: int = 0) -> bytes:
+        """A chunk of choice `index`'s tool-call deltas (gateway/tool_calls.py ToolStream)."""
+        return self._event(None, None, False, index=index, tool_calls=deltas)
+
+    def finish(self, text: str | None, out: Output, index: int = 0,
+               deltas: list[dict[str, Any]] | None = None) -> bytes:
         """A choice's chunk with `finish_reason`, and the replica's `timings` (as the final chunk
         of llama.cpp's server carries its own; on choice 0's) when it ran to its end; after a
-        chunk of the choice's tool calls (OpenAI's deltas, each call whole) when it has them."""
-        if not out.tool_calls:
+        chunk of the text and the tool-call deltas still to send, where there are some."""
+        if not deltas:
             return self._event(text, out.finish_reason, False, out.timings, index)
-        calls = [{"index": i, **c} for i, c in enumerate(out.tool_calls)]
-        return self._event(text, None, False, index=index, tool_calls=calls) + \
+        return self._event(text, None, False, index=index, tool_calls=deltas) + \
             self._event(None, out.finish_reason, False, out.timings, index)
 
     def usage(self, out: Output) -> bytes:
@@ -316,8 +320,8 @@ async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
     come a turn before `task` ends (app.py), so `task` is left to end by itself once it has.
     With n > 1, `others` are the texts of choices 1 .. n-1: each choice's chunks carry its
     `index`, each ends with its own finish chunk. With `calls` (each choice's, where the model
-    may call tools), content is held back from where a call may begin, and the calls come
-    whole before that choice's finish chunk."""
+    may call tools), content is held back from where a call may begin and the calls stream as
+    OpenAI's `delta.tool_calls`, the last of them by the finish chunk."""
     texts = [text, *others]
     tools = list(calls) or [None] * len(texts)
     out: list[bytes] = [chunks.first(i) for i in range(len(texts))] if chunks.chat else []
@@ -333,27 +337,36 @@ async def events(text: StreamText, queue: Inbox, first: Item, chunks: Chunks,
                         index, value = value
                     if index < len(texts) and value not in texts[index].stop_ids:
                         piece, calling = texts[index].push(value), tools[index]
+                        deltas: list[dict[str, Any]] = []
                         if calling is not None:
-                            piece = calling.push(piece)
+                            piece, deltas = calling.token(value, piece)
                         if piece or calling is None:
                             out.append(chunks.token(piece, index))
+                        if deltas:
+                            out.append(chunks.calls(deltas, index))
                 elif kind == "scored":  # choice 0's (n is 1)
                     t, frame = value
                     out += chunks.opening(frame.get("prompt_ids"), frame.get("prompt_logprobs"))
                     if t not in text.stop_ids:
-                        piece, calling = text.push(t), tools[0]
+                        piece, calling, deltas = text.push(t), tools[0], []
                         if calling is not None:
-                            piece = calling.push(piece)
+                            piece, deltas = calling.token(t, piece)
                         lp = None if chunks.scored is None else chunks.scored.token(t, frame)
                         if piece or calling is None or lp is not None:
                             out.append(chunks.token(piece, 0, lp))
+                        if deltas:
+                            out.append(chunks.calls(deltas))
                 elif kind == "done":
                     o: Output = value
                     out += chunks.opening(o.prompt_ids, o.prompt_scores)
                     for index, (t, one) in enumerate(zip(texts, o.choices)):
-                        calling = tools[index]
-                        rest = t.rest(one.text) if calling is None else one.text[calling.released:]
-                        out.append(chunks.finish(rest or (None if chunks.chat else ""), one, index))
+                        calling, deltas = tools[index], []
+                        if calling is None:
+                            rest = t.rest(one.text)
+                        else:
+                            rest, deltas = calling.rest(one)
+                        out.append(chunks.finish(rest or (None if chunks.chat else ""), one, index,
+                                                 deltas))
                     if chunks.include_usage:
                         out.append(chunks.usage(o))
                     out.append(DONE)

@@ -11,7 +11,6 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from gateway.requests import NOT_YET
 from statesvc.tools.example import ExampleAssets
 from testkit.fleet import Gateway, wait_for
 from tests.helpers import Fleet
@@ -167,21 +166,6 @@ def test_a_field_the_gateway_does_not_take_is_refused_by_name(setup: Setup) -> N
     with pytest.raises(openai.BadRequestError) as info:
         setup.complete(extra_body={"mirostat_tau": 5.0})
     assert info.value.body["param"] == "mirostat_tau"  # type: ignore[index]
-
-
-# what asks for each of issue 49's fields not implemented yet (gateway/requests.py NOT_YET)
-ASKING = {"logprobs": 5, "echo": True, "top_logprobs": 3, "response_format": {"type": "json_object"},
-          "structured_outputs": {"json": {}}, "guided_json": {}, "guided_regex": "a+",
-          "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
-          "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-          "parallel_tool_calls": False}
-
-
-@pytest.mark.parametrize("field", sorted(NOT_YET))
-def test_fields_not_implemented_yet_are_refused_by_name(setup: Setup, field: str) -> None:
-    path = "/v1/completions" if field == "echo" else "/v1/chat/completions"
-    error = setup.refused(path, {field: ASKING[field]})
-    assert error["param"] == field and "not supported yet" in error["message"], error
 
 
 @pytest.mark.parametrize("body,param", [

@@ -210,8 +210,76 @@ def test_a_forced_tool_call_always_parses(setup: Setup, choice: str) -> None:
     deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert len(deltas) == 1 and deltas[0].id.startswith("call_")
-    jsonschema.validate(json.loads(deltas[0].function.arguments), params[deltas[0].function.name])
+    assert {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
+    arguments = "".join(d.function.arguments for d in deltas)
+    jsonschema.validate(json.loads(arguments), params[deltas[0].function.name])
+
+
+def streamed_and_not(setup: Setup, **kw: Any) -> tuple[Any, Any, list[Any]]:
+    """The same request unstreamed, and streamed through the openai client's stream helper
+    (which joins the tool-call deltas into its final completion), with the stream's chunks."""
+    whole = setup.client.chat.completions.create(model=setup.base, **kw)
+    chunks = []
+    with setup.client.chat.completions.stream(model=setup.base, **kw) as stream:
+        for event in stream:
+            if event.type == "chunk":
+                chunks.append(event.chunk)
+        joined = stream.get_final_completion()
+    return whole, joined, chunks
+
+
+def calls_of(completion: Any) -> list[tuple[str, str, str]]:
+    return [(c.id, c.function.name, c.function.arguments)
+            for c in completion.choices[0].message.tool_calls or []]
+
+
+# an `auto` answer of two calls in Llama's JSON, made certain by a choice constraint (the
+# random model would not call a tool by itself): the gateway parses it as any answer
+TWO_CALLS = ('{"name": "get_time", "parameters": {"tz": "UTC"}}; '
+             '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}')
+ASK = {"messages": [{"role": "user", "content": "time and weather?"}], "tools": TOOLS,
+       "max_tokens": MAX_TOKENS}
+
+
+@pytest.mark.parametrize("forced", ["required", "auto"])
+def test_streamed_tool_calls_join_to_the_unstreamed_ones(setup: Setup, forced: str) -> None:
+    """OpenAI's deltas: a call's first carries its index, id, type, name and arguments "",
+    the next ones pieces of its arguments; joined by the openai client they are exactly the
+    unstreamed answer's calls, ids included (same request, same seed)."""
+    kw: dict[str, Any] = {**ASK, "tool_choice": forced, "temperature": 1.0, "seed": 7}
+    if forced == "auto":
+        kw["extra_body"] = {"guided_choice": [TWO_CALLS]}
+    whole, joined, chunks = streamed_and_not(setup, **kw)
+    assert whole.choices[0].finish_reason == joined.choices[0].finish_reason == "tool_calls"
+    assert calls_of(joined) == calls_of(whole) and len(calls_of(whole)) == (
+        2 if forced == "auto" else 1)
+    if forced == "auto":
+        assert [json.loads(a) for _, _, a in calls_of(whole)] == [
+            {"tz": "UTC"}, {"city": "Oslo", "days": 2}]
+    deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    firsts = [d for d in deltas if d.id is not None]
+    assert [d.index for d in firsts] == list(range(len(calls_of(whole))))
+    assert all(d.type == "function" and d.function.name and d.function.arguments == ""
+               for d in firsts)  # the name comes before the arguments in both answers
+    assert len(deltas) > 2 * len(firsts)  # the arguments came in pieces
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_and_stops_there(setup: Setup) -> None:
+    kw: dict[str, Any] = {**ASK, "temperature": 0.0, "extra_body": {"guided_choice": [TWO_CALLS]}}
+    both = setup.client.chat.completions.create(model=setup.base, **kw)
+    one, joined, chunks = streamed_and_not(setup, parallel_tool_calls=False, **kw)
+    assert [n for _, n, _ in calls_of(both)] == ["get_time", "get_weather"]
+    assert calls_of(one) == calls_of(joined) == calls_of(both)[:1]
+    assert one.choices[0].finish_reason == "tool_calls"
+    # generation stopped at the first call's end: the second was never generated
+    assert one.usage.completion_tokens < both.usage.completion_tokens
+    assert {d.index for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []} \
+        == {0}
+    forced = setup.client.chat.completions.create(
+        model=setup.base, tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+        seed=3, **ASK)
+    assert len(forced.choices[0].message.tool_calls) == 1
 
 
 def test_tool_results_render_back_and_tool_choice_none_answers_text(setup: Setup) -> None:

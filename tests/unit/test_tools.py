@@ -16,7 +16,7 @@ from computed.serving import grammar as grammars
 from computed.serving.grammar import Grammars
 from gateway.errors import ApiError
 from gateway.requests import parse_chat
-from gateway.tools import HERMES, LLAMA_JSON, MISTRAL, Format, ToolStream, format_of
+from gateway.tool_calls import HERMES, LLAMA_JSON, MISTRAL, Format, ToolStream, format_of
 from shared.text import TextCodec
 from statesvc.tools.tokenizer import TOKENIZERS, write_tokenizer
 
@@ -148,12 +148,12 @@ def test_a_forced_call_sampled_under_its_grammar_always_parses(family: tuple[str
     (LLAMA_JSON, "plain {text}", "plain {text}"),
 ])
 def test_streamed_content_stops_where_a_call_begins(fmt: Format, text: str, content: str) -> None:
-    stream = ToolStream(fmt, forced=False)
+    stream = ToolStream(fmt)
     rng = random.Random(0)
     released, i = "", 0
     while i < len(text):
         n = rng.randint(1, 3)
-        released += stream.push(text[i:i + n])
+        released += stream.push(text[i:i + n])[0]
         i += n
     assert released == content[:len(released)]
     assert fmt.parse(text)[0] == content
