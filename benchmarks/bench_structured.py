@@ -16,14 +16,14 @@ grammar hooks' own host time per step.
 Grammar compiles (llguidance, against the 8,192-token vocabulary): `--compiles` distinct
 schemas, each compiled once on the replica's compile thread; p50 and p99 of their seconds.
 
-    .venv/bin/python -m benchmarks.bench_structured [--rounds 5] [--compiles 200] [--quick]
+    .venv/bin/python -m benchmarks.bench_structured [--rounds 5] [--compiles 200] [--quick] [--no-write]
 
-Prints the figures as JSON (nothing is written under benchmarks/results/).
+In `make bench` as `structured`: benchmarks/results/structured.json, its section of
+docs/results-detail.md (bench:structured) and its figures in latest.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
@@ -34,7 +34,8 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks.decode_paths import QUICK_SHAPE, SHAPE
-from benchmarks.harness import machine_info, median, percentile
+from benchmarks.harness import (Figure, figure, machine_info, median, output_flags, percentile,
+                                run_and_publish, spread)
 from computed.model.loader import load_model
 from computed.model.runner import Runner
 from computed.serving import grammar
@@ -175,16 +176,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def report(r: dict[str, Any]) -> str:
+    c, sh, m = r["compile_ms"], r["shape"], r["machine"]
+    return "\n".join([
+        "| batch of 32 | tokens/s | with / without | target |",
+        "|---|---:|---:|---|",
+        f"| without grammars | {r['plain_tok_s']:,.0f} | | |",
+        f"| 16 rows with a json_schema | {r['grammar_tok_s']:,.0f} | {r['ratio']:.3f}x | >= {r['target']}x |",
+        f"| the same per CPU-second | | {r['cpu_ratio']:.3f}x | |",
+        "",
+        f"- {'PASS' if r['meets_target'] else 'MISS'}: 16 of 32 rows with a json_schema, tokens/s with / "
+        f"without {r['ratio']:.3f} (target >= {r['target']}x)",
+        "",
+        f"Grammar hooks (masks and advances of the 16 rows) {r['grammar_ms_per_step']:.2f} ms a step beside a "
+        f"plain step's {r['plain_step_ms']:.1f} ms. Grammar compiles (llguidance, {c['count']} distinct "
+        f"schemas against the {sh['vocab_size']:,}-token vocabulary): p50 {c['p50']:.1f} ms, p99 {c['p99']:.1f} ms, "
+        f"max {c['max']:.1f} ms. {r['new_tokens']} new tokens a row at temperature 1, "
+        f"{sh['layers']}-layer hidden-{sh['hidden_size']} model, median of {len(r['rounds'])} rounds, the two "
+        f"batches alternated (`python -m benchmarks.bench_structured`); on {m['cpu']}, {r['cpus']} CPUs, "
+        f"load average {r['load_average'][0]:.1f}."])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--compiles", type=int, default=200)
-    ap.add_argument("--quick", action="store_true", help="the small checkpoint, 2 rounds, 20 compiles")
+    output_flags(ap, "structured", "the small checkpoint, 2 rounds, 20 compiles")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.compiles = min(args.rounds, 2), min(args.compiles, 20)
-    print(json.dumps(run(args), indent=2))
-    return 0
+    return run_and_publish("structured", args, run, report)
+
+
+def figures(r: dict[str, Any]) -> list[Figure]:
+    """Issue 49: what 16 json_schema rows cost a batch of 32, and the grammars' compile times."""
+    runs = len(r["rounds"])
+    return [
+        figure("structured", "16 of 32 rows with a json_schema, tokens/s with / without", r["ratio"], "x",
+               target=f">= {r['target']}x", meets=r["meets_target"],
+               spread=spread([x["ratio"] for x in r["rounds"]]), runs=runs),
+        figure("structured", "16 of 32 rows with a json_schema, tokens per CPU-second with / without",
+               r["cpu_ratio"], "x", spread=spread([x["cpu_ratio"] for x in r["rounds"]]), runs=runs),
+        figure("structured", "grammar compile p50", r["compile_ms"]["p50"], "ms"),
+        figure("structured", "grammar compile p99", r["compile_ms"]["p99"], "ms"),
+    ]
 
 
 if __name__ == "__main__":

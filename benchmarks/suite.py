@@ -84,6 +84,8 @@ BENCHES = (
     Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True, smoke_s=60),
     # a real model's geometry (Qwen2.5-0.5B, bf16) against this machine's floors; startup (issue 48)
     Bench("shapes", "benchmarks.bench_shapes", ("--quick",), isa_bound=True, smoke_s=60),
+    # structured outputs (issue 49): 16 json_schema rows in a batch of 32, grammar compiles
+    Bench("structured", "benchmarks.bench_structured", ("--quick",), isa_bound=True, smoke_s=20),
     # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
     Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",), smoke_s=3),
 )
