@@ -44,6 +44,21 @@ class Fleet:
         self.replicas.append(r)
         return r.start() if start else r
 
+    def serving(self, adapters: dict[str, str] | None = None, *, args: tuple[str, ...] = ("--no-warmup",),
+                env: dict[str, str] | None = None, warm: bool = False) -> Computed:
+        """The usual fleet to serve from: statesvc started, the pool initialised, `adapters` ({name:
+        example adapter}) loaded, and one replica `r1` started and at the log's head (warmed up
+        too, with `warm`)."""
+        self.statesvc.start()
+        self.init()
+        for name, adapter in (adapters or {}).items():
+            self.load(name, adapter)
+        replica = self.replica("r1", args=args, env=env)
+        if warm:
+            wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up", timeout=WARMUP_TIMEOUT_S)
+        wait_for(lambda: self.converged(replica), timeout=WARMUP_TIMEOUT_S, what="replica at head")
+        return replica
+
     def gateway(self, *extra_args: str) -> Gateway:
         """A `computed gateway` in front of this fleet's replicas, started and healthy."""
         gateway = Gateway(self.example.model_dir, self.statesvc, log_file=self.tmp / "gateway.log",

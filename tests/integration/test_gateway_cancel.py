@@ -40,12 +40,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> I
     tmp = tmp_path_factory.mktemp("cancel")
     fleet = Fleet(tmp, example)
     try:
-        fleet.statesvc.start()
-        fleet.init()
-        fleet.load("chat", "attn-qv-r8")
-        replica = fleet.replica("r1", env={SLOW_STEP_ENV: "0.05"},
+        replica = fleet.serving({"chat": "attn-qv-r8"}, env={SLOW_STEP_ENV: "0.05"},
                                 args=("--no-warmup", "--max-batch", "1", "--queue-limit", "1"))
-        wait_for(lambda: fleet.converged(replica), what="replica at head")
         yield Setup(fleet, replica, fleet.gateway())
     finally:
         fleet.stop()

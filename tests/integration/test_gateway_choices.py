@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from statesvc.tools.example import ExampleAssets
-from testkit.fleet import Gateway, wait_for
+from testkit.fleet import Gateway
 from tests.helpers import Fleet
 
 torch = pytest.importorskip("torch")
@@ -51,10 +51,7 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[Setup]:
     fleet = Fleet(tmp_path_factory.mktemp("choices"), example)
     try:
-        fleet.statesvc.start()
-        fleet.init()
-        replica = fleet.replica("r1")
-        wait_for(lambda: fleet.converged(replica), what="replica at head")
+        fleet.serving()
         yield Setup(fleet, fleet.gateway(), example)
     finally:
         fleet.stop()

@@ -15,8 +15,8 @@ from shared.client import ControlClient
 from shared.replica_protocol import GENERATE, generate_args
 from shared.text import TextCodec
 from statesvc.tools.example import ExampleAssets, make_example
-from testkit.fleet import Computed, wait_for
-from tests.helpers import WARMUP_TIMEOUT_S, Fleet, one_torch_thread  # noqa: F401 (autouse)
+from testkit.fleet import Computed
+from tests.helpers import Fleet, one_torch_thread  # noqa: F401 (autouse)
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -33,11 +33,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Com
     example = make_example(tmp / "example", family="gemma2", adapters=())
     fleet = Fleet(tmp, example)
     try:
-        fleet.statesvc.start()
-        fleet.init()
-        replica = fleet.replica("r1")
-        wait_for(lambda: fleet.converged(replica), timeout=WARMUP_TIMEOUT_S,
-                 what="replica at head")
+        replica = fleet.serving()
         yield fleet, replica
     finally:
         fleet.stop()

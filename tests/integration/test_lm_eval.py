@@ -10,13 +10,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from statesvc.tools.example import ExampleAssets
-from testkit.fleet import wait_for
-from tests.helpers import WARMUP_TIMEOUT_S, Fleet
+from tests.helpers import Fleet
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -35,6 +34,7 @@ MC = [{"question": q, "choices": c, "label": i % len(c)} for i, (q, c) in enumer
     ("The sun rises in the", ["east", "west", "north"]),
     ("Ice is", ["cold", "hot", "loud"]),
 ])]
+TASKS = ("lp_mc", "lp_gen")
 GEN = [{"prompt": p, "answer": a} for p, a in [
     ("Once upon a", " time"), ("The capital of France is", " Paris"), ("One, two,", " three"),
     ("Hello,", " world"), ("Roses are", " red")]]
@@ -60,54 +60,55 @@ def write_tasks(root: Path) -> Path:
     return tasks
 
 
-def lm_eval(out: Path, tasks: Path, model: str, model_args: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Run lm-eval's CLI: (its results per task, each task's samples' filtered responses)."""
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
-           "--tasks", "lp_mc,lp_gen", "--include_path", str(tasks), "--batch_size", "1",
-           "--output_path", str(out), "--log_samples", "--seed", "0", "--device", "cpu"]
-    proc = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=600)
+def lm_eval(root: Path, tasks: Path, jobs: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """lm-eval's evaluation of each job ({key: (model, model_args)}) on both tasks, all in one
+    process (tests/integration/lm_eval_runner.py: the CLI's `simple_evaluate`): {key: {"results":
+    metrics per task, "samples": each task's samples' filtered responses, by doc_id}}."""
+    spec = {"tasks": str(tasks), "names": list(TASKS),
+            "jobs": [{"model": m, "model_args": a, "out": str(root / f"{key}.json")}
+                     for key, (m, a) in jobs.items()]}
+    (root / "jobs.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "tests.integration.lm_eval_runner", str(root / "jobs.json")]
+    proc = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    (results,) = out.rglob("results_*.json")
-    samples = {}
-    for task in ("lp_mc", "lp_gen"):
-        (path,) = out.rglob(f"samples_{task}_*.jsonl")
-        rows = sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: r["doc_id"])
-        samples[task] = [r["filtered_resps"] for r in rows]
-    return json.loads(results.read_text())["results"], samples
+    return {key: json.loads((root / f"{key}.json").read_text()) for key in jobs}
 
 
 @pytest.fixture(scope="module")
-def gateway_url(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> Iterator[str]:
-    fleet = Fleet(tmp_path_factory.mktemp("lm-eval"), example)
+def evaluations(tmp_path_factory: pytest.TempPathFactory, example: ExampleAssets) -> dict[str, dict[str, Any]]:
+    """lm-eval's `hf` model (with `peft=` for the adapter) and its `local-completions` model against
+    a gateway over statesvc and one replica serving the same checkpoint, base and adapter."""
+    root = tmp_path_factory.mktemp("lm-eval")
+    tasks = write_tasks(root)
+    model_dir = example.model_dir
+    fleet = Fleet(root, example)
     try:
-        fleet.statesvc.start()
-        fleet.init()
-        fleet.load(*ADAPTER)
-        replica = fleet.replica("r1", args=("--max-batch", "4", "--max-len", "64"))
-        wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up", timeout=WARMUP_TIMEOUT_S)
-        yield fleet.gateway().url
+        fleet.serving({ADAPTER[0]: ADAPTER[1]}, args=("--max-batch", "4", "--max-len", "64"), warm=True)
+        url = fleet.gateway().url
+        jobs = {}
+        for key, adapter in (("base", None), ("adapter", ADAPTER)):
+            hf_args = f"pretrained={model_dir},dtype=float32"
+            if adapter is not None:
+                hf_args += f",peft={example.adapter_dirs[adapter[1]]}"
+            name = model_dir.name if adapter is None else adapter[0]
+            jobs[f"hf-{key}"] = ("hf", hf_args)
+            jobs[f"api-{key}"] = ("local-completions", (
+                f"model={name},base_url={url}/v1/completions,tokenizer={model_dir},"
+                "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,max_length=64"))
+        return lm_eval(root, tasks, jobs)
     finally:
         fleet.stop()
 
 
-@pytest.mark.parametrize("adapter", [None, ADAPTER])
-def test_local_completions_gives_the_metrics_of_hf(tmp_path: Path, example: ExampleAssets, gateway_url: str,
-                                                   adapter: tuple[str, str] | None) -> None:
-    tasks = write_tasks(tmp_path)
-    model_dir = example.model_dir
-    hf_args = f"pretrained={model_dir},dtype=float32"
-    if adapter is not None:
-        hf_args += f",peft={example.adapter_dirs[adapter[1]]}"
-    name = model_dir.name if adapter is None else adapter[0]
-    api_args = (f"model={name},base_url={gateway_url}/v1/completions,tokenizer={model_dir},"
-                "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,max_length=64")
-    want, want_samples = lm_eval(tmp_path / "hf", tasks, "hf", hf_args)
-    got, got_samples = lm_eval(tmp_path / "api", tasks, "local-completions", api_args)
+@pytest.mark.parametrize("key", ["base", "adapter"])
+def test_local_completions_gives_the_metrics_of_hf(evaluations: dict[str, dict[str, Any]], key: str) -> None:
+    want, got = evaluations[f"hf-{key}"], evaluations[f"api-{key}"]
     for task, metrics in (("lp_mc", ("acc,none", "acc_norm,none")), ("lp_gen", ("exact_match,none",))):
         for m in metrics:
-            assert got[task][m] == pytest.approx(want[task][m]), (task, m)
+            assert got["results"][task][m] == pytest.approx(want["results"][task][m]), (task, m)
     # per sample: each choice's loglikelihood, and the generations exactly
-    for ours, theirs in zip(got_samples["lp_mc"], want_samples["lp_mc"]):
+    for ours, theirs in zip(got["samples"]["lp_mc"], want["samples"]["lp_mc"], strict=True):
         assert [float(x[0]) for x in ours] == pytest.approx([float(x[0]) for x in theirs], abs=2e-3)
-    assert got_samples["lp_gen"] == want_samples["lp_gen"]
-    assert any(g != [""] for g in got_samples["lp_gen"])  # the generations are not all empty
+    assert got["samples"]["lp_gen"] == want["samples"]["lp_gen"]
+    assert any(g != [""] for g in got["samples"]["lp_gen"])  # the generations are not all empty

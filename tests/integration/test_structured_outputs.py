@@ -13,7 +13,7 @@ import pytest
 
 from shared.protocol import pack, unpack
 from statesvc.tools.example import make_example
-from testkit.fleet import Gateway, wait_for
+from testkit.fleet import Gateway
 from tests.helpers import Fleet, dealer
 
 openai = pytest.importorskip("openai")
@@ -75,13 +75,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     example = make_example(tmp / "example", seed=0, config={"max_position_embeddings": 2048})
     fleet = Fleet(tmp, example)
     try:
-        fleet.statesvc.start()
-        fleet.init()
         # warmed up before it serves (its compiles off the serving loop): compiled on the
         # loop instead, a 1,200-token prompt's shapes held it past REPLICA_STALE_AFTER_S on a
         # loaded machine, and the gateway saw no ACTIVE replica (503)
-        replica = fleet.replica("r1", args=("--max-len", "1536"))
-        wait_for(lambda: fleet.converged(replica), what="replica at head")
+        fleet.serving(args=("--max-len", "1536"))
         yield Setup(fleet, fleet.gateway("--request-timeout", "600"))
     finally:
         fleet.stop()
