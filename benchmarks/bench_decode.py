@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # the base model and the targets' mix: every path and figure kind, 2 of 5 mixes' compiles
         args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
         args.served_clients, args.served_tokens = 4, 4
+        # one torch thread: with two, PEFT's process spun ~10x the CPU its few steps need
+        args.torch_threads = 1
         mixes = (0, TARGET_MIX)
     args.served_max_batch = served_max_batch(args.quick, args.served_clients)
     args.mixes = mixes
