@@ -163,7 +163,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if k in by_mix:
                         tokens_agree[str(k)][f"decode_vs_{a}"] = agreement(ours, by_mix[k].tokens)
             del raw, alternatives, engines, no_pool, others, requests
-            gemm = {"xla": gemm_rate_xla(), "kernel": gemm_rate_kernel(), "torch": peft_proc.gemm_rate()}
+            iters = 2 if args.quick else 50  # a smoke run: each rate's code runs, on the full product
+            gemm = {"xla": gemm_rate_xla(iters), "kernel": gemm_rate_kernel(iters),
+                    "torch": peft_proc.gemm_rate(iters)}
         finally:
             peft_proc.stop()
             if served_proc is not None:
