@@ -163,7 +163,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if k in by_mix:
                         tokens_agree[str(k)][f"decode_vs_{a}"] = agreement(ours, by_mix[k].tokens)
             del raw, alternatives, engines, no_pool, others, requests
-            gemm = {"xla": gemm_rate_xla(), "kernel": gemm_rate_kernel(), "torch": peft_proc.gemm_rate()}
+            iters = 2 if args.quick else 50  # a smoke run: each rate's code runs, on the full product
+            gemm = {"xla": gemm_rate_xla(iters), "kernel": gemm_rate_kernel(iters),
+                    "torch": peft_proc.gemm_rate(iters)}
         finally:
             peft_proc.stop()
             if served_proc is not None:
@@ -303,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # the base model and the targets' mix: every path and figure kind, 2 of 5 mixes' compiles
         args.steps, args.repeats, args.max_rounds, args.max_len, args.long_max_len = 4, 1, 1, 64, 0
         args.served_clients, args.served_tokens = 4, 4
+        # one torch thread: with two, PEFT's process spun ~10x the CPU its few steps need
+        args.torch_threads = 1
         mixes = (0, TARGET_MIX)
     args.served_max_batch = served_max_batch(args.quick, args.served_clients)
     args.mixes = mixes

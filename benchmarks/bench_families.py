@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--families: {', '.join(unknown)} not among {', '.join(known)}")
     if args.quick:
         args.steps, args.repeats, args.max_rounds, args.max_len = 4, 1, 1, 64
+        args.torch_threads = 1  # as bench_decode's: PEFT's threads spin more than they work here
         wanted = wanted or list(QUICK_FAMILIES)
     if wanted and set(wanted) != set(known) and not (args.no_write or args.quick):
         ap.error("--families other than all of them needs --no-write (results/ keeps every family)")

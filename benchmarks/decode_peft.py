@@ -118,7 +118,7 @@ def peft_worker(conn: Connection, model_dir: Path, dirs: dict[str, Path], thread
             outputs = runs[k].requests(clients, new_tokens, requests if count else None)
             conn.send((requests, outputs))
         elif msg[0] == "gemm":
-            conn.send(gemm_rate_torch(threads))
+            conn.send(gemm_rate_torch(threads, msg[1]))
         else:
             conn.close()
             return
@@ -164,8 +164,8 @@ class PeftProcess:
             timing.add(got)
         return outputs  # type: ignore[no-any-return]
 
-    def gemm_rate(self) -> float:
-        self._send("gemm")
+    def gemm_rate(self, iters: int = 50) -> float:
+        self._send("gemm", iters)
         return float(self.conn.recv())
 
     def stop(self) -> None:
@@ -199,14 +199,14 @@ def _gemm_operands() -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((n, k), np.float32), rng.standard_normal((k, m), np.float32)
 
 
-def gemm_rate_xla() -> float:
+def gemm_rate_xla(iters: int = 50) -> float:
     x, w = _gemm_operands()
     f = jax.jit(lambda a, b: a @ b)
     xj, wj = jnp.asarray(x), jnp.asarray(w)
-    return _rate(lambda: f(xj, wj), jax.block_until_ready)
+    return _rate(lambda: f(xj, wj), jax.block_until_ready, iters)
 
 
-def gemm_rate_kernel() -> float | None:
+def gemm_rate_kernel(iters: int = 50) -> float | None:
     """The dense kernel's rate on the same product over the packed weight; None where it cannot run."""
     panel = native.dense_panel()
     if not panel:
@@ -214,12 +214,12 @@ def gemm_rate_kernel() -> float | None:
     x, w = _gemm_operands()
     f = jax.jit(lambda a, b: native.dense_matmuls(a, [b])[0])
     xj, wp = jnp.asarray(x), pack(w, panel)
-    return _rate(lambda: f(xj, wp), jax.block_until_ready)
+    return _rate(lambda: f(xj, wp), jax.block_until_ready, iters)
 
 
-def gemm_rate_torch(threads: int) -> float:
+def gemm_rate_torch(threads: int, iters: int = 50) -> float:
     import torch
     torch.set_num_threads(threads)
     x, w = _gemm_operands()
     xt, wt = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T))
-    return _rate(lambda: torch.nn.functional.linear(xt, wt), lambda y: y)
+    return _rate(lambda: torch.nn.functional.linear(xt, wt), lambda y: y, iters)

@@ -39,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from benchmarks import plots
 from benchmarks.harness import OUT_ENV, RESULTS_DIR, Figure, forced_isa_env, isa_label, machine_info, update_section
@@ -57,7 +57,7 @@ class Bench:
     # a figure times what a cold start compiles: never run with a JAX persistent compilation
     # cache (the one `make test` gives the processes it starts, tests/conftest.py)
     cold_compiles: bool = False
-    smoke_s: int = 30  # about how long its smoke run takes alone (docs/testing.md): the queue's order
+    smoke_s: int = 30  # about how long its smoke run takes beside another (docs/testing.md): the queue's order
 
     def figures(self, results: dict[str, Any]) -> list[Figure]:
         """The figures the bench declares (its module's `figures`) from its results."""
@@ -66,26 +66,26 @@ class Bench:
 
 BENCHES = (
     Bench("events", "benchmarks.bench_events", ("--quick",), smoke_s=12),
-    Bench("pg", "benchmarks.bench_pg", ("--quick",), smoke_s=50),  # no results where PostgreSQL is missing
-    Bench("replica", "benchmarks.bench_replica", ("--quick",), smoke_s=50),
-    Bench("replay", "benchmarks.bench_replay", ("--quick",), smoke_s=15),
-    Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True, smoke_s=150),
-    Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True, smoke_s=140),
+    Bench("pg", "benchmarks.bench_pg", ("--quick",), smoke_s=85),  # no results where PostgreSQL is missing
+    Bench("replica", "benchmarks.bench_replica", ("--quick",), smoke_s=40),
+    Bench("replay", "benchmarks.bench_replay", ("--quick",), smoke_s=17),
+    Bench("decode", "benchmarks.bench_decode", ("--quick",), isa_bound=True, smoke_s=100),
+    Bench("dtype", "benchmarks.bench_dtype", ("--quick",), isa_bound=True, smoke_s=80),
     # decode per model family: 16 adapters / base, ours / PEFT, over Llama's (issue 38)
-    Bench("families", "benchmarks.bench_families", ("--quick",), isa_bound=True, smoke_s=120),
-    Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True, smoke_s=80),
+    Bench("families", "benchmarks.bench_families", ("--quick",), isa_bound=True, smoke_s=55),
+    Bench("residency", "benchmarks.bench_residency", ("--quick",), cold_compiles=True, smoke_s=85),
     Bench("gateway", "benchmarks.bench_gateway", ("--quick",), smoke_s=50),
     # a good client beside slow connections and a flood of oversized prompts (issue 50)
-    Bench("hostile", "benchmarks.bench_gateway_hostile", ("--quick",), smoke_s=40),
-    Bench("tp", "benchmarks.bench_tp", ("--quick",), smoke_s=60),  # forced CPU devices: overhead, not speed-up
+    Bench("hostile", "benchmarks.bench_gateway_hostile", ("--quick",), smoke_s=30),
+    Bench("tp", "benchmarks.bench_tp", ("--quick",), smoke_s=50),  # forced CPU devices: overhead, not speed-up
     # llama.cpp beside ours; a forced AVX2 run pairs our AVX2 kernels with an AVX2 build of the peer
     Bench("peer", "benchmarks.bench_peer_llamacpp", ("--quick",), isa_bound=True, smoke_s=3),
     # the prefix cache and chunked prefill, each beside itself switched off (issue 41)
-    Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True, smoke_s=60),
+    Bench("prefix", "benchmarks.bench_prefix", ("--quick",), isa_bound=True, smoke_s=20),
     # a real model's geometry (Qwen2.5-0.5B, bf16) against this machine's floors; startup (issue 48)
-    Bench("shapes", "benchmarks.bench_shapes", ("--quick",), isa_bound=True, smoke_s=60),
+    Bench("shapes", "benchmarks.bench_shapes", ("--quick",), isa_bound=True, smoke_s=65),
     # structured outputs (issue 49): 16 json_schema rows in a batch of 32, grammar compiles
-    Bench("structured", "benchmarks.bench_structured", ("--quick",), isa_bound=True, smoke_s=20),
+    Bench("structured", "benchmarks.bench_structured", ("--quick",), isa_bound=True, smoke_s=13),
     # vLLM's CPU server beside our fleet, both through the OpenAI API (issue 39); `--skip vllm`
     Bench("vllm", "benchmarks.bench_peer_vllm", ("--quick",), smoke_s=3),
 )
@@ -114,17 +114,31 @@ def run_bench(bench: Bench, quick: bool, env: dict[str, str], log: Path | None =
         env = {**env, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     t0 = time.perf_counter()
     if log is None:
-        rc = subprocess.run(cmd, env=env).returncode
+        rc, cpu = _run(cmd, env, None)
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as f:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            rc, cpu = _run(cmd, env, f)
         if rc != 0:
             print(f"== {bench.name} failed ({rc}):\n{log.read_text()}", flush=True)
     seconds = round(time.perf_counter() - t0, 1)
     if log is not None:
-        print(f"== {bench.name}: done in {seconds} s, exit {rc}", flush=True)
-    return {"rc": rc, "seconds": seconds, "args": cmd[3:]}
+        print(f"== {bench.name}: done in {seconds} s ({cpu} s CPU), exit {rc}", flush=True)
+    return {"rc": rc, "seconds": seconds, "cpu_s": cpu, "args": cmd[3:]}
+
+
+def _run(cmd: list[str], env: dict[str, str], log: IO[str] | None) -> tuple[int, float]:
+    """`cmd`'s exit status and the CPU seconds (user + system) it and the processes it waited
+    for used: what a smoke run costs, whatever else shares the machine."""
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # interrupted: stop it
+        proc.kill()
+        proc.wait()
+        raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, round(usage.ru_utime + usage.ru_stime, 1)
 
 
 def run_benches(chosen: list[Bench], quick: bool, env: dict[str, str], out: Path,

@@ -29,8 +29,9 @@ def test_quick_suite_writes_figures_plots_and_the_results_tables(tmp_path: Path)
     out = tmp_path / "bench"
     committed = _snapshot(RESULTS_DIR)
     # two benchmarks at a time: most of a smoke run is compiling and waiting on processes. Alone
-    # on a quiet 2-CPU machine it takes 5-6 minutes; beside the other xdist worker in CI it took
-    # over 14 (docs/testing.md), so the wait is 25: a hang still fails it
+    # on a 2-CPU machine at load ~3.5 it took 6 minutes (636 s CPU, each benchmark's in
+    # latest.json's `runs`); beside the other xdist worker in CI it took over 14 (docs/testing.md),
+    # so the wait is 25: a hang still fails it
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--jobs", "2", "--out", str(out)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own group: every child stops with it
