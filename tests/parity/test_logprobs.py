@@ -67,8 +67,10 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         for name, adapter in ADAPTERS.items():
             fleet.load(name, adapter)
         tp = ("--tensor-parallel", "2") if backend == "tp2" else ()
-        replica = fleet.replica("r1", args=("--max-batch", "4", "--max-len", "64", "--prefill-chunk", "16", *tp),
-                                env=BACKENDS[backend])
+        # --no-warmup, as the other fleets' replicas (tests/helpers.py): each forward compiles when a
+        # request first needs it, so only what these requests run compiles (docs/testing.md)
+        replica = fleet.replica("r1", args=("--no-warmup", "--max-batch", "4", "--max-len", "64",
+                                            "--prefill-chunk", "16", *tp), env=BACKENDS[backend])
         wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up", timeout=WARMUP_TIMEOUT_S)
         yield Setup(fleet, fleet.gateway().url, example, reference)
     finally:
