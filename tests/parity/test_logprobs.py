@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from statesvc.tools.example import ExampleAssets
-from testkit.fleet import wait_for
-from tests.helpers import WARMUP_TIMEOUT_S, Fleet
+from tests.helpers import Fleet
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -62,16 +61,11 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     backend = request.param
     fleet = Fleet(tmp_path_factory.mktemp(f"logprobs-{backend}"), example)
     try:
-        fleet.statesvc.start()
-        fleet.init()
-        for name, adapter in ADAPTERS.items():
-            fleet.load(name, adapter)
         tp = ("--tensor-parallel", "2") if backend == "tp2" else ()
         # --no-warmup, as the other fleets' replicas (tests/helpers.py): each forward compiles when a
         # request first needs it, so only what these requests run compiles (docs/testing.md)
-        replica = fleet.replica("r1", args=("--no-warmup", "--max-batch", "4", "--max-len", "64",
-                                            "--prefill-chunk", "16", *tp), env=BACKENDS[backend])
-        wait_for(lambda: replica.status()["inference"]["warm"], what="warm-up", timeout=WARMUP_TIMEOUT_S)
+        fleet.serving(ADAPTERS, args=("--no-warmup", "--max-batch", "4", "--max-len", "64", "--prefill-chunk", "16",
+                                      *tp), env=BACKENDS[backend], warm=True)
         yield Setup(fleet, fleet.gateway().url, example, reference)
     finally:
         fleet.stop()
