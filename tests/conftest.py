@@ -14,7 +14,8 @@ from statesvc.tools.example import ExampleAssets, make_example
 from testkit.fleet import StateSvc
 from testkit.inproc import init_pool, open_service
 from testkit.pg import PgServer
-from tests.helpers import Fleet
+from tests.helpers import Fleet, xla_flags
+from tests.cpu_report import pytest_runtest_protocol  # noqa: F401  (the CPU report hook)
 
 
 # A JAX persistent compilation cache that every process the tests start inherits, both xdist
@@ -35,6 +36,14 @@ FRESH = "LORAPLANE_TEST_FRESH_CACHE"
 CACHE_ROOT = Path(__file__).resolve().parents[1] / "build" / "test-xla-cache"
 CACHE_MAX_BYTES = 4 << 30  # JAX evicts its least recently used entries past this
 _made_cache = pytest.StashKey[str]()
+# The tests' XLA compiles at LLVM -O0 without its expensive passes: compiling is most of what the
+# parity, serving and tensor-parallel tests spend (a fresh clone compiles every program), and the
+# programs they run are small. The flags change how fast XLA's code runs, not what it computes
+# (fast math stays off: XLA CPU's default), so every comparison with transformers + PEFT holds
+# as written; LORAPLANE_TEST_XLA_OPT=1 runs a session at XLA's own optimisation, as a replica and
+# `make bench` do (docs/testing.md).
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+OPTIMISED = "LORAPLANE_TEST_XLA_OPT"
 
 
 def cache_key() -> str:
@@ -62,6 +71,8 @@ def pytest_configure(config: pytest.Config) -> None:
     inherited = os.environ.get(SESSION_CACHE)
     if inherited and Path(inherited).is_dir():  # an xdist worker, or a pytest a test started
         return
+    if os.environ.get(OPTIMISED, "") in ("", "0"):  # before the key, which holds XLA_FLAGS
+        os.environ["XLA_FLAGS"] = xla_flags(*FAST_COMPILE)
     if os.environ.get(FRESH, "") not in ("", "0"):
         path = tempfile.mkdtemp(prefix="loraplane-jax-cache-")
         config.stash[_made_cache] = path  # removed at the end

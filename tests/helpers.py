@@ -101,6 +101,13 @@ class Fleet:
 Command = Callable[..., Any]
 
 
+def xla_flags(*flags: str) -> str:
+    """This session's XLA_FLAGS (tests/conftest.py's fast compiles) with `flags` added: what a
+    process the test starts gets in place of replacing the session's."""
+    have = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join([*have, *(f for f in flags if f not in have)])
+
+
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
     """One of the project's commands (`statesvc`, `loractl`, `computed`), output captured."""
     return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,

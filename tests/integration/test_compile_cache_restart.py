@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import WARMUP_TIMEOUT_S, Fleet
+from tests.helpers import WARMUP_TIMEOUT_S, Fleet, xla_flags
 from testkit.fleet import Computed, wait_for
 
 # the replica keys its own cache: the session's (JAX_COMPILATION_CACHE_DIR, tests/conftest.py)
@@ -61,7 +61,7 @@ def test_restart_with_the_same_cache_dir_compiles_nothing(tmp_path: Path, exampl
 
         # another flag set (XLA_FLAGS) never reads those entries: a directory of its own
         replica.stop()
-        replica.env = {**OWN_CACHE, "XLA_FLAGS": "--xla_cpu_enable_fast_min_max=false"}
+        replica.env = {**OWN_CACHE, "XLA_FLAGS": xla_flags("--xla_cpu_enable_fast_min_max=false")}
         replica.start()
         other = _ready(replica)
         assert other["warmup"]["cache_hits"] == 0 and other["warmup"]["compiles"] > 0, other["warmup"]

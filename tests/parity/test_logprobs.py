@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from statesvc.tools.example import ExampleAssets
-from tests.helpers import Fleet
+from tests.helpers import Fleet, xla_flags
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -27,7 +27,7 @@ NEW = 4
 BACKENDS = {
     "native": {},
     "xla": {"LORAPLANE_LORA_KERNEL": "xla"},
-    "tp2": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    "tp2": {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")},
 }
 # long enough for three 16-token chunks of prefill (--prefill-chunk 16)
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps"

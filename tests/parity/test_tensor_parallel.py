@@ -33,7 +33,7 @@ from computed.model import sharding
 from computed.model.config import DecoderConfig
 from statesvc.tools.example import ExampleAssets, make_example
 from testkit.fleet import wait_for
-from tests.helpers import Fleet
+from tests.helpers import Fleet, xla_flags
 from tests.parity.test_families import ADAPTERS as FAMILY_ADAPTERS
 from tests.parity.test_families import FAMILIES, peft_greedy, peft_logits, write_family
 from tests.parity.test_families import reference as peft_reference
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def forced(n: int) -> dict[str, str]:
     """The environment of a process that sees n host devices."""
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+    return {**os.environ, "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={n}"),
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
@@ -219,7 +219,7 @@ def test_a_four_device_replica_agrees_with_a_one_device_one_in_the_drill(assets:
         whole = ("--no-prefix-cache", "--prefill-chunk", "0")
         one = fleet.replica("one", args=("--max-batch", "4", "--max-len", "32", *whole))
         four = fleet.replica("four", args=("--max-batch", "4", "--max-len", "32", "--tensor-parallel", "4", *whole),
-                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                             env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")})
         wait_for(lambda: fleet.converged(one, four), timeout=240, what="both replicas at the head")
         s1, s4 = one.status(), four.status()
         assert s1["pool_digest"] == s4["pool_digest"] and s1["logical_digest"] == s4["logical_digest"]
