@@ -52,7 +52,10 @@ MAX_LEN = 64
 BUCKET = 32
 LENGTHS = (13, 9, 17)  # prompts longer than every sliding window below
 
-SHAPE = dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+# two layers: every per-layer choice below still comes in both kinds (Gemma's and Qwen2's sliding
+# and full layers, Qwen3-MoE's sparse and dense MLP), and the second layer reads the first's output;
+# each layer is a copy in the compiled program, so a third only added compile time
+SHAPE = dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
              num_attention_heads=6, num_key_value_heads=2, head_dim=12, max_position_embeddings=128)
 # model_type -> (config class, options away from the defaults)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -67,13 +70,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                     final_logit_softcapping=4.0)),
     "gemma3_text": ("Gemma3TextConfig", dict(
         sliding_window=6, query_pre_attn_scalar=12,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "olmo2": ("Olmo2Config", dict()),
     "granite": ("GraniteConfig", dict(embedding_multiplier=6.0, attention_multiplier=0.15,
                                       residual_multiplier=0.4, logits_scaling=3.0)),
-    # experts of another size than the dense MLP; Qwen3-MoE with a dense layer between sparse ones
+    # experts of another size than the dense MLP; Qwen3-MoE with a dense layer after a sparse one
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
                                          norm_topk_prob=True, mlp_only_layers=[1])),

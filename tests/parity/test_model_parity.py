@@ -13,6 +13,7 @@ attention, a head_dim that is not hidden/heads, and an rsLoRA adapter.
 from __future__ import annotations
 
 import json
+from functools import partial
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -597,16 +598,16 @@ def test_a_bfloat16_pool_gives_the_lora_terms_of_its_rounded_weights_exactly() -
     assert pool16.arrays.A["q_proj"].dtype == jnp.uint16
     assert pool16.read_slot(1).A["q_proj"].dtype == jnp.bfloat16
     x = jnp.asarray(rng.standard_normal((6, 12)).astype(np.float32))
-    slots = np.array([0, 2, lora.BASE, 1, 1, 2], np.int32)
+    slots = jnp.asarray(np.array([0, 2, lora.BASE, 1, 1, 2], np.int32))
+
+    @partial(jax.jit, static_argnames="layer")  # each path one program, as a replica compiles it
+    def terms(A: jax.Array, B: jax.Array, scaling: jax.Array, rank: jax.Array, layer: int) -> list[jax.Array]:
+        return [lora.segmented(x, A, B, scaling, lora.segments(slots, 3, window=2), layer),
+                lora.gather(x, A, B, scaling, slots, layer), lora.single(x, A, B, scaling, jnp.int32(2), layer),
+                *lora_sgmv(x, [(A, B)], scaling, rank, slots, layer)]
+
     for layer in (0, 1):
-        got, want = ([lora.segmented(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
-                                     lora.segments(slots, 3, window=2), layer),
-                      lora.gather(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
-                                  jnp.asarray(slots), layer),
-                      lora.single(x, p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling,
-                                  jnp.int32(2), layer),
-                      *lora_sgmv(x, [(p.arrays.A["q_proj"], p.arrays.B["q_proj"])], p.arrays.scaling,
-                                         p.arrays.rank, jnp.asarray(slots), layer)]
+        got, want = (terms(p.arrays.A["q_proj"], p.arrays.B["q_proj"], p.arrays.scaling, p.arrays.rank, layer=layer)
                      for p in (pool16, pool32))
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
