@@ -517,21 +517,27 @@ def test_every_decode_window_and_the_per_token_gather_give_the_same_lora_terms()
     pairs = [(jnp.asarray(a), jnp.asarray(b)) for a, b in zip(A, B)]
     mixes = [np.full(n, lora.BASE), np.full(n, 3), np.arange(n) % 4, np.arange(n) % S, rng.integers(-1, S, n),
              np.array([5, 5, 5, 5, 5, 0, lora.BASE, 2])]
+    # each path one program (a window, a module), as a replica compiles them
+    windowed = jax.jit(lambda slots, w: lora.segmented_group(jnp.asarray(x), pairs, jnp.asarray(scaling),
+                                                             lora.segments(slots, S, window=w, rows=2 * n)),
+                       static_argnums=1)
+    gathered = jax.jit(lambda slots, i: lora.gather(jnp.asarray(x), *pairs[i], jnp.asarray(scaling), slots),
+                       static_argnums=1)
+    kernel = jax.jit(lambda slots: lora_sgmv(jnp.asarray(x), [(a[None], b[None]) for a, b in pairs],
+                                             jnp.asarray(scaling), jnp.full(S, r, jnp.int32), slots, 0))
     for slots in (m.astype(np.int32) for m in mixes):
         want = [np.stack([np.zeros(b.shape[1], np.float32) if s < 0 else scaling[s] * (b[s] @ (a[s] @ row))
                           for row, s in zip(x, slots)]) for a, b in zip(A, B)]
         fits = [w for w in lora.loop_windows(n) if lora.padded_rows(slots, w) <= 2 * n]
         assert lora.choose_window(slots, lora.loop_windows(n)) in fits
         for w in fits:
-            got = lora.segmented_group(jnp.asarray(x), pairs, jnp.asarray(scaling),
-                                       lora.segments(slots, S, window=w, rows=2 * n))
+            got = windowed(jnp.asarray(slots), w)
             for g, wnt in zip(got, want):
                 np.testing.assert_allclose(np.asarray(g), wnt, rtol=1e-5, atol=1e-5)
-        for (a, b), wnt in zip(pairs, want):
-            got = lora.gather(jnp.asarray(x), a, b, jnp.asarray(scaling), jnp.asarray(slots))
+        for i, wnt in enumerate(want):
+            got = gathered(jnp.asarray(slots), i)
             np.testing.assert_allclose(np.asarray(got), wnt, rtol=1e-5, atol=1e-5)
-        got = lora_sgmv(jnp.asarray(x), [(a[None], b[None]) for a, b in pairs], jnp.asarray(scaling),
-                                jnp.full(S, r, jnp.int32), jnp.asarray(slots), 0)
+        got = kernel(jnp.asarray(slots))
         for g, wnt in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), wnt, rtol=1e-5, atol=1e-5)
     # a batch on one adapter takes one window of the whole batch; pairs of rows on 4 adapters, windows of 2
@@ -643,9 +649,10 @@ def test_the_dense_kernel_matches_a_float64_product_for_every_row_count_and_tail
                                        (-(-out // panel), n_in, panel))
         assert packed.panels.dtype == (np.uint16 if dtype == "bfloat16" else np.float32)
         np.testing.assert_array_equal(np.asarray(unpack(packed)), w)
+        product = jax.jit(lambda x, packed=packed: dense_matmuls(x, [packed])[0])  # one program a shape
         for rows in (1, 5, 8, 9, 16, 17, 32, 33, 70, 300):
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
-            got = np.asarray(dense_matmuls(jnp.asarray(x), [packed])[0])
+            got = np.asarray(product(jnp.asarray(x)))
             np.testing.assert_allclose(got, want(x, w), rtol=1e-5, atol=1e-5 * np.sqrt(n_in))
     # several weights that read one x share a call; an unpacked one among them goes to XLA
     x = rng.standard_normal((33, 37)).astype(np.float32).astype(wdt).astype(np.float32)
