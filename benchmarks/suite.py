@@ -46,6 +46,7 @@ from benchmarks.harness import OUT_ENV, RESULTS_DIR, Figure, forced_isa_env, isa
 from benchmarks.harness.machine import FORCED
 from benchmarks.harness.records import headline_table, num, summary_table, verdict
 from benchmarks.harness.tables import tables_file
+from statesvc.tools.processes import PORT_SHARE_ENV
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ def run_bench(bench: Bench, quick: bool, env: dict[str, str], log: Path | None =
     print(f"== {bench.name}: {' '.join(cmd[1:])}" + (f" (output in {log})" if log else ""), flush=True)
     if bench.cold_compiles:
         env = {**env, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    # ports of its own: with --jobs, benchmarks side by side never pick the same one
+    env = {**env, PORT_SHARE_ENV: f"{BENCHES.index(bench)}/{len(BENCHES)}"}
     t0 = time.perf_counter()
     if log is None:
         rc, cpu = _run(cmd, env, None)

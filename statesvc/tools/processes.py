@@ -23,6 +23,11 @@ BIN = Path(sys.executable).parent
 
 _LOWEST_PORT = 10000
 _WORKER_SLABS = 8  # pytest-xdist workers gw0..gw6 get a slab each; everything else slab 0
+# "I/N": this process family takes the I-th of N equal shares of its slab. Processes that run side
+# by side under one worker (the quick bench suite's benchmarks, each starting fleets of its own)
+# would otherwise pick from one slab at random, and one could take a port another had picked
+# for a replica that binds it only once its model is loaded
+PORT_SHARE_ENV = "LORAPLANE_PORT_SHARE"
 _issued: set[int] = set()
 
 
@@ -45,6 +50,10 @@ def _slab() -> range:
     index = int(worker[2:]) + 1 if worker[2:].isdigit() else 0
     size = (start - _LOWEST_PORT) // _WORKER_SLABS
     first = _LOWEST_PORT + (index % _WORKER_SLABS) * size
+    share, _, shares = os.environ.get(PORT_SHARE_ENV, "").partition("/")
+    if share.isdigit() and shares.isdigit() and 0 <= int(share) < int(shares) <= size:
+        size //= int(shares)
+        first += int(share) * size
     return range(first, first + size)
 
 
