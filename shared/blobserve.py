@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import uuid
 from typing import Any, Callable, Protocol
@@ -60,9 +59,13 @@ class BlobServer(threading.Thread):
     """Answers `blob` requests with `read(args)`; replies come out of `self.replies`."""
 
     def __init__(self, ctx: zmq.Context[Any], read: Callable[[dict[str, Any]], Any],
-                 before_read: Callable[[], None] = lambda: None) -> None:
+                 before_read: Callable[[], None] = lambda: None,
+                 storage_errors: tuple[type[Exception], ...] = ()) -> None:
         super().__init__(name="blobs", daemon=True)
         self.read = read
+        # what `read` raises when its store fails (statesvc's database): a retryable storage_error.
+        # A replica's reader has none (its own files), so a replica never imports SQLAlchemy.
+        self.storage_errors = storage_errors
         self.before_read = before_read  # a test-only pause (shared/faults.py)
         self.requests: queue.Queue[tuple[list[bytes], Request] | None] = queue.Queue(MAX_QUEUED)
         address = f"inproc://blobs-{uuid.uuid4().hex}"
@@ -115,18 +118,11 @@ class BlobServer(threading.Thread):
             return ok_reply(req.id, self.read(req.args))
         except CodedError as exc:
             return error_reply_of(req.id, exc)
+        except self.storage_errors as exc:
+            return error_reply(req.id, "storage_error", "the blob could not be read "
+                               f"({cause(exc)}); retry")
         except Exception as exc:  # a bug costs one answer, never the thread
-            if _storage_error(exc):
-                return error_reply(req.id, "storage_error", "the blob could not be read "
-                                   f"({cause(exc)}); retry")
             log.exception("internal error reading a blob chunk")
             return error_reply(req.id, "internal_error", f"internal error "
                                f"({type(exc).__name__}); please report it")
 
-
-def _storage_error(exc: Exception) -> bool:
-    """A database's OperationalError (statesvc's store). Looked up, not imported: a replica's blob
-    server reads its own files and never imports SQLAlchemy (0.4 s of every replica's start), and
-    where SQLAlchemy was never imported, none of its errors can be raised."""
-    errors = sys.modules.get("sqlalchemy.exc")
-    return errors is not None and isinstance(exc, errors.OperationalError)

@@ -77,7 +77,8 @@ class Server:
         store = service.store
         self.doorbell = store.doorbell() if isinstance(store, PostgresEventStore) else None
         self._next_catch_up = time.monotonic()
-        self.blobs = BlobServer(self.ctx, service.blob, self.faults.before_blob_read)
+        self.blobs = BlobServer(self.ctx, service.blob, self.faults.before_blob_read,
+                                storage_errors=(OperationalError,))
 
     def stop(self, *_: Any) -> None:
         self._stop = True
